@@ -1,0 +1,53 @@
+"""Tiny random-weight models of each architecture we support.
+
+Head dim is 64 so Q4 (group 64) caches apply; windows are tiny so sliding
+layers rotate within a few tokens.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
+
+import runtime  # noqa: F401  (fast BLAS before mlx)
+from runtime.model_spec import build_model
+
+VOCAB = 512
+
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": dict(
+        model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
+        vocab_size=VOCAB, tie_word_embeddings=True,
+    ),
+    "qwen2": dict(
+        model_type="qwen2", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+        num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-6, vocab_size=VOCAB,
+        tie_word_embeddings=False,
+    ),
+    "gemma3_text": dict(
+        model_type="gemma3_text", hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64,
+        rms_norm_eps=1e-6, vocab_size=VOCAB, sliding_window=16, sliding_window_pattern=2,
+    ),
+    "gpt_oss": dict(
+        model_type="gpt_oss", hidden_size=128, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=4,
+        num_experts_per_tok=2, vocab_size=VOCAB, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+}
+
+
+def tiny_model(arch: str, seed: int = 0) -> nn.Module:
+    """A deterministic random-weight model, evaluated and ready to run."""
+    mx.random.seed(seed)
+    model = build_model(TINY_CONFIGS[arch])
+    # Default inits give near-uniform logits; widen them so greedy choices are clear.
+    params = model.parameters()
+    model.update(
+        tree_map(lambda p: p * 4 if p.ndim == 2 else p, params)  
+    )
+    mx.eval(model.parameters())
+    return model
