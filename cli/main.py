@@ -1,0 +1,95 @@
+"""``semantic``: run, inspect and measure Semantic from the command line.
+
+Each subcommand imports what it needs when it runs, so ``--help`` is instant.
+A user error prints one line and exits 2; no tracebacks for things a user can fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", default="smollm2",
+        help="'smollm2' (embedded, default), a local mlx-lm model directory, or a Hugging Face repo id",
+    )
+
+
+def _add_json(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--json", action="store_true", help=f"print {what} as one JSON object")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="semantic",
+        description="Many LLM agents on one machine, each with a persistent 4-bit KV cache.",
+    )
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("doctor", help="check the device, BLAS speed and embedded model")
+    _add_json(p, "the report")
+
+    p = sub.add_parser("prepare", help="prepare a model once (the embedded one by default)")
+    _add_model(p)
+
+    p = sub.add_parser("generate", help="stream one reply to a prompt")
+    p.add_argument("--prompt", required=True, help="the user message")
+    p.add_argument("--system", help="a system prompt")
+    _add_model(p)
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
+    p = bench.add_parser("model", help="prefill and decode tokens/s of one sequence (median of runs)")
+    _add_model(p)
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--runs", type=int, default=3)
+    _add_json(p, "the results")
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from runtime.errors import SemanticError
+
+    try:
+        return _run(args)
+    except SemanticError as e:
+        print(f"semantic: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "doctor":
+        from .doctor import doctor
+
+        return doctor(as_json=args.json)
+    if args.command == "prepare":
+        from runtime.models import resolve
+
+        print(resolve(args.model))
+        return 0
+    if args.command == "generate":
+        from .generate import generate
+
+        return generate(args)
+    if args.command == "bench" and args.bench == "model":
+        from bench.model import run
+
+        return run(args)
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Resolve a model name and load it for the device we run on.
+
+``smollm2`` is the embedded model; anything else is a local mlx-lm model
+directory or a Hugging Face repo id (downloaded by mlx-lm where a hub is
+reachable).  On the CPU, weights are dequantized and everything computes in
+float32 (MLX's CPU quantized matmul and half-precision math are slow); on
+Metal the 4-bit weights stay as they are.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import embedded
+from .errors import ModelError
+from .model_spec import ModelCacheSpec
+
+__all__ = ["LoadedModel", "load", "resolve"]
+
+_HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class LoadedModel:
+    name: str  # what the user asked for
+    path: Path
+    model: nn.Module
+    tokenizer: object  # mlx_lm TokenizerWrapper
+    config: dict
+    spec: ModelCacheSpec
+    dtype: mx.Dtype
+
+    @property
+    def context_length(self) -> int:
+        return int(self.config.get("max_position_embeddings") or self.config.get("max_seq_len") or 4096)
+
+
+def resolve(name: str, progress: bool = True) -> Path | str:
+    """A local model directory, or a Hugging Face repo id left for mlx-lm to fetch."""
+    if name == embedded.NAME:
+        return embedded.prepare(progress=progress)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path} is not an mlx-lm model directory: it has no config.json")
+        return path
+    if path.exists():
+        raise ModelError(f"{path} is a file; --model takes a model directory, a repo id or 'smollm2'")
+    if _HF_REPO.match(name) and not name.startswith((".", "/", "~")):
+        return name
+    raise ModelError(
+        f"unknown model {name!r}: use 'smollm2' (embedded), a local mlx-lm model directory, "
+        "or a Hugging Face repo id such as mlx-community/Llama-3.2-1B-Instruct-4bit"
+    )
+
+
+def load(name: str = embedded.NAME, progress: bool = True) -> LoadedModel:
+    """Load a model and its tokenizer for this device.  Raises ModelError."""
+    from mlx_lm.utils import dequantize_model
+    from mlx_lm.utils import load as mlx_lm_load
+
+    where = resolve(name, progress)
+    try:
+        model, tokenizer, config = mlx_lm_load(str(where), return_config=True)
+    except Exception as e:  # network, missing files, unsupported architecture
+        if isinstance(where, str):
+            raise ModelError(
+                f"could not fetch {where!r} from Hugging Face ({type(e).__name__}): "
+                "use a local model directory or 'smollm2'"
+            ) from None
+        raise ModelError(f"could not load the model in {where}: {e}") from None
+    if mx.default_device() == mx.cpu:
+        model = dequantize_model(model)
+        model.set_dtype(mx.float32)
+        dtype = mx.float32
+    else:
+        dtype = _param_dtype(model)
+    mx.eval(model.parameters())
+    path = Path(where) if isinstance(where, Path) else Path(getattr(tokenizer, "name_or_path", where))
+    return LoadedModel(name, path, model, tokenizer, config, ModelCacheSpec.from_model(model), dtype)
+
+
+def _param_dtype(model: nn.Module) -> mx.Dtype:
+    from mlx.utils import tree_flatten
+
+    for _, p in tree_flatten(model.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating):
+            return p.dtype
+    return mx.float32

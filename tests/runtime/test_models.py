@@ -1,0 +1,48 @@
+"""Resolving and loading models."""
+
+import mlx.core as mx
+import pytest
+
+from runtime.errors import ModelError
+from runtime.models import resolve
+
+
+def test_unknown_name(tmp_path):
+    with pytest.raises(ModelError, match="unknown model 'nonsense'"):
+        resolve("nonsense")
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ModelError, match="no config.json"):
+        resolve(str(tmp_path))
+
+
+def test_file_is_not_a_model(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ModelError, match="is a file"):
+        resolve(str(tmp_path / "f"))
+
+
+def test_hub_repo_id_is_left_to_mlx_lm():
+    assert resolve("mlx-community/Qwen2.5-0.5B-Instruct-4bit") == "mlx-community/Qwen2.5-0.5B-Instruct-4bit"
+
+
+@pytest.mark.model
+def test_embedded_model_runs_in_float32_on_cpu(smollm2):
+    from mlx.utils import tree_flatten
+
+    assert smollm2.spec.n_layers == 30 and smollm2.spec.n_kv_heads == 3
+    if mx.default_device() == mx.cpu:
+        dtypes = {p.dtype for _, p in tree_flatten(smollm2.model.parameters())}
+        assert dtypes == {mx.float32}, "CPU computes in float32, weights dequantized"
+
+
+@pytest.mark.model
+def test_embedded_model_knows_the_capital_of_france(smollm2):
+    from mlx_lm import generate
+
+    tok = smollm2.tokenizer
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
+    )
+    assert "Paris" in generate(smollm2.model, tok, prompt, max_tokens=20)
