@@ -52,6 +52,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=3)
     _add_json(p, "the results")
+
+    p = bench.add_parser("batch", help="batched Q4 decode vs mlx-lm's BatchGenerator at batch 1, 2, 4, 8")
+    _add_model(p)
+    p.add_argument("--context", type=int, default=1024, help="tokens of context per sequence (default 1024)")
+    p.add_argument("--quick", action="store_true", help="fewer steps and repeats (< 5 minutes on 2 cores)")
+    _add_json(p, "the results")
     return top
 
 
@@ -84,10 +90,10 @@ def _run(args: argparse.Namespace) -> int:
         from .generate import generate
 
         return generate(args)
-    if args.command == "bench" and args.bench == "model":
-        from bench.model import run
+    if args.command == "bench":
+        import importlib
 
-        return run(args)
+        return importlib.import_module(f"bench.{args.bench}").run(args)
     raise AssertionError(f"unhandled command {args.command}")
 
 

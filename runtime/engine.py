@@ -1,0 +1,320 @@
+"""The batched engine: many sequences, each with its own Q4 KV cache, decoded
+together one token per step.
+
+The GPU actor drives it step by step and is its only caller (one thread):
+
+* ``add`` queues a sequence: its prompt tokens and, optionally, an existing
+  per-sequence Q4 cache that covers a prefix of them;
+* ``prefill_step`` runs one chunk of one pending prefill (round-robin, so a
+  long prompt cannot starve short ones); a sequence whose prefill completes
+  samples its first token and joins the decode batch;
+* ``step_once`` feeds every decoding sequence its last token and samples the
+  next: exactly one new token per sequence;
+* ``cancel`` drops a sequence wherever it is.
+
+Every call returns ``Delta``s; the last delta of a sequence carries
+``Finished`` with its extracted Q4 cache and the exact token ids it covers.
+
+Prefill always runs one sequence alone (B=1) with a chunk size that depends
+only on that sequence, so a sequence computes the same prefill whatever else
+is in the batch; only decoding is batched.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .batch_cache import (
+    extend_caches,
+    extract_cache,
+    filter_caches,
+    make_sequence_cache,
+    merge_caches,
+    prefill_view,
+)
+from .sampling import Sampler, SamplingParams
+
+__all__ = ["Engine", "Delta", "Finished", "SamplingParams"]
+
+STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop" (end of turn or stop string), "length" or "cancelled"
+    cache: list  # per-layer single-sequence caches, materialised
+    cache_tokens: tuple[int, ...]  # exactly the token ids the cache covers
+    output_tokens: tuple[int, ...]  # generated ids (end-of-turn token excluded)
+    text: str  # generated text, cut before a stop string
+    prompt_tokens: int
+    reused_tokens: int  # prompt tokens served from the given cache
+    prefilled_tokens: int  # prompt tokens computed by this request
+
+
+@dataclass(frozen=True)
+class Delta:
+    seq_id: int
+    tokens: tuple[int, ...]  # new token ids (empty on a bare finish)
+    text: str  # new text, safe to show (whole characters, no partial stop string)
+    finished: Finished | None = None
+
+
+@dataclass(eq=False)
+class _Sequence:
+    id: int
+    prompt: list[int]
+    sampling: SamplingParams
+    sampler: Sampler
+    detokenizer: object
+    cache: list  # per-layer caches while prefilling; None once in the batch
+    view: list  # the same caches as the prefill sees them (float attention)
+    fed: list[int]  # token ids whose K/V are in the cache
+    reused: int
+    output: list[int] = field(default_factory=list)
+    text: str = ""  # all generated text so far
+    shown: int = 0  # length of ``text`` already handed out
+
+    @property
+    def pending(self) -> list[int]:
+        return self.prompt[len(self.fed):]
+
+
+class Engine:
+    """Continuous batching over per-sequence Q4 caches.  Not thread-safe: one owner."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        *,
+        kv_bits: int = 4,
+        kv_group_size: int = 64,
+        max_chunk: int = 512,
+        min_chunk: int = 32,
+        attention_budget: int = 128 << 20,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.kv_bits = kv_bits
+        self.kv_group_size = kv_group_size
+        self.max_chunk = max_chunk
+        self.min_chunk = min_chunk
+        self.attention_budget = attention_budget
+        self._n_heads = _query_heads(model)
+        self._eos = set(tokenizer.eos_token_ids)
+        self._ids = itertools.count()
+        self._prefilling: deque[_Sequence] = deque()
+        self._decoding: list[_Sequence] = []  # row order of ``_batch``
+        self._batch: list | None = None
+
+    # -- queries ---------------------------------------------------------
+
+    @property
+    def prefilling(self) -> int:
+        return len(self._prefilling)
+
+    @property
+    def decoding(self) -> int:
+        return len(self._decoding)
+
+    @property
+    def idle(self) -> bool:
+        return not self._prefilling and not self._decoding
+
+    def new_cache(self) -> list:
+        return make_sequence_cache(self.model, bits=self.kv_bits, group_size=self.kv_group_size)
+
+    # -- commands --------------------------------------------------------
+
+    def add(
+        self,
+        prompt: Seq[int],
+        sampling: SamplingParams = SamplingParams(),
+        cache: list | None = None,
+        cached_tokens: int = 0,
+    ) -> int:
+        """Queue a sequence; return its id.
+
+        ``cache`` (per-layer, single-sequence) must hold exactly the K/V of
+        ``prompt[:cached_tokens]``.  At least one prompt token is always
+        prefilled, so a fully cached prompt is trimmed by one token.
+        """
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError("prompt must hold at least one token")
+        if cache is None:
+            if cached_tokens:
+                raise ValueError("cached_tokens given without a cache")
+            cache = self.new_cache()
+        elif not 0 <= cached_tokens <= len(prompt):
+            raise ValueError(f"cached_tokens={cached_tokens} outside the prompt (0..{len(prompt)})")
+        if cached_tokens == len(prompt):
+            for c in cache:
+                c.trim(1)
+            cached_tokens -= 1
+        seq = _Sequence(
+            id=next(self._ids),
+            prompt=prompt,
+            sampling=sampling,
+            sampler=Sampler(sampling),
+            detokenizer=self.tokenizer.detokenizer,
+            cache=cache,
+            view=prefill_view(cache),
+            fed=prompt[:cached_tokens],
+            reused=cached_tokens,
+        )
+        self._prefilling.append(seq)
+        return seq.id
+
+    def prefill_step(self) -> list[Delta]:
+        """Run one chunk of the next pending prefill; [] when none is pending."""
+        if not self._prefilling:
+            return []
+        seq = self._prefilling[0]
+        chunk = seq.pending[: self._chunk_size(len(seq.fed))]
+        logits = self.model(mx.array(chunk)[None], cache=seq.view)
+        seq.fed += chunk
+        if seq.pending:
+            mx.eval([c.state for c in seq.cache])
+            self._prefilling.rotate(-1)  # round-robin among pending prefills
+            return []
+        self._prefilling.popleft()
+        token = seq.sampler(logits[0, -1])
+        mx.eval(token, [c.state for c in seq.cache])
+        new, text, reason = self._accept(seq, token.item())
+        if reason is not None:
+            return [Delta(seq.id, new, text, self._finished(seq, reason, seq.cache))]
+        self._join(seq)
+        return [Delta(seq.id, new, text)]
+
+    def step_once(self) -> list[Delta]:
+        """One new token for every decoding sequence; [] when none is decoding."""
+        if not self._decoding:
+            return []
+        rows = self._decoding
+        for seq in rows:
+            seq.fed.append(seq.output[-1])
+        inputs = mx.array([[seq.output[-1]] for seq in rows])
+        logits = self.model(inputs, cache=self._batch)[:, -1, :]
+        tokens = mx.stack([seq.sampler(logits[i]) for i, seq in enumerate(rows)])
+        mx.eval(tokens, [c.state for c in self._batch])
+        results = [self._accept(seq, t) for seq, t in zip(rows, tokens.tolist())]
+        done = [i for i, (_, _, reason) in enumerate(results) if reason is not None]
+        caches = dict(zip(done, self._remove_rows(done)))
+        return [
+            Delta(seq.id, new, text, None if reason is None else self._finished(seq, reason, caches[i]))
+            for i, (seq, (new, text, reason)) in enumerate(zip(rows, results))
+        ]
+
+    def cancel(self, seq_id: int) -> Delta | None:
+        """Drop a sequence; its final delta says ``cancelled``.  None if unknown.
+
+        The returned cache is consistent: it covers exactly ``cache_tokens``
+        (the prompt so far, plus the tokens fed back while decoding).
+        """
+        for seq in self._prefilling:
+            if seq.id == seq_id:
+                self._prefilling.remove(seq)
+                return Delta(seq.id, (), "", self._finished(seq, CANCELLED, seq.cache))
+        for row, seq in enumerate(self._decoding):
+            if seq.id == seq_id:
+                (cache,) = self._remove_rows([row])
+                return Delta(seq.id, (), "", self._finished(seq, CANCELLED, cache))
+        return None
+
+    # -- internals -------------------------------------------------------
+
+    def _chunk_size(self, context: int) -> int:
+        # Attention scores of a chunk are heads x chunk x context floats: cap them.
+        per_token = self._n_heads * (context + self.max_chunk) * 4
+        fit = self.attention_budget // max(per_token, 1)
+        return int(min(self.max_chunk, max(self.min_chunk, fit)))
+
+    def _join(self, seq: _Sequence) -> None:
+        single = merge_caches([seq.cache])
+        seq.cache = seq.view = None
+        if self._batch is None:
+            self._batch = single
+        else:
+            extend_caches(self._batch, single)
+        self._decoding.append(seq)
+
+    def _remove_rows(self, rows: list[int]) -> list[list]:
+        """Take rows out of the decode batch; return their extracted caches."""
+        if not rows:
+            return []
+        caches = [extract_cache(self._batch, row) for row in rows]
+        keep = [i for i in range(len(self._decoding)) if i not in rows]
+        self._decoding = [self._decoding[i] for i in keep]
+        if keep:
+            filter_caches(self._batch, keep)
+        else:
+            self._batch = None
+        return caches
+
+    def _accept(self, seq: _Sequence, token: int) -> tuple[tuple[int, ...], str, str | None]:
+        """Record a sampled token: (new token ids, text to show, finish reason or None)."""
+        reason = None
+        new: tuple[int, ...] = (token,)
+        if token in self._eos:
+            reason, new = STOP, ()
+        else:
+            seq.output.append(token)
+            seq.detokenizer.add_token(token)
+            seq.text += seq.detokenizer.last_segment
+            if len(seq.output) >= seq.sampling.max_tokens:
+                reason = LENGTH
+        if reason is not None:
+            seq.detokenizer.finalize()
+            seq.text += seq.detokenizer.last_segment
+        text, hit = self._release(seq, final=reason is not None)
+        return new, text, STOP if hit else reason
+
+    def _release(self, seq: _Sequence, final: bool) -> tuple[str, bool]:
+        """Text that may be shown now, holding back a possible partial stop string."""
+        stops = seq.sampling.stop
+        start = max(0, seq.shown - max((len(s) for s in stops), default=0))
+        hits = [i for s in stops if (i := seq.text.find(s, start)) >= 0]
+        if hits:
+            seq.text = seq.text[: min(hits)]
+            end, hit = len(seq.text), True
+        else:
+            hold = 0 if final else max((_overlap(seq.text, s) for s in stops), default=0)
+            end, hit = len(seq.text) - hold, False
+        text = seq.text[seq.shown:end]
+        seq.shown = max(seq.shown, end)
+        return text, hit
+
+    def _finished(self, seq: _Sequence, reason: str, cache: list) -> Finished:
+        return Finished(
+            reason=reason,
+            cache=cache,
+            cache_tokens=tuple(seq.fed),
+            output_tokens=tuple(seq.output),
+            text=seq.text,
+            prompt_tokens=len(seq.prompt),
+            reused_tokens=seq.reused,
+            prefilled_tokens=min(len(seq.fed), len(seq.prompt)) - seq.reused,
+        )
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest end of ``text`` that begins ``stop``."""
+    for k in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:k]):
+            return k
+    return 0
+
+
+def _query_heads(model: nn.Module) -> int:
+    attn = model.layers[0].self_attn
+    for name in ("n_heads", "num_attention_heads", "num_heads"):
+        if isinstance(value := getattr(attn, name, None), int):
+            return value
+    return 32

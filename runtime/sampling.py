@@ -1,0 +1,69 @@
+"""Per-sequence sampling: temperature, top-p, top-k, min-p and a seed.
+
+Each sequence owns an MLX random key, so its draws do not depend on which
+other sequences share the batch.  Temperature 0 is greedy (argmax).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+__all__ = ["SamplingParams", "Sampler"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int = 256
+    stop: tuple[str, ...] = field(default=())
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0 <= self.min_p < 1:
+            raise ValueError("min_p must be in [0, 1)")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    """Draws one token from a row of logits; owns its random key."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        seed = params.seed if params.seed is not None else random.getrandbits(32)
+        self._key = mx.random.key(seed)
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        """``logits``: (vocab,) -> a scalar token id (lazy)."""
+        p = self.params
+        if p.greedy:
+            return mx.argmax(logits, axis=-1)
+        logprobs = (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[None]
+        if p.top_k > 0:
+            logprobs = apply_top_k(logprobs, p.top_k)
+        if p.min_p > 0:
+            logprobs = apply_min_p(logprobs, p.min_p)
+        if p.top_p < 1:
+            logprobs = apply_top_p(logprobs, p.top_p)
+        self._key, key = mx.random.split(self._key)
+        return mx.random.categorical(logprobs * (1 / p.temperature), key=key)[0]

@@ -1,0 +1,216 @@
+"""The batched engine, tested by equality: greedy tokens of a sequence in a
+busy batch must equal the same sequence run alone."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from runtime.engine import Engine, SamplingParams
+from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
+
+
+class ByteTokenizer:
+    """Just enough tokenizer for random-weight models: ids are bytes of text."""
+
+    eos_token_ids = {0}
+
+    @property
+    def detokenizer(self):
+        from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
+
+        return NaiveStreamingDetokenizer(self)
+
+    def decode(self, ids, **_):
+        return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
+
+    def encode(self, text, **_):
+        return list(text.encode())
+
+
+def drain(engine: Engine, until=None) -> dict:
+    """Run the engine until idle; return {seq_id: Finished}; ``until(step)`` may act."""
+    done, step = {}, 0
+    while not engine.idle:
+        for d in engine.prefill_step() + engine.step_once():
+            if d.finished:
+                done[d.seq_id] = d.finished
+        step += 1
+        if until:
+            until(step)
+    return done
+
+
+def alone(model, tokenizer, prompt, sampling, prefix=None) -> tuple[int, ...]:
+    engine = Engine(model, tokenizer)
+    cache, cached = (None, 0) if prefix is None else (prefix_cache(engine, prompt[:prefix]), prefix)
+    sid = engine.add(prompt, sampling, cache, cached)
+    return drain(engine)[sid].output_tokens
+
+
+def prefix_cache(engine: Engine, prefix: list[int]) -> list:
+    """A Q4 cache of ``prefix`` as a finished turn hands it back (as if loaded)."""
+    sid = engine.add(prefix, SamplingParams(max_tokens=1))
+    finished = drain(engine)[sid]
+    assert finished.cache_tokens == tuple(prefix)
+    return finished.cache
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = mx.random.key(seed)
+    lengths = [41, 7, 23, 60, 13][:n]
+    return [mx.random.randint(1, VOCAB, (L,), key=mx.random.split(rng, n)[i]).tolist() for i, L in enumerate(lengths)]
+
+
+def busy_batch_equals_alone(model, tokenizer, steps: int = 12):
+    A, B, C, D, E = prompts(5, seed=1)
+    greedy = SamplingParams(max_tokens=steps)
+    short = SamplingParams(max_tokens=3)  # B finishes early
+    expected = {
+        "A": alone(model, tokenizer, A, greedy),
+        "B": alone(model, tokenizer, B, short),
+        "C": alone(model, tokenizer, C, greedy, prefix=15),  # starts from a Q4 cache + suffix
+        "D": alone(model, tokenizer, D, greedy),  # joins while others decode
+        "E": alone(model, tokenizer, E, greedy),  # cancelled mid-way
+    }
+    engine = Engine(model, tokenizer)
+    ids = {
+        "A": engine.add(A, greedy),
+        "B": engine.add(B, short),
+        "C": engine.add(C, greedy, prefix_cache(Engine(model, tokenizer), C[:15]), 15),
+        "E": engine.add(E, greedy),
+    }
+    cancelled = {}
+
+    def act(step):
+        if step == 6:
+            ids["D"] = engine.add(D, greedy)
+        if step == 9:
+            cancelled["E"] = engine.cancel(ids["E"]).finished
+
+    done = drain(engine, act)
+    for name in "ABCD":
+        assert done[ids[name]].output_tokens == expected[name], name
+    e = cancelled["E"]
+    assert e.reason == "cancelled" and 0 < len(e.output_tokens) < steps
+    assert e.output_tokens == expected["E"][: len(e.output_tokens)]
+    assert done[ids["B"]].reason == "length" and len(done[ids["B"]].output_tokens) == 3
+    assert done[ids["C"]].reused_tokens == 15 and done[ids["C"]].prefilled_tokens == len(C) - 15
+
+
+@pytest.mark.parametrize("arch", TINY_CONFIGS)
+def test_busy_batch_equals_alone_tiny(arch):
+    busy_batch_equals_alone(tiny_model(arch), ByteTokenizer())
+
+
+@pytest.mark.model
+def test_busy_batch_equals_alone_smollm2(smollm2):
+    busy_batch_equals_alone(smollm2.model, smollm2.tokenizer, steps=10)
+
+
+def test_finished_cache_covers_exactly_its_tokens():
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    engine = Engine(model, tok)
+    prompt = prompts(1, seed=2)[0]
+    sid = engine.add(prompt, SamplingParams(max_tokens=5))
+    f = drain(engine)[sid]
+    assert f.cache_tokens == tuple(prompt) + f.output_tokens[:-1]
+    assert all(c.offset == len(f.cache_tokens) for c in f.cache)
+    # Continuing from that cache gives what a cold run of the same tokens gives.
+    follow = list(f.cache_tokens) + [f.output_tokens[-1], 5, 6, 7]
+    warm = Engine(model, tok)
+    sid = warm.add(follow, SamplingParams(max_tokens=6), f.cache, len(f.cache_tokens))
+    assert drain(warm)[sid].output_tokens == alone(model, tok, follow, SamplingParams(max_tokens=6))
+
+
+def test_fully_cached_prompt_still_prefills_one_token():
+    model, tok = tiny_model("qwen2"), ByteTokenizer()
+    prompt = prompts(1, seed=3)[0]
+    engine = Engine(model, tok)
+    sid = engine.add(prompt, SamplingParams(max_tokens=4), prefix_cache(engine, prompt), len(prompt))
+    f = drain(engine)[sid]
+    assert (f.reused_tokens, f.prefilled_tokens) == (len(prompt) - 1, 1)
+    assert f.output_tokens == alone(model, tok, prompt, SamplingParams(max_tokens=4))
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    A, B, C = prompts(3, seed=4)
+    hot = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, min_p=0.01, seed=7, max_tokens=10)
+    engine = Engine(model, tok)
+    ids = [engine.add(p, hot) for p in (A, B, C)]
+    done = drain(engine)
+    assert done[ids[1]].output_tokens == alone(model, tok, B, hot)
+    other_seed = SamplingParams(temperature=0.9, seed=8, max_tokens=10)
+    assert alone(model, tok, B, other_seed) != done[ids[1]].output_tokens
+
+
+def test_cancel_while_prefilling_returns_a_consistent_partial_cache():
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    engine = Engine(model, tok, max_chunk=32, min_chunk=32)
+    prompt = (prompts(4, seed=5)[3] * 3)[:150]
+    sid = engine.add(prompt, SamplingParams(max_tokens=4))
+    assert engine.prefill_step() == [] and engine.prefill_step() == []
+    f = engine.cancel(sid).finished
+    assert f.reason == "cancelled" and f.output_tokens == ()
+    assert f.cache_tokens == tuple(prompt[:64]) and all(c.offset == 64 for c in f.cache)
+    assert engine.idle and engine.cancel(sid) is None
+
+
+def test_round_robin_prefill_lets_a_short_prompt_finish_first():
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    engine = Engine(model, tok, max_chunk=32, min_chunk=32)
+    long = engine.add(list(range(1, 300)), SamplingParams(max_tokens=2))
+    short = engine.add([5, 6, 7], SamplingParams(max_tokens=2))
+    first = []
+    while not first:
+        first = engine.prefill_step()
+    assert first[0].seq_id == short
+
+
+def test_memory_does_not_grow_with_steps():
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    engine = Engine(model, tok)
+    for p in prompts(2, seed=6):
+        engine.add(p[:20], SamplingParams(max_tokens=200))
+    while engine.prefilling:
+        engine.prefill_step()
+    readings = []
+    for step in range(180):  # 20 + 180 < 256: no cache growth step is crossed
+        engine.step_once()
+        if step in (30, 179):
+            mx.clear_cache()
+            readings.append(mx.get_active_memory())
+    assert readings[1] - readings[0] < 256 << 10, readings
+
+
+@pytest.mark.model
+def test_stop_strings_and_multibyte_text_stream_safely(smollm2):
+    tok = smollm2.tokenizer
+    engine = Engine(smollm2.model, tok)
+    ask = lambda text: tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    counting = engine.add(ask("Count from 1 to 10, separated by commas."), SamplingParams(max_tokens=40, stop=("5",)))
+    french = engine.add(ask("Write one sentence in French about a café."), SamplingParams(max_tokens=30))
+    shown: dict[int, str] = {counting: "", french: ""}
+    done = {}
+    while not engine.idle:
+        for d in engine.prefill_step() + engine.step_once():
+            shown[d.seq_id] += d.text
+            assert "\ufffd" not in d.text, "no broken multi-byte characters"
+            if d.finished:
+                done[d.seq_id] = d.finished
+    assert "5" not in shown[counting] and "4" in shown[counting]
+    assert done[counting].reason == "stop" and shown[counting] == done[counting].text
+    assert shown[french] == done[french].text == tok.decode(list(done[french].output_tokens))
+
+
+def test_bad_arguments():
+    engine = Engine(tiny_model("llama"), ByteTokenizer())
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add([])
+    with pytest.raises(ValueError, match="without a cache"):
+        engine.add([1, 2], cached_tokens=1)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
