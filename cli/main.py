@@ -58,6 +58,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=1024, help="tokens of context per sequence (default 1024)")
     p.add_argument("--quick", action="store_true", help="fewer steps and repeats (< 5 minutes on 2 cores)")
     _add_json(p, "the results")
+
+    p = bench.add_parser("ttft", help="time to first token: cold vs hot (memory) vs warm (disk, fresh process)")
+    _add_model(p)
+    p.add_argument("--contexts", help="comma-separated context lengths (default 1024,2048,4096,8192)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per context; medians are reported (default 3)")
+    p.add_argument("--quick", action="store_true", help="contexts 1024,2048,4096")
+    _add_json(p, "the results")
     return top
 
 

@@ -421,21 +421,61 @@ class BatchQuantizedKVCache(_QuantizedRows):
 
 
 class DequantizingBatchKVCache(_QuantizedRows):
-    """Stores rows like ``BatchQuantizedKVCache`` but has no ``bits``: ``update_and_fetch``
-    returns transient dequantized K/V so ``mx.fast.scaled_dot_product_attention`` can
-    apply attention sinks (GPT-OSS), which the quantized SDPA refuses."""
+    """Stores rows like ``BatchQuantizedKVCache`` but has no ``bits``: attention runs
+    in floating point (``mx.fast.scaled_dot_product_attention``) over a dequantized
+    working copy of the rows.
+
+    Used where the quantized SDPA cannot or should not run:
+
+    * attention sinks (GPT-OSS), which the quantized SDPA refuses;
+    * the CPU, where ``mx.quantized_matmul`` is slow: at 8 rows x 1K tokens
+      (SmolLM2 shapes) quantized SDPA takes 2.1x the float SDPA.
+
+    The working copy is kept while rows stay put and extended by each step's
+    dequantized new tokens, so a step dequantizes one token per row, not the
+    whole context; ``filter`` and ``extend`` drop it and the next step rebuilds
+    it once.  It holds exactly ``dequantize(Q4)``, so outputs equal the
+    quantized path's up to float summation order, and the Q4 rows stay the
+    cache of record (``extract`` copies them).
+    """
+
+    def __init__(self, left_padding: Sequence[int], group_size: int = 64, bits: int = 4):
+        super().__init__(left_padding, group_size, bits)
+        self._float: Optional[tuple[mx.array, mx.array]] = None  # same layout as the rows
+        self._sinks_rows = False  # rows came from (and extract to) DequantizingKVCache
 
     def update_and_fetch(self, keys, values):
+        prev = self._idx
         self._store(keys, values)
-        k, v = self._live()
-        return (
-            _dequantize(k, self.group_size, self.kv_bits, keys.dtype),
-            _dequantize(v, self.group_size, self.kv_bits, keys.dtype),
-        )
+        capacity, dtype = self.keys[0].shape[2], keys.dtype
+        deq = lambda q, a, b: _dequantize(tuple(x[..., a:b, :] for x in q), self.group_size, self.kv_bits, dtype)
+        if self._float is None:
+            self._float = (deq(self.keys, 0, capacity), deq(self.values, 0, capacity))
+        else:
+            fk, fv = self._float
+            if fk.shape[2] != capacity:  # the rows grew: grow the copy alike
+                grow = lambda x: mx.concatenate(
+                    [x[..., :prev, :], mx.zeros((*x.shape[:2], capacity - prev, x.shape[3]), x.dtype)], axis=2
+                )
+                fk, fv = grow(fk), grow(fv)
+            fk[..., prev : self._idx, :] = deq(self.keys, prev, self._idx)
+            fv[..., prev : self._idx, :] = deq(self.values, prev, self._idx)
+            self._float = (fk, fv)
+        fk, fv = self._float
+        return fk[..., : self._idx, :], fv[..., : self._idx, :]
 
-    def extract(self, idx: int) -> DequantizingKVCache:
-        """Row ``idx`` as a standalone, evaluated ``DequantizingKVCache``."""
-        return DequantizingKVCache(quantized=self._extract_quantized(idx))
+    def filter(self, batch_indices) -> None:
+        self._float = None
+        super().filter(batch_indices)
+
+    def extend(self, other: "_QuantizedRows") -> None:
+        self._float = None
+        super().extend(other)
+
+    def extract(self, idx: int) -> DequantizingKVCache | SequenceQuantizedKVCache:
+        """Row ``idx`` as a standalone, evaluated cache of the kind it was merged from."""
+        q = self._extract_quantized(idx)
+        return DequantizingKVCache(quantized=q) if self._sinks_rows else q
 
     @classmethod
     def merge(
@@ -446,7 +486,9 @@ class DequantizingBatchKVCache(_QuantizedRows):
     ) -> "DequantizingBatchKVCache":
         """As ``BatchQuantizedKVCache.merge``; takes ``DequantizingKVCache`` or ``QuantizedKVCache`` rows."""
         rows = [c.quantized if isinstance(c, DequantizingKVCache) else c for c in caches]
-        return cls._merge_quantized(rows, group_size, bits)
+        cache = cls._merge_quantized(rows, group_size, bits)
+        cache._sinks_rows = any(isinstance(c, DequantizingKVCache) for c in caches)
+        return cache
 
 
 class BatchSlidingKVCache(BatchRotatingKVCache):
@@ -507,10 +549,12 @@ def make_batch_cache(
     ]
 
 
-def merge_caches(sequences: Sequence[Sequence]) -> list:
+def merge_caches(sequences: Sequence[Sequence], float_attention: bool = False) -> list:
     """Batch per-sequence cache lists (one per row, from ``make_sequence_cache`` or
     ``extract_cache``) into per-layer batch caches. Quantized layers are copied, not
-    dequantized. Raises ``ValueError`` if a layer mixes cache kinds."""
+    dequantized; ``float_attention`` makes full layers attend over a dequantized
+    working copy (``DequantizingBatchKVCache``: the fast path on CPU). Raises
+    ``ValueError`` if a layer mixes cache kinds."""
     if not sequences:
         raise ValueError("nothing to merge")
     merged = []
@@ -523,7 +567,7 @@ def merge_caches(sequences: Sequence[Sequence]) -> list:
         elif all(isinstance(c, DequantizingKVCache) for c in layer):
             merged.append(DequantizingBatchKVCache.merge(layer))
         elif all(isinstance(c, QuantizedKVCache) for c in layer):
-            merged.append(BatchQuantizedKVCache.merge(layer))
+            merged.append((DequantizingBatchKVCache if float_attention else BatchQuantizedKVCache).merge(layer))
         else:
             raise ValueError(f"cannot merge a layer of {sorted(k.__name__ for k in kinds)}")
     return merged

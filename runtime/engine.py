@@ -43,6 +43,7 @@ from .sampling import Sampler, SamplingParams
 __all__ = ["Engine", "Delta", "Finished", "SamplingParams"]
 
 STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
+_LAST_ALONE = 64  # a final chunk longer than this leaves its last token to a step of its own
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class Engine:
         max_chunk: int = 512,
         min_chunk: int = 32,
         attention_budget: int = 128 << 20,
+        float_attention: bool | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -106,6 +108,8 @@ class Engine:
         self.max_chunk = max_chunk
         self.min_chunk = min_chunk
         self.attention_budget = attention_budget
+        # MLX's CPU quantized matmul is slow: attend over a dequantized working copy there.
+        self.float_attention = mx.default_device() == mx.cpu if float_attention is None else float_attention
         self._n_heads = _query_heads(model)
         self._eos = set(tokenizer.eos_token_ids)
         self._ids = itertools.count()
@@ -177,7 +181,12 @@ class Engine:
         if not self._prefilling:
             return []
         seq = self._prefilling[0]
-        chunk = seq.pending[: self._chunk_size(len(seq.fed))]
+        n = self._chunk_size(len(seq.fed))
+        if len(seq.pending) <= n and len(seq.pending) > _LAST_ALONE:
+            # Logits are needed for the last token only, but the model computes
+            # them for the whole chunk (vocab x hidden per token): feed it alone.
+            n = len(seq.pending) - 1
+        chunk = seq.pending[:n]
         logits = self.model(mx.array(chunk)[None], cache=seq.view)
         seq.fed += chunk
         if seq.pending:
@@ -237,7 +246,7 @@ class Engine:
         return int(min(self.max_chunk, max(self.min_chunk, fit)))
 
     def _join(self, seq: _Sequence) -> None:
-        single = merge_caches([seq.cache])
+        single = merge_caches([seq.cache], self.float_attention)
         seq.cache = seq.view = None
         if self._batch is None:
             self._batch = single

@@ -108,6 +108,20 @@ def test_busy_batch_equals_alone_smollm2(smollm2):
     busy_batch_equals_alone(smollm2.model, smollm2.tokenizer, steps=10)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+def test_quantized_and_float_attention_agree(arch):
+    """Decode attends over Q4 directly (Metal) or over a dequantized working copy
+    (CPU, and sinks): the same tokens either way."""
+    model, tok = tiny_model(arch), ByteTokenizer()
+    runs = []
+    for float_attention in (False, True):
+        engine = Engine(model, tok, float_attention=float_attention)
+        ids = [engine.add(p, SamplingParams(max_tokens=10)) for p in prompts(3, seed=9)]
+        done = drain(engine)
+        runs.append([done[i].output_tokens for i in ids])
+    assert runs[0] == runs[1]
+
+
 def test_finished_cache_covers_exactly_its_tokens():
     model, tok = tiny_model("llama"), ByteTokenizer()
     engine = Engine(model, tok)

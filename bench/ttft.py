@@ -1,0 +1,176 @@
+"""``semantic bench ttft``: time to first token, cold vs hot vs warm.
+
+For each context length, median of ``repeats``:
+
+* cold  -- a fresh agent whose prompt is the whole context (no cache);
+* hot   -- the same agent's ~50-token follow-up, its cache in memory;
+* warm  -- the same follow-up in a fresh process whose model is loaded but
+           whose agent cache is only on disk: timed from sending the
+           follow-up (the cache is read from disk inside that time) to the
+           first token.  ``load_ms`` is reading the cache file alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import runtime  # noqa: F401  (fast BLAS before mlx)
+
+TEXT = Path(__file__).parent / "data" / "lighthouses.txt"
+FOLLOW_UP = (
+    "Thank you. Now, in two short sentences, tell me which of the engineering problems "
+    "described above you find the most interesting, and explain why it mattered for ships."
+)
+
+
+def conversation(tokenizer, context: int) -> list[dict]:
+    """A system prompt and a user message that render to about ``context`` tokens."""
+    words = TEXT.read_text().split()
+    text, n = [], 0
+    while n < context - 40:
+        text.append(words[len(text) % len(words)])
+        if len(text) % 50 == 0:
+            n = len(tokenizer.encode(" ".join(text)))
+    return [
+        {"role": "system", "content": "You are a careful reader who answers briefly."},
+        {"role": "user", "content": "Read this:\n" + " ".join(text)},
+    ]
+
+
+def _caches(loaded, root: Path):
+    from runtime.agent_cache import AgentCaches
+    from runtime.block_pool import KVBudget
+    from runtime.cache_file import CacheStore
+
+    budget = KVBudget(loaded.spec, 2 << 30, sliding_dtype_bytes=loaded.dtype.size)
+    return AgentCaches(CacheStore(root), loaded.name, loaded.spec, budget)
+
+
+def _warm_up(engine) -> None:
+    from runtime.engine import SamplingParams
+
+    engine.add([1, 2, 3], SamplingParams(max_tokens=2))
+    while not engine.idle:
+        engine.prefill_step()
+        engine.step_once()
+
+
+def warm_worker(spec: dict) -> dict:
+    """In a fresh process: load the model, then time the follow-up from disk."""
+    from runtime.engine import Engine, SamplingParams
+    from runtime.models import load
+    from runtime.turns import run_turn
+
+    loaded = load(spec["model"], progress=False)
+    engine = Engine(loaded.model, loaded.tokenizer)
+    _warm_up(engine)
+    caches = _caches(loaded, Path(spec["root"]))
+    start = time.perf_counter()
+    record = caches.store.load(spec["agent"], loaded.name, loaded.spec.hash)
+    load_ms = (time.perf_counter() - start) * 1000
+    assert record is not None, "the cache file did not load"
+    del record
+    result = run_turn(engine, caches, spec["agent"], spec["messages"], SamplingParams(max_tokens=1))
+    return {
+        "warm_ms": result.ttft * 1000,
+        "load_ms": load_ms,
+        "reused": result.finished.reused_tokens,
+        "prefilled": result.finished.prefilled_tokens,
+    }
+
+
+def measure(loaded, context: int, repeats: int, root: Path) -> dict:
+    from runtime.engine import Engine, SamplingParams
+    from runtime.turns import run_turn
+
+    engine = Engine(loaded.model, loaded.tokenizer)
+    _warm_up(engine)
+    caches = _caches(loaded, root)
+    cold, hot, warm, load_ms, tokens = [], [], [], [], 0
+    for r in range(repeats):
+        agent = f"ctx{context}-{r}"
+        messages = conversation(loaded.tokenizer, context)
+        first = run_turn(engine, caches, agent, messages, SamplingParams(max_tokens=8))
+        cold.append(first.ttft * 1000)
+        tokens = first.finished.prompt_tokens
+        follow = messages + [
+            {"role": "assistant", "content": first.finished.text},
+            {"role": "user", "content": FOLLOW_UP},
+        ]
+        caches.flush()  # on disk for the warm run, before this process extends it
+        hot_turn = run_turn(engine, caches, agent, follow, SamplingParams(max_tokens=1))
+        hot.append(hot_turn.ttft * 1000)
+        assert hot_turn.finished.prefilled_tokens < 80, "the follow-up reused the cache"
+        spec = {"model": loaded.name, "root": str(root), "agent": agent, "messages": follow}
+        out = subprocess.run(
+            [sys.executable, "-m", "bench.ttft", json.dumps(spec)],
+            capture_output=True, text=True, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        w = json.loads(out.stdout.strip().splitlines()[-1])
+        assert w["prefilled"] < 80, "the warm follow-up reused the cache from disk"
+        warm.append(w["warm_ms"])
+        load_ms.append(w["load_ms"])
+    med = statistics.median
+    return {"tokens": tokens, "cold": med(cold), "hot": med(hot), "warm": med(warm), "load": med(load_ms)}
+
+
+def run(args: argparse.Namespace) -> int:
+    from runtime.models import load
+
+    contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else (
+        [1024, 2048, 4096] if args.quick else [1024, 2048, 4096, 8192]
+    )
+    loaded = load(args.model)
+    too_long = [c for c in contexts if c + 200 > loaded.context_length]
+    if too_long:
+        from runtime.errors import SemanticError
+
+        raise SemanticError(f"contexts {too_long} do not fit the model's {loaded.context_length}-token window")
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="semantic-bench-ttft-") as root:
+        for c in contexts:
+            rows[c] = measure(loaded, c, args.repeats, Path(root) / str(c))
+            if not args.json:
+                r = rows[c]
+                print(f"{c:>6} tokens: cold {r['cold']:.0f} ms, hot {r['hot']:.0f} ms, warm {r['warm']:.0f} ms "
+                      f"(load {r['load']:.1f} ms)", file=sys.stderr)
+    result = {
+        "model": args.model,
+        "repeats": args.repeats,
+        "contexts": contexts,
+        "prompt_tokens": {c: rows[c]["tokens"] for c in contexts},
+        "cold_ms": {c: round(rows[c]["cold"], 1) for c in contexts},
+        "hot_ms": {c: round(rows[c]["hot"], 1) for c in contexts},
+        "warm_ms": {c: round(rows[c]["warm"], 1) for c in contexts},
+        "load_ms": {c: round(rows[c]["load"], 2) for c in contexts},
+        "warm_over_hot": {c: round(rows[c]["warm"] / rows[c]["hot"], 2) for c in contexts},
+        "cold_over_warm": {c: round(rows[c]["cold"] / rows[c]["warm"], 1) for c in contexts},
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"TTFT, median of {args.repeats} ({args.model})")
+    for col in ("context", "cold ms", "hot ms", "warm ms", "load ms", "warm/hot", "cold/warm"):
+        table.add_column(col, justify="right")
+    for c in contexts:
+        table.add_row(
+            str(c), f"{result['cold_ms'][c]:.0f}", f"{result['hot_ms'][c]:.0f}", f"{result['warm_ms'][c]:.0f}",
+            f"{result['load_ms'][c]:.1f}", f"{result['warm_over_hot'][c]:.2f}x", f"{result['cold_over_warm'][c]:.1f}x",
+        )
+    Console().print(table)
+    return 0
+
+
+if __name__ == "__main__":  # the warm worker: a fresh process
+    print(json.dumps(warm_worker(json.loads(sys.argv[1]))))

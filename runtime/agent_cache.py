@@ -1,0 +1,211 @@
+"""Agents' working memory for one model: hot (Q4 in memory, inside a byte
+budget) and warm (on disk), with least-recently-used demotion and shared
+read-only prefixes.
+
+One owner calls it (the actor that owns the hot set, or a test): nothing here
+locks.  Every hot cache holds a reservation in a ``KVBudget``; a cache is
+admitted -- loaded from disk, or grown by a turn -- only after its blocks are
+reserved, demoting the least recently used others until they fit.  A request
+that cannot fit even with everything else demoted fails with ``OutOfMemory``
+instead of running the machine out of memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from .batch_cache import copy_cache
+from .block_pool import KVBudget
+from .cache_file import CacheFileError, CacheRecord, CacheStore, read_meta
+from .errors import SemanticError
+from .model_spec import ModelCacheSpec
+
+__all__ = ["AgentMemory", "AgentCaches", "OutOfMemory", "HOT", "WARM"]
+
+HOT, WARM = "hot", "warm"
+
+
+class OutOfMemory(SemanticError):
+    """A cache cannot fit in the KV budget even with every other cache demoted."""
+
+
+@dataclass(eq=False)
+class AgentMemory:
+    """One agent's cache: ``cache`` holds the K/V of exactly ``tokens``, whose text is ``text``."""
+
+    agent_id: str
+    tokens: list[int]
+    text: str
+    cache: list
+    created: float = field(default_factory=time.time)
+    updated: float = field(default_factory=time.time)
+    dirty: bool = True  # newer than its file on disk
+
+    @property
+    def trimmable(self) -> bool:
+        return all(c.is_trimmable() for c in self.cache)
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    tokens: list[int]
+    text: str
+    cache: list  # read-only: users get copies
+
+
+class AgentCaches:
+    """Hot and warm caches of every agent for one model."""
+
+    def __init__(self, store: CacheStore, model_id: str, spec: ModelCacheSpec, budget: KVBudget):
+        self.store = store
+        self.model_id = model_id
+        self.spec = spec
+        self.budget = budget
+        self._hot: OrderedDict[str, AgentMemory] = OrderedDict()  # least recently used first
+        self._busy: set[str] = set()  # checked out for a turn: never demoted
+        self._prefixes: dict[str, SharedPrefix] = {}
+        self.demotions = 0
+
+    # -- queries
+
+    def tier(self, agent_id: str) -> str | None:
+        if agent_id in self._hot or agent_id in self._busy:
+            return HOT
+        return WARM if self.store.path(agent_id, self.model_id).is_file() else None
+
+    def hot_agents(self) -> list[str]:
+        return list(self._hot)
+
+    @property
+    def hot_bytes(self) -> int:
+        return self.budget.used_bytes
+
+    # -- a turn's life: checkout, then checkin (or abandon)
+
+    def checkout(self, agent_id: str) -> AgentMemory | None:
+        """Take an agent's cache for a turn: hot, else loaded from disk (warm),
+        else None (cold).  A warm cache's blocks are reserved before it is
+        loaded.  Raises OutOfMemory when it can never fit."""
+        self._busy.add(agent_id)
+        if (memory := self._hot.pop(agent_id, None)) is not None:
+            return memory
+        try:
+            path = self.store.path(agent_id, self.model_id)
+            if not path.is_file():
+                return None
+            try:  # admission before loading: the header says how big it is
+                self._admit(agent_id, read_meta(path)["token_count"])
+            except CacheFileError:
+                pass  # load() below quarantines it and says why
+            record = self.store.load(agent_id, self.model_id, self.spec.hash)
+        except BaseException:
+            self.abandon(agent_id)
+            raise
+        if record is None:  # quarantined: start cold
+            self._release(agent_id)
+            return None
+        return AgentMemory(agent_id, record.tokens, record.text, record.cache, record.created, record.updated, False)
+
+    def grow(self, agent_id: str, tokens: int) -> None:
+        """Reserve room for a checked-out cache to grow to ``tokens`` (demoting others)."""
+        assert agent_id in self._busy, "grow() is for a checked-out cache"
+        self._admit(agent_id, tokens)
+
+    def checkin(self, memory: AgentMemory) -> None:
+        """Return an agent's cache after its turn; it becomes the most recently used."""
+        self._busy.discard(memory.agent_id)
+        self._release(memory.agent_id)  # shrink the turn's reservation to what is held
+        self._admit(memory.agent_id, len(memory.tokens))
+        memory.updated = time.time()
+        self._hot[memory.agent_id] = memory
+
+    def abandon(self, agent_id: str) -> None:
+        """A turn failed without a cache to return: forget the hot copy (disk keeps the last good one)."""
+        self._busy.discard(agent_id)
+        self._release(agent_id)
+
+    # -- tiers
+
+    def demote(self, agent_id: str) -> None:
+        """Hot -> warm: write it if dirty, free its blocks."""
+        memory = self._hot.pop(agent_id)
+        if memory.dirty:
+            self.write(memory)
+        self._release(agent_id)
+        self.demotions += 1
+
+    def write(self, memory: AgentMemory) -> None:
+        record = CacheRecord(
+            memory.agent_id, self.model_id, self.spec.hash, list(memory.tokens), memory.text,
+            memory.created, memory.updated, memory.cache,
+        )
+        self.store.save(record)
+        memory.dirty = False
+
+    def flush(self) -> int:
+        """Write every dirty hot cache; return how many were written."""
+        dirty = [m for m in self._hot.values() if m.dirty]
+        for memory in dirty:
+            self.write(memory)
+        return len(dirty)
+
+    def delete(self, agent_id: str) -> None:
+        if agent_id in self._hot:
+            del self._hot[agent_id]
+        self._release(agent_id)
+        self.store.delete(agent_id, self.model_id)
+
+    def _release(self, owner: str) -> None:
+        if owner in self.budget:
+            self.budget.release(owner)
+
+    def _admit(self, agent_id: str, tokens: int) -> None:
+        if not self.budget.fits(tokens):
+            raise OutOfMemory(
+                f"{tokens} tokens of KV cache need {self.budget.bytes_for(tokens) / 2**20:.0f} MiB; "
+                f"the budget is {self.budget.budget_bytes / 2**20:.0f} MiB"
+            )
+        while not self.budget.reserve(agent_id, tokens):
+            victims = [a for a in self._hot if a != agent_id]
+            if not victims:
+                raise OutOfMemory(
+                    f"no room for {tokens} tokens of KV cache: the rest of the budget is held by "
+                    f"{len(self._busy)} turn(s) in progress; retry when they finish"
+                )
+            self.demote(victims[0])
+
+    # -- shared prefixes (e.g. a system prompt many agents start with)
+
+    def shared_prefix(self, text: str) -> SharedPrefix | None:
+        """The longest registered prefix of ``text``, if any."""
+        best = None
+        for prefix in self._prefixes.values():
+            if text.startswith(prefix.text) and (best is None or len(prefix.text) > len(best.text)):
+                best = prefix
+        return best
+
+    def share_prefix(self, text: str, tokens: list[int], cache: list) -> bool:
+        """Register the first ``len(tokens)`` tokens of ``cache`` (a copy) as a shared prefix.
+
+        Returns False when the cache cannot be cut there (a wrapped sliding window)
+        or the prefix does not fit the budget.
+        """
+        if text in self._prefixes:
+            return True
+        copy = copy_cache(cache)
+        extra = copy[0].offset - len(tokens)
+        if extra and not all(c.is_trimmable() for c in copy):
+            return False
+        for c in copy:
+            c.trim(extra)
+        owner = f"prefix:{len(self._prefixes)}"
+        if not self.budget.fits(len(tokens)) or not self.budget.reserve(owner, len(tokens)):
+            return False
+        self._prefixes[text] = SharedPrefix(list(tokens), text, copy)
+        return True
+
+    def from_prefix(self, agent_id: str, prefix: SharedPrefix) -> AgentMemory:
+        """A new agent's memory that starts as a copy of a shared prefix."""
+        return AgentMemory(agent_id, list(prefix.tokens), prefix.text, copy_cache(prefix.cache))

@@ -1,0 +1,150 @@
+"""One agent turn over its cache: render, match the prefix, run, store.
+
+``begin`` decides what the engine must prefill for a prompt given the
+agent's cache (hot, warm on disk, a shared prefix, or nothing); ``end`` turns
+the engine's ``Finished`` record into the agent's new memory.  ``run_turn``
+drives an engine to completion for synchronous callers (tests, benchmarks);
+the actor runtime calls ``begin``/``end`` around its own scheduling.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from .agent_cache import AgentCaches, AgentMemory
+from .engine import Engine, Finished, SamplingParams
+from .prefix import COLD, PrefixPlan, encode, plan
+
+__all__ = ["Turn", "TurnResult", "begin", "end", "render", "run_turn", "system_prefix"]
+
+
+def render(tokenizer, messages: list[dict]) -> str:
+    """The prompt text for ``messages``, ending with the assistant's turn opener."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def system_prefix(tokenizer, messages: list[dict], prompt_text: str) -> str | None:
+    """The rendered system message, when the prompt starts with it (agents that
+    share a system prompt share this text and its cache)."""
+    if not messages or messages[0].get("role") != "system":
+        return None
+    text = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=False)
+    return text if text and prompt_text.startswith(text) and text != prompt_text else None
+
+
+@dataclass
+class Turn:
+    agent_id: str
+    prompt_text: str
+    plan: PrefixPlan
+    cache: list | None  # the cache to start from, already trimmed to plan.keep
+    new_prefix: str | None = None  # a system prefix to register once this turn has run
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.plan.prompt
+
+
+def begin(
+    caches: AgentCaches,
+    tokenizer,
+    agent_id: str,
+    prompt_text: str,
+    max_tokens: int,
+    prefix_text: str | None = None,
+    min_share: float = 0.5,
+    use_cache: bool = True,
+) -> Turn:
+    """Check out the agent's cache and plan the prefill of ``prompt_text``.
+
+    Reserves budget for the whole turn (prompt + ``max_tokens``) before
+    anything runs; raises ``OutOfMemory`` if that can never fit.  Every
+    ``begin`` must be followed by ``end`` or ``caches.abandon``.
+    """
+    memory = caches.checkout(agent_id)
+    if not use_cache:  # every turn prefills its whole prompt (for comparisons)
+        memory = None
+    try:
+        turn = _plan(caches, tokenizer, agent_id, prompt_text, memory, prefix_text, min_share, use_cache)
+        caches.grow(agent_id, len(turn.prompt) + max_tokens)
+    except BaseException:
+        caches.abandon(agent_id)
+        raise
+    return turn
+
+
+def _plan(caches, tokenizer, agent_id, prompt_text, memory, prefix_text, min_share, use_cache) -> Turn:
+    new_prefix = None
+    if memory is None and use_cache and prefix_text:
+        if (shared := caches.shared_prefix(prefix_text)) is not None:
+            memory = caches.from_prefix(agent_id, shared)
+        else:
+            new_prefix = prefix_text
+    if memory is None:
+        if new_prefix:  # tokenize the prefix on its own so its ids can be shared
+            ids = encode(tokenizer, new_prefix) + encode(tokenizer, prompt_text[len(new_prefix):])
+            p = PrefixPlan(COLD, 0, ids)
+        else:
+            p = plan(tokenizer, prompt_text)
+        return Turn(agent_id, prompt_text, p, None, new_prefix)
+    p = plan(tokenizer, prompt_text, memory.tokens, memory.text, min_share, memory.trimmable)
+    if p.kind == COLD:
+        return Turn(agent_id, prompt_text, p, None)
+    drop = len(memory.tokens) - p.keep
+    for c in memory.cache:
+        c.trim(drop)
+    return Turn(agent_id, prompt_text, p, memory.cache)
+
+
+def end(caches: AgentCaches, tokenizer, turn: Turn, finished: Finished) -> AgentMemory:
+    """Store the agent's cache after the engine finished (or cancelled) its turn."""
+    fed = list(finished.cache_tokens)
+    prompt_fed = min(len(fed), len(turn.prompt))
+    if prompt_fed < len(turn.prompt):  # cancelled mid-prefill: text of what was fed
+        text = tokenizer.decode(fed)
+    else:
+        text = turn.prompt_text + tokenizer.decode(fed[len(turn.prompt):])
+    memory = AgentMemory(turn.agent_id, fed, text, finished.cache)
+    if turn.new_prefix and prompt_fed >= (n := len(encode(tokenizer, turn.new_prefix))):
+        caches.share_prefix(turn.new_prefix, fed[:n], finished.cache)
+    caches.checkin(memory)
+    return memory
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    turn: Turn
+    finished: Finished
+    ttft: float  # seconds from the call to the first generated token (or the end)
+
+
+def run_turn(
+    engine: Engine,
+    caches: AgentCaches,
+    agent_id: str,
+    messages: list[dict],
+    sampling: SamplingParams = SamplingParams(),
+    use_cache: bool = True,
+) -> TurnResult:
+    """Run one turn to completion on an otherwise idle engine."""
+    start = time.perf_counter()
+    tokenizer = engine.tokenizer
+    text = render(tokenizer, messages)
+    turn = begin(
+        caches, tokenizer, agent_id, text, sampling.max_tokens,
+        system_prefix(tokenizer, messages, text), use_cache=use_cache,
+    )
+    ttft = finished = None
+    try:
+        sid = engine.add(turn.prompt, sampling, turn.cache, turn.plan.keep)
+        while finished is None:
+            for d in engine.prefill_step() + engine.step_once():
+                if d.seq_id == sid:
+                    ttft = ttft or time.perf_counter() - start
+                    finished = d.finished
+    except BaseException:
+        caches.abandon(agent_id)
+        raise
+    end(caches, tokenizer, turn, finished)
+    return TurnResult(turn, finished, ttft)
