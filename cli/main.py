@@ -45,6 +45,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
 
+    cache = sub.add_parser("cache", help="agents' cache files on disk: ls, verify, rm, du")
+    cache.add_argument("--cache-dir", help="where agent caches live (default ~/.cache/semantic/agents)")
+    actions = cache.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = actions.add_parser("ls", help="list cached agents: agent, model, tokens, bytes, tier, last use")
+    _add_json(p, "the list")
+    actions.add_parser("verify", help="check every cache file in full (exit 1 if any is bad)")
+    p = actions.add_parser("rm", help="delete an agent's cache files")
+    p.add_argument("agent")
+    p.add_argument("--model", help="only this model's cache (default: every model)")
+    actions.add_parser("du", help="disk use per model")
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
     p = bench.add_parser("model", help="prefill and decode tokens/s of one sequence (median of runs)")
     _add_model(p)
@@ -97,6 +108,10 @@ def _run(args: argparse.Namespace) -> int:
         from .generate import generate
 
         return generate(args)
+    if args.command == "cache":
+        from .cache import run
+
+        return run(args)
     if args.command == "bench":
         import importlib
 

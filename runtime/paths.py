@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_home", "models_dir"]
+__all__ = ["agents_dir", "cache_home", "models_dir"]
 
 
 def cache_home() -> Path:
@@ -18,3 +18,8 @@ def cache_home() -> Path:
 
 def models_dir() -> Path:
     return cache_home() / "models"
+
+
+def agents_dir() -> Path:
+    """Agents' KV cache files (``runtime.cache_file.CacheStore``)."""
+    return cache_home() / "agents"

@@ -68,3 +68,40 @@ def test_generate_answers_paris():
     out = semantic("generate", "--prompt", "What is the capital of France?")
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
+
+
+def test_cache_commands(tmp_path):
+    from runtime.cache_file import CacheRecord, CacheStore
+    from runtime.engine import Engine, SamplingParams
+    from runtime.model_spec import ModelCacheSpec
+    from tests.runtime.test_engine import ByteTokenizer, drain
+    from tests.tiny import tiny_model
+
+    model = tiny_model("llama")
+    engine = Engine(model, ByteTokenizer())
+    store = CacheStore(tmp_path)
+    for agent in ("ada", "bo"):
+        sid = engine.add(list(range(1, 40)), SamplingParams(max_tokens=3))
+        f = drain(engine)[sid]
+        spec = ModelCacheSpec.from_model(model).hash
+        store.save(CacheRecord(agent, "tiny", spec, list(f.cache_tokens), "", 1.0, 2.0, f.cache))
+    root = ["cache", "--cache-dir", str(tmp_path)]
+
+    listed = json.loads(semantic(*root, "ls", "--json").stdout)
+    assert {(e["agent"], e["model"], e["tokens"], e["tier"]) for e in listed} == {
+        ("ada", "tiny", 41, "warm"), ("bo", "tiny", 41, "warm")}
+    assert semantic(*root, "verify").returncode == 0
+    assert "2 agent(s)  tiny" in semantic(*root, "du").stdout
+
+    path = store.path("bo", "tiny")
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    out = semantic(*root, "verify")
+    assert out.returncode == 1 and "bad checksum" in out.stdout
+
+    assert semantic(*root, "rm", "ada").returncode == 0
+    out = semantic(*root, "rm", "ada")
+    assert out.returncode == 2 and "no cache for agent 'ada'" in out.stderr
+    out = semantic(*root, "rm", "../etc")
+    assert out.returncode == 2 and "may not contain '/'" in out.stderr
