@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import runtime  # noqa: F401  (fast BLAS before mlx)
+from runtime.agent_cache import open_caches
 
 TEXT = Path(__file__).parent / "data" / "lighthouses.txt"
 FOLLOW_UP = (
@@ -45,15 +46,6 @@ def conversation(tokenizer, context: int) -> list[dict]:
     ]
 
 
-def _caches(loaded, root: Path):
-    from runtime.agent_cache import AgentCaches
-    from runtime.block_pool import KVBudget
-    from runtime.cache_file import CacheStore
-
-    budget = KVBudget(loaded.spec, 2 << 30, sliding_dtype_bytes=loaded.dtype.size)
-    return AgentCaches(CacheStore(root), loaded.name, loaded.spec, budget)
-
-
 def _warm_up(engine) -> None:
     from runtime.engine import SamplingParams
 
@@ -72,7 +64,7 @@ def warm_worker(spec: dict) -> dict:
     loaded = load(spec["model"], progress=False)
     engine = Engine(loaded.model, loaded.tokenizer)
     _warm_up(engine)
-    caches = _caches(loaded, Path(spec["root"]))
+    caches = open_caches(loaded, Path(spec["root"]))
     start = time.perf_counter()
     record = caches.store.load(spec["agent"], loaded.name, loaded.spec.hash)
     load_ms = (time.perf_counter() - start) * 1000
@@ -93,7 +85,7 @@ def measure(loaded, context: int, repeats: int, root: Path) -> dict:
 
     engine = Engine(loaded.model, loaded.tokenizer)
     _warm_up(engine)
-    caches = _caches(loaded, root)
+    caches = open_caches(loaded, root)
     cold, hot, warm, load_ms, tokens = [], [], [], [], 0
     for r in range(repeats):
         agent = f"ctx{context}-{r}"

@@ -17,12 +17,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from .batch_cache import copy_cache
-from .block_pool import KVBudget
+from .block_pool import KVBudget, default_budget
 from .cache_file import CacheFileError, CacheRecord, CacheStore, read_meta
 from .errors import SemanticError
 from .model_spec import ModelCacheSpec
 
-__all__ = ["AgentMemory", "AgentCaches", "OutOfMemory", "HOT", "WARM"]
+__all__ = ["AgentMemory", "AgentCaches", "OutOfMemory", "HOT", "WARM", "open_caches"]
 
 HOT, WARM = "hot", "warm"
 
@@ -209,3 +209,21 @@ class AgentCaches:
     def from_prefix(self, agent_id: str, prefix: SharedPrefix) -> AgentMemory:
         """A new agent's memory that starts as a copy of a shared prefix."""
         return AgentMemory(agent_id, list(prefix.tokens), prefix.text, copy_cache(prefix.cache))
+
+
+def open_caches(loaded, root=None, budget_bytes: int | None = None) -> AgentCaches:
+    """The agent caches of a loaded model (``runtime.models.LoadedModel``) under
+    ``root`` (default: the user's cache directory), in ``budget_bytes`` of hot
+    memory (default: device memory less the weights less headroom)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from .device import describe
+    from .paths import agents_dir
+
+    if budget_bytes is None:
+        weights = sum(p.nbytes for _, p in tree_flatten(loaded.model.parameters()))
+        memory = mx.device_info().get("max_recommended_working_set_size") or describe()["memory_bytes"]
+        budget_bytes = default_budget(loaded.spec, weights, memory, sliding_dtype_bytes=loaded.dtype.size)
+    budget = KVBudget(loaded.spec, budget_bytes, sliding_dtype_bytes=loaded.dtype.size)
+    return AgentCaches(CacheStore(root or agents_dir()), loaded.name, loaded.spec, budget)
