@@ -158,7 +158,11 @@ class Engine:
             cache = self.new_cache()
         elif not 0 <= cached_tokens <= len(prompt):
             raise ValueError(f"cached_tokens={cached_tokens} outside the prompt (0..{len(prompt)})")
+        elif any(c.offset != cached_tokens for c in cache):
+            raise ValueError(f"the cache holds {cache[0].offset} tokens, not cached_tokens={cached_tokens}")
         if cached_tokens == len(prompt):
+            if not all(c.is_trimmable() for c in cache):
+                raise ValueError("a fully cached prompt needs a trimmable cache (a wrapped sliding window is not)")
             for c in cache:
                 c.trim(1)
             cached_tokens -= 1

@@ -224,6 +224,9 @@ def test_bad_arguments():
         engine.add([])
     with pytest.raises(ValueError, match="without a cache"):
         engine.add([1, 2], cached_tokens=1)
+    cache = prefix_cache(engine, [1, 2, 3])
+    with pytest.raises(ValueError, match="holds 3 tokens"):
+        engine.add([1, 2, 3, 4], cached_tokens=2, cache=cache)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="top_p"):
