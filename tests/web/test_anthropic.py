@@ -1,0 +1,439 @@
+"""/v1/messages: parsing and validation, the message JSON, the exact SSE sequence."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from pydantic import TypeAdapter
+
+from web import anthropic
+from web.schema import ChatRequest, ChatResult, RequestError, TextDelta, ToolCall, Usage
+
+from .sse_util import collect, parse_sse
+
+sdk_types = pytest.importorskip("anthropic.types")
+
+LIMIT = 4096
+USER = [{"role": "user", "content": "hi"}]
+
+
+def parse(body: dict | bytes, **kw) -> ChatRequest:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return anthropic.parse_request(raw, max_tokens_limit=LIMIT, **kw)
+
+
+def ok(**fields) -> dict:
+    return {"model": "claude-x", "max_tokens": 100, "messages": USER, **fields}
+
+
+# --- validation ---------------------------------------------------------------
+
+BAD = [
+    (b"{not json", "request body is not valid JSON"),
+    (b"[1, 2]", "request body must be a JSON object"),
+    (b"\xff\xfe\xfa", "request body is not"),
+    (b"", "request body is not valid JSON"),
+    ({"max_tokens": 10}, "messages: is required"),
+    (ok(messages=[]), "messages: must not be empty"),
+    (ok(messages="hi"), "messages: must be an array, not a string"),
+    (ok(messages=["hi"]), "messages[0]: must be an object, not a string"),
+    (ok(messages=[{"content": "hi"}]), "messages[0].role: is required"),
+    (ok(messages=[{"role": "system", "content": "x"}]),
+     "messages[0].role: must be 'user' or 'assistant', not 'system' (the system prompt goes in"),
+    (ok(messages=[{"role": "tool", "content": "x"}]), "messages[0].role: must be 'user' or 'assistant'"),
+    (ok(messages=[{"role": 7, "content": "x"}]), "messages[0].role: must be a string, not an integer"),
+    (ok(messages=[{"role": "user"}]), "messages[0].content: must be a string or an array of content blocks, not null"),
+    (ok(messages=[{"role": "user", "content": 5}]), "messages[0].content: must be a string or an array"),
+    (ok(messages=[{"role": "user", "content": ["hi"]}]),
+     "messages[0].content[0]: must be a content block object, not a string"),
+    (ok(messages=[{"role": "user", "content": [{"text": "hi"}]}]), "messages[0].content[0].type: is required"),
+    (ok(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages[0].content[0].text: is required"),
+    (ok(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
+     "messages[0].content[0].type: 'image' blocks are not supported (this server reads text only)"),
+    (ok(messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}]),
+     "'document' blocks are not supported (this server reads text only)"),
+    (ok(messages=[{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "b", "input": {}}]}]),
+     "messages[0].content[0].type: 'tool_use' blocks are not supported here"),
+    (ok(messages=[{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "a"}]}]),
+     "'tool_result' blocks are not supported here"),
+    (ok(messages=[{"role": "assistant", "content": [{"type": "tool_use", "name": "b", "input": {}}]}]),
+     "messages[0].content[0].id: is required"),
+    (ok(messages=[{"role": "assistant", "content": [{"type": "tool_use", "id": "a", "name": "b", "input": 3}]}]),
+     "messages[0].content[0].input: must be an object, not an integer"),
+    (ok(messages=[{"role": "user", "content": [{"type": "tool_result"}]}]),
+     "messages[0].content[0].tool_use_id: is required"),
+    (ok(messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a", "content": 3}]}]),
+     "messages[0].content[0].content: must be a string or an array of blocks, not an integer"),
+    (ok(max_tokens=None), "max_tokens: is required"),
+    ({"messages": USER}, "max_tokens: is required"),
+    (ok(max_tokens=0), "max_tokens: must be at least 1, not 0"),
+    (ok(max_tokens=-5), "max_tokens: must be at least 1, not -5"),
+    (ok(max_tokens=LIMIT + 1), f"max_tokens: must be at most this server's limit of {LIMIT}, not {LIMIT + 1}"),
+    (ok(max_tokens="10"), "max_tokens: must be an integer, not a string"),
+    (ok(max_tokens=1.5), "max_tokens: must be an integer, not a number"),
+    (ok(max_tokens=True), "max_tokens: must be an integer, not a boolean"),
+    (ok(temperature=1.5), "temperature: must be in [0, 1], not 1.5"),
+    (ok(temperature="hot"), "temperature: must be a number, not a string"),
+    (ok(top_p=0), "top_p: must be in (0, 1], not 0"),
+    (ok(top_k=-1), "top_k: must be at least 0, not -1"),
+    (ok(stop_sequences="END"), "stop_sequences: must be an array of strings, not a string"),
+    (ok(stop_sequences=[""]), "stop_sequences[0]: must not be empty"),
+    (ok(stop_sequences=[1]), "stop_sequences[0]: must be a string, not an integer"),
+    (ok(stream="yes"), "stream: must be a boolean, not a string"),
+    (ok(system=5), "system: must be a string or an array of text blocks, not an integer"),
+    (ok(system=[{"type": "image"}]), "system[0].type: must be 'text', not 'image'"),
+    (ok(metadata="x"), "metadata: must be an object, not a string"),
+    (ok(model=5), "model: must be a string, not an integer"),
+    (ok(tools="x"), "tools: must be an array, not a string"),
+    (ok(tools=[{"name": "a"}]), "tools[0].input_schema: is required"),
+    (ok(tools=[{"input_schema": {}}]), "tools[0].name: is required"),
+    (ok(tools=[{"name": "a", "input_schema": {}}, {"name": "a", "input_schema": {}}]),
+     "tools[1].name: tool names must be unique; 'a' appears twice"),
+    (ok(tools=[{"type": "web_search_20250305", "name": "web_search"}]),
+     "tools[0].type: server tool 'web_search_20250305' is not supported"),
+    (ok(tools=[{"name": "a", "input_schema": {}}], tool_choice={"type": "tool", "name": "b"}),
+     "tool_choice.name: names no tool in 'tools': 'b'"),
+    (ok(tools=[{"name": "a", "input_schema": {}}], tool_choice={"type": "maybe"}),
+     "tool_choice.type: must be 'auto', 'any', 'tool' or 'none', not 'maybe'"),
+]
+
+
+@pytest.mark.parametrize("body, message", BAD, ids=[m[:50] for _, m in BAD])
+def test_bad_requests_are_400_with_a_clear_message(body, message):
+    with pytest.raises(RequestError) as e:
+        parse(body)
+    assert e.value.status == 400
+    assert message in e.value.message
+    err = anthropic.error_json(e.value)
+    assert err == {"type": "error", "error": {"type": "invalid_request_error", "message": e.value.message}}
+    sdk_types.ErrorResponse.model_validate(err)
+
+
+@pytest.mark.parametrize("status, kind", [
+    (400, "invalid_request_error"), (401, "authentication_error"), (403, "permission_error"),
+    (404, "not_found_error"), (413, "request_too_large"), (429, "rate_limit_error"),
+    (500, "api_error"), (503, "overloaded_error"), (422, "invalid_request_error"),
+])
+def test_error_types_follow_the_status(status, kind):
+    assert anthropic.error_json(RequestError(status, "m"))["error"]["type"] == kind
+
+
+# --- parsing ------------------------------------------------------------------
+
+
+def test_a_minimal_request():
+    req = parse(ok())
+    assert req == ChatRequest(messages=({"role": "user", "content": "hi"},), max_tokens=100, model="claude-x")
+
+
+def test_sampling_fields_and_stop_sequences():
+    req = parse(ok(temperature=0, top_p=0.9, top_k=40, stop_sequences=["END", "\n\n"], stream=True,
+                   metadata={"user_id": "u1"}), agent_id="agent-1")
+    assert (req.temperature, req.top_p, req.top_k) == (0.0, 0.9, 40)
+    assert req.stop == ("END", "\n\n")
+    assert req.stream and req.agent_id == "agent-1" and req.metadata == {"user_id": "u1"}
+    assert (req.seed, req.include_usage) == (None, False)
+
+
+def test_null_fields_count_as_absent():
+    req = parse(ok(temperature=None, system=None, stop_sequences=None, tools=None))
+    assert (req.temperature, req.system, req.stop, req.tools) == (None, None, (), None)
+
+
+def test_system_blocks_join_and_cache_control_is_ignored():
+    system = [{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}},
+              {"type": "text", "text": "Answer in French.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "Bonjour", "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": ""},  # empty blocks drop out
+        {"type": "text", "text": "ça va ?"}]}]
+    req = parse(ok(system=system, messages=messages))
+    assert req.system == "You are terse.\n\nAnswer in French."
+    assert req.messages == ({"role": "user", "content": "Bonjour\n\nça va ?"},)
+    assert req.conversation()[0] == {"role": "system", "content": req.system}
+
+
+def test_unknown_fields_and_thinking_blocks_are_ignored():
+    messages = [*USER, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "hmm", "signature": "x"},
+        {"type": "redacted_thinking", "data": "y"},
+        {"type": "text", "text": "hello"}]}, {"role": "user", "content": "again"}]
+    req = parse(ok(messages=messages, thinking={"type": "enabled", "budget_tokens": 1024},
+                   service_tier="auto", context_management={"edits": []}))
+    assert req.messages[1] == {"role": "assistant", "content": "hello"}
+
+
+# A request as Claude Code sends it: system blocks with cache_control, tools, and
+# a tool_use / tool_result round trip (results first in the user turn, then text).
+CLAUDE_CODE = {
+    "model": "claude-sonnet-4-6",
+    "max_tokens": 4000,
+    "stream": True,
+    "temperature": 1,
+    "metadata": {"user_id": "user_abc_account__session_123"},
+    "system": [
+        {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude.",
+         "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": "You are an interactive CLI tool that helps users with software engineering tasks.",
+         "cache_control": {"type": "ephemeral"}},
+    ],
+    "tools": [
+        {"name": "Bash", "description": "Executes a bash command",
+         "input_schema": {"type": "object", "properties": {"command": {"type": "string"}},
+                          "required": ["command"], "additionalProperties": False,
+                          "$schema": "http://json-schema.org/draft-07/schema#"}},
+        {"name": "Read", "description": "Reads a file",
+         "input_schema": {"type": "object", "properties": {"file_path": {"type": "string"}}},
+         "cache_control": {"type": "ephemeral"}},
+    ],
+    "messages": [
+        {"role": "user", "content": [
+            {"type": "text", "text": "<system-reminder>Be careful.</system-reminder>"},
+            {"type": "text", "text": "list the files", "cache_control": {"type": "ephemeral"}}]},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "I'll list them."},
+            {"type": "tool_use", "id": "toolu_01A", "name": "Bash", "input": {"command": "ls"}},
+            {"type": "tool_use", "id": "toolu_01B", "name": "Read", "input": {"file_path": "a.py"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_01A", "content": "a.py\nb.py"},
+            {"type": "tool_result", "tool_use_id": "toolu_01B", "is_error": True,
+             "content": [{"type": "text", "text": "no such file"}, {"type": "image", "source": {}}],
+             "cache_control": {"type": "ephemeral"}},
+            {"type": "text", "text": "why did Read fail?"}]},
+    ],
+}
+
+
+def test_a_claude_code_request_parses_into_a_template_ready_conversation():
+    req = parse(CLAUDE_CODE)
+    assert req.system == ("You are Claude Code, Anthropic's official CLI for Claude.\n\n"
+                          "You are an interactive CLI tool that helps users with software engineering tasks.")
+    assert req.messages == (
+        {"role": "user", "content": "<system-reminder>Be careful.</system-reminder>\n\nlist the files"},
+        {"role": "assistant", "content": "I'll list them.", "tool_calls": [
+            {"id": "toolu_01A", "type": "function", "function": {"name": "Bash", "arguments": {"command": "ls"}}},
+            {"id": "toolu_01B", "type": "function", "function": {"name": "Read", "arguments": {"file_path": "a.py"}}},
+        ]},
+        {"role": "tool", "tool_call_id": "toolu_01A", "name": "Bash", "content": "a.py\nb.py"},
+        {"role": "tool", "tool_call_id": "toolu_01B", "name": "Read",
+         "content": "Error: no such file\n\n[image omitted: this server reads text only]"},
+        {"role": "user", "content": "why did Read fail?"},
+    )
+    assert req.tools == (
+        {"type": "function", "function": {"name": "Bash", "description": "Executes a bash command",
+                                          "parameters": CLAUDE_CODE["tools"][0]["input_schema"]}},
+        {"type": "function", "function": {"name": "Read", "description": "Reads a file",
+                                          "parameters": CLAUDE_CODE["tools"][1]["input_schema"]}},
+    )
+    assert req.tool_names == {"Bash", "Read"} and req.tool_choice == "auto"
+    assert (req.max_tokens, req.stream, req.temperature, req.model) == (4000, True, 1.0, "claude-sonnet-4-6")
+
+
+@pytest.mark.parametrize("choice, names, mode", [
+    ({"type": "auto"}, {"Bash", "Read"}, "auto"),
+    ({"type": "any"}, {"Bash", "Read"}, "required"),
+    ({"type": "tool", "name": "Read"}, {"Read"}, "required"),
+    ({"type": "none"}, set(), "auto"),
+])
+def test_tool_choice(choice, names, mode):
+    req = parse({**CLAUDE_CODE, "tool_choice": choice})
+    assert (req.tool_names, req.tool_choice) == (names, mode)
+    assert (req.tools is None) == (not names)
+
+
+# --- responses ----------------------------------------------------------------
+
+USAGE = Usage(input_tokens=7, cache_read_input_tokens=30, output_tokens=3)
+CALL = ToolCall("call_1", "get_weather", {"city": "Paris"})
+
+
+def test_message_json():
+    body = anthropic.message_json(ChatResult("Hello!", "stop", USAGE), model="m", message_id="msg_1")
+    assert body == {
+        "id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+        "content": [{"type": "text", "text": "Hello!"}],
+        "stop_reason": "end_turn", "stop_sequence": None,
+        "usage": {"input_tokens": 7, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 30,
+                  "output_tokens": 3},
+    }
+    sdk_types.Message.model_validate(body)
+    assert anthropic.message_json(ChatResult("x", "stop", USAGE), model="m")["id"].startswith("msg_")
+
+
+@pytest.mark.parametrize("result, reason, seq", [
+    (ChatResult("a", "length", USAGE), "max_tokens", None),
+    (ChatResult("a", "stop_sequence", USAGE, stop_sequence="END"), "stop_sequence", "END"),
+    (ChatResult("", "tool_use", USAGE, tool_calls=(CALL,)), "tool_use", None),
+])
+def test_stop_reasons_map_to_anthropics(result, reason, seq):
+    body = anthropic.message_json(result, model="m")
+    assert (body["stop_reason"], body["stop_sequence"]) == (reason, seq)
+    sdk_types.Message.model_validate(body)
+
+
+def test_tool_calls_follow_the_text_block():
+    body = anthropic.message_json(ChatResult("Checking.", "tool_use", USAGE, tool_calls=(CALL,)), model="m")
+    assert body["content"] == [{"type": "text", "text": "Checking."},
+                               {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris"}}]
+
+
+def test_a_cancelled_turn_has_no_message():
+    with pytest.raises(RequestError) as e:
+        anthropic.message_json(ChatResult("a", "cancelled", USAGE), model="m")
+    assert e.value.status == 503
+    assert anthropic.error_json(e.value)["error"]["type"] == "overloaded_error"
+
+
+# --- the stream ---------------------------------------------------------------
+
+_events = TypeAdapter(sdk_types.RawMessageStreamEvent)
+
+
+async def items(*pieces, result: ChatResult | None = None, error: BaseException | None = None):
+    for piece in pieces:
+        yield TextDelta(piece)
+    if error is not None:
+        raise error
+    if result is not None:
+        yield result
+
+
+async def stream(source, usage=Usage(7, 30)) -> list[tuple[str, dict]]:
+    raw = await collect(anthropic.message_events(source, model="m", usage=usage, message_id="msg_1"))
+    events = parse_sse(raw)
+    for name, data in events:
+        assert name == data["type"], "the SSE event name repeats the data's type"
+        if name not in ("ping", "error"):  # the SDK skips pings and raises errors
+            _events.validate_python(data)
+    return events
+
+
+START = ("message_start", {"type": "message_start", "message": {
+    "id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": [],
+    "stop_reason": None, "stop_sequence": None,
+    "usage": {"input_tokens": 7, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 30,
+              "output_tokens": 0}}})
+TEXT_START = ("content_block_start", {"type": "content_block_start", "index": 0,
+                                      "content_block": {"type": "text", "text": ""}})
+PING = ("ping", {"type": "ping"})
+
+
+def delta(text, index=0):
+    return ("content_block_delta", {"type": "content_block_delta", "index": index,
+                                    "delta": {"type": "text_delta", "text": text}})
+
+
+def stop(index):
+    return ("content_block_stop", {"type": "content_block_stop", "index": index})
+
+
+def message_delta(reason, usage=USAGE, seq=None):
+    return ("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                              "usage": {"input_tokens": usage.input_tokens, "cache_creation_input_tokens": 0,
+                                        "cache_read_input_tokens": usage.cache_read_input_tokens,
+                                        "output_tokens": usage.output_tokens}})
+
+
+MESSAGE_STOP = ("message_stop", {"type": "message_stop"})
+
+
+@pytest.mark.anyio
+async def test_a_text_stream_is_exactly_the_documented_sequence():
+    events = await stream(items("Hel", "", "lo!", result=ChatResult("Hello!", "stop", USAGE)))
+    assert events == [START, TEXT_START, PING, delta("Hel"), delta("lo!"), stop(0),
+                      message_delta("end_turn"), MESSAGE_STOP]
+
+
+@pytest.mark.anyio
+async def test_text_held_back_arrives_before_the_block_stops():
+    result = ChatResult("Hello!", "stop_sequence", USAGE, stop_sequence="END")
+    events = await stream(items("Hel", result=result))
+    assert events == [START, TEXT_START, PING, delta("Hel"), delta("lo!"), stop(0),
+                      message_delta("stop_sequence", seq="END"), MESSAGE_STOP]
+
+
+@pytest.mark.anyio
+async def test_tool_calls_stream_as_tool_use_blocks_after_the_text():
+    second = ToolCall("call_2", "get_time", {})
+    result = ChatResult("Checking.", "tool_use", USAGE, tool_calls=(CALL, second))
+    events = await stream(items("Checking.", result=result))
+    assert events == [
+        START, TEXT_START, PING, delta("Checking."), stop(0),
+        ("content_block_start", {"type": "content_block_start", "index": 1, "content_block":
+                                 {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {}}}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 1, "delta":
+                                 {"type": "input_json_delta", "partial_json": '{"city": "Paris"}'}}),
+        stop(1),
+        ("content_block_start", {"type": "content_block_start", "index": 2, "content_block":
+                                 {"type": "tool_use", "id": "call_2", "name": "get_time", "input": {}}}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 2, "delta":
+                                 {"type": "input_json_delta", "partial_json": "{}"}}),
+        stop(2),
+        message_delta("tool_use"), MESSAGE_STOP,
+    ]
+
+
+@pytest.mark.anyio
+async def test_an_error_mid_stream_is_one_error_event_and_the_end():
+    events = await stream(items("Hel", error=RequestError(400, "prompt is 9000 tokens; the context holds 8192")))
+    assert events == [START, TEXT_START, PING, delta("Hel"),
+                      ("error", {"type": "error", "error": {"type": "invalid_request_error",
+                                                            "message": "prompt is 9000 tokens; the context holds 8192"}})]
+
+
+@pytest.mark.anyio
+async def test_a_crash_mid_stream_is_an_api_error_event_and_a_log_record(caplog):
+    with caplog.at_level(logging.ERROR, "semantic.web"):
+        events = await stream(items("Hel", error=ZeroDivisionError("boom")))
+    assert events[-1] == ("error", {"type": "error", "error": {
+        "type": "api_error", "message": "the server failed while generating; see its log"}})
+    assert "ZeroDivisionError" in caplog.text
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_turn_ends_the_stream_with_an_overloaded_error():
+    events = await stream(items("Hel", result=ChatResult("Hel", "cancelled", USAGE)))
+    assert events[-1][1]["error"]["type"] == "overloaded_error"
+    assert [name for name, _ in events].count("message_stop") == 0
+
+
+@pytest.mark.anyio
+async def test_a_stream_without_a_result_is_a_bug_reported_as_an_error_event(caplog):
+    with caplog.at_level(logging.ERROR, "semantic.web"):
+        events = await stream(items("Hel"))
+    assert events[-1][0] == "error" and "without a ChatResult" in caplog.text
+
+
+@pytest.mark.anyio
+async def test_cancellation_is_not_turned_into_an_error_event():
+    import anyio
+
+    async def stuck():
+        yield TextDelta("a")
+        await anyio.sleep_forever()
+
+    seen = []
+    with anyio.CancelScope() as scope:
+        async for chunk in anthropic.message_events(stuck(), model="m", usage=USAGE):
+            seen.append(chunk)
+            if b"text_delta" in chunk:
+                scope.cancel()
+    assert scope.cancelled_caught and b"error" not in b"".join(seen)
+
+
+@pytest.mark.anyio
+async def test_the_item_stream_is_closed_once_the_result_is_in():
+    closed = []
+
+    async def source():
+        try:
+            yield TextDelta("Hi")
+            yield ChatResult("Hi", "stop", USAGE)
+            yield TextDelta("never read")
+        finally:
+            closed.append(True)
+
+    events = await stream(source())
+    assert closed == [True] and events[-1] == MESSAGE_STOP

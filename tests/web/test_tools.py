@@ -1,0 +1,257 @@
+"""Tool calls: formats, parsing whole and streamed text, models without tools."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from web.schema import ChatResult, TextDelta, ToolCall, Usage
+from web.tools import (ToolCallFilter, finish_result, flatten_tool_messages, parse_tool_calls,
+                       split_tool_calls, supports_tools, tool_format)
+
+# SmolLM2-Instruct's template (the embedded model): no tools.
+SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+           "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+           "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+# Written for these tests in the conventions of Hugging Face tool templates
+# (Qwen 2.5 style): tools as {"type": "function", "function": ...}, calls under
+# message.tool_calls[*].function with dict arguments, results as role "tool".
+HERMES = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Return each call as <tool_call>{"name": <name>, "arguments": <args>}</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% elif message.role == 'assistant' %}<|im_start|>assistant
+{{ message.content }}
+{%- for tool_call in message.tool_calls or [] %}
+{%- set tool_call = tool_call.function if tool_call.function is defined else tool_call %}
+<tool_call>
+{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+LLAMA_SNIPPET = """{%- if tools is not none %}Respond in the format {"name": function name, "parameters": dictionary
+of argument name and its value}.{%- endif %}{{- "<|python_tag|>" + tool_call.name }}
+{%- elif message.role == "tool" or message.role == "ipython" %}"""
+
+MISTRAL_SNIPPET = "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}[TOOL_CALLS]"
+
+
+@pytest.mark.parametrize("template, supported, fmt", [
+    (SMOLLM2, False, None),
+    (None, False, None),
+    ("", False, None),
+    (HERMES, True, "hermes"),
+    (LLAMA_SNIPPET, True, "llama3"),
+    (MISTRAL_SNIPPET, True, None),  # tools, but a format we cannot parse
+    ("{{ toolset }} {{ my_tools }}", False, None),
+])
+def test_template_capabilities(template, supported, fmt):
+    assert supports_tools(template) is supported
+    assert tool_format(template) == fmt
+
+
+def calls(text, fmt, names=None):
+    rest, found = parse_tool_calls(text, fmt, names)
+    for c in found:
+        assert c.id.startswith("call_") and len(c.id) == 29
+    return rest, [(c.name, c.arguments) for c in found]
+
+
+@pytest.mark.parametrize("text, rest, found", [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+     "", [("get_weather", {"city": "Paris"})]),
+    ('Let me check.\n\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n'
+     '<tool_call>\n{"name": "b", "arguments": {"x": [1, 2]}}\n</tool_call>',
+     "Let me check.", [("a", {}), ("b", {"x": [1, 2]})]),
+    ('<tool_call>{"name": "a", "arguments": "{\\"k\\": 1}"}</tool_call>', "", [("a", {"k": 1})]),
+    ('<tool_call>{"name": "a", "parameters": {"k": 1}}</tool_call>', "", [("a", {"k": 1})]),
+    ('<tool_call>{"name": "a"}</tool_call>', "", [("a", {})]),
+    ('<tool_call>\n{"name": "a", "arguments": {"k": 1}}', "", [("a", {"k": 1})]),  # cut before the close tag
+    ('<tool_call>{"name": "a", "arguments": {"k": </tool_call>', None, []),  # bad JSON stays text
+    ('<tool_call>{"arguments": {}}</tool_call>', None, []),  # no name
+    ('<tool_call>{"name": "a", "arguments": [1]}</tool_call>', None, []),
+    ("Just text, no calls.", None, []),
+    ('ok <tool_call>{bad}</tool_call> then <tool_call>{"name": "a", "arguments": {}}</tool_call>',
+     "ok <tool_call>{bad}</tool_call> then", [("a", {})]),
+])
+def test_hermes_calls(text, rest, found):
+    assert calls(text, "hermes") == (text if rest is None else rest, found)
+
+
+@pytest.mark.parametrize("text, names, rest, found", [
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None, "", [("get_weather", {"city": "Paris"})]),
+    ('  {"name": "a", "parameters": {}}; {"name": "b", "parameters": {"k": 2}}', None, "", [("a", {}), ("b", {"k": 2})]),
+    ('{"name": "a", "arguments": {"k": 1}}', {"a"}, "", [("a", {"k": 1})]),
+    ('<|python_tag|>{"name": "a", "parameters": {"k": 1}}<|eom_id|>', None, "", [("a", {"k": 1})]),
+    ('Sure.<|python_tag|>{"name": "a", "parameters": {}}', {"b"}, "Sure.", [("a", {})]),  # tagged: any name
+    ('<|python_tag|>brave_search.call(query="mlx kv cache")', None, "", [("brave_search", {"query": "mlx kv cache"})]),
+    ('{"name": "Bob", "parameters": {"age": 3}}', {"get_weather"}, None, []),  # a JSON answer, not a call
+    ('{"name": "a", "parameters": {}} and more words', None, None, []),
+    ('{"title": "not a call"}', None, None, []),
+    ("<|python_tag|>print('hi')", None, None, []),
+    ("Paris is sunny.", None, None, []),
+])
+def test_llama3_calls(text, names, rest, found):
+    assert calls(text, "llama3", names) == (text if rest is None else rest, found)
+
+
+def test_no_format_finds_no_calls():
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call>'
+    assert parse_tool_calls(text, None) == (text, [])
+
+
+STREAMED = [
+    ("hermes", 'Let me check the weather.  \n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
+    ("hermes", 'Two calls:\n<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": {}}</tool_call>\n'),
+    ("hermes", "No calls, but a < sign and <tool and trailing space   "),
+    ("hermes", "  Leading space, then <tool_call>{broken</tool_call> and after"),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+    ("llama3", 'Checking. <|python_tag|>{"name": "a", "parameters": {}}<|eom_id|>'),
+    ("llama3", "Plain answer with <|python and a pipe | char."),
+    ("llama3", '\n {"json": "answer"}'),
+]
+
+
+def _chunkings(text: str, rng: random.Random):
+    yield list(text)  # one character at a time
+    yield [text]
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 8))))
+        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+@pytest.mark.parametrize("fmt, text", STREAMED)
+def test_streamed_text_is_always_a_prefix_of_the_final_text(fmt, text):
+    final, found = parse_tool_calls(text, fmt)
+    for pieces in _chunkings(text, random.Random(text)):
+        hold = ToolCallFilter(fmt)
+        released = "".join(hold.feed(p) for p in pieces)
+        assert final.startswith(released), (pieces, released)
+        assert "<tool_call>" not in released and "<|python_tag|>" not in released
+        held = "<tool_call>" in text or "<|python_tag|>" in text or (fmt == "llama3" and text.lstrip()[:1] == "{")
+        if not held:  # all but trailing whitespace is released at once
+            assert released == text.rstrip()
+
+
+def test_the_filter_releases_text_as_soon_as_it_is_safe():
+    hold = ToolCallFilter("hermes")
+    assert [hold.feed(p) for p in ["Hi", " there", " <", "b>", " <tool", "_call>", "{...", "</tool_call>"]] == \
+           ["Hi", " there", "", " <b>", "", "", "", ""]
+
+
+U = Usage(5, 0, 9)
+
+
+@pytest.mark.parametrize("reason, fmt, expect_calls", [
+    ("stop", "hermes", True),
+    ("length", "hermes", False),  # cut short: the calls stay text
+    ("stop_sequence", "hermes", False),
+    ("stop", None, False),
+])
+def test_finish_result(reason, fmt, expect_calls):
+    text = 'Checking.\n<tool_call>{"name": "a", "arguments": {"k": 1}}</tool_call>'
+    result = ChatResult(text, reason, U, stop_sequence="END" if reason == "stop_sequence" else None)
+    done = finish_result(result, fmt, {"a"})
+    if expect_calls:
+        assert (done.text, done.stop_reason, [c.name for c in done.tool_calls]) == ("Checking.", "tool_use", ["a"])
+    else:
+        assert done == result
+
+
+@pytest.mark.anyio
+async def test_split_tool_calls_holds_back_calls_and_parses_the_result():
+    text = 'Sure.\n<tool_call>{"name": "a", "arguments": {"k": 1}}</tool_call>'
+
+    async def items():
+        for piece in [text[i:i + 4] for i in range(0, len(text), 4)]:
+            yield TextDelta(piece)
+        yield ChatResult(text, "stop", U)
+
+    out = [item async for item in split_tool_calls(items(), "hermes", {"a"})]
+    assert "".join(i.text for i in out[:-1]) == "Sure."
+    result = out[-1]
+    assert (result.text, result.stop_reason, result.tool_calls[0].name, result.tool_calls[0].arguments) == \
+           ("Sure.", "tool_use", "a", {"k": 1})
+
+
+@pytest.mark.anyio
+async def test_split_tool_calls_without_a_format_passes_everything_through():
+    sent = [TextDelta("<tool_call>"), ChatResult("<tool_call>", "stop", U)]
+
+    async def items():
+        for item in sent:
+            yield item
+
+    assert [item async for item in split_tool_calls(items(), None)] == sent
+
+
+TOOL_TURNS = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {"role": "assistant", "content": "Checking.", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+    {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "18C"},
+    {"role": "tool", "tool_call_id": "c2", "content": "25C"},
+    {"role": "user", "content": "Which is warmer?"},
+]
+
+
+def test_flatten_tool_messages_for_templates_without_tools():
+    assert flatten_tool_messages(TOOL_TURNS) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": 'Checking.\n[tool call: get_weather({"city": "Paris"})]\n'
+                                         '[tool call: get_weather({"city": "Rome"})]'},
+        {"role": "user", "content": "[tool result from get_weather]\n18C\n\n[tool result]\n25C\n\nWhich is warmer?"},
+    ]
+    assert TOOL_TURNS[3]["role"] == "tool", "the input is left alone"
+
+
+def test_flattened_messages_render_with_a_template_without_tools():
+    render = pytest.importorskip("transformers.utils.chat_template_utils").render_jinja_template
+    text = render(conversations=[flatten_tool_messages(TOOL_TURNS)], chat_template=SMOLLM2,
+                  add_generation_prompt=True)[0][0]
+    assert "[tool result from get_weather]\n18C" in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_normalised_tool_turns_render_through_a_hf_style_tool_template():
+    render = pytest.importorskip("transformers.utils.chat_template_utils").render_jinja_template
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    text = render(conversations=[TOOL_TURNS], tools=tools, chat_template=HERMES, add_generation_prompt=True)[0][0]
+    assert '{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}' in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<tool_response>\n25C\n</tool_response>" in text
+    # What the model then writes in this format parses back into the same call.
+    _, found = parse_tool_calls('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+                                tool_format(HERMES))
+    assert [(c.name, c.arguments) for c in found] == [("get_weather", {"city": "Rome"})]
+    assert json.loads(json.dumps(found[0].arguments)) == {"city": "Rome"}
+
+
+def test_tool_call_is_hashable_by_id_and_name():
+    assert hash(ToolCall("c", "n", {"a": 1})) == hash(ToolCall("c", "n", {"b": 2}))

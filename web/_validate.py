@@ -1,0 +1,118 @@
+"""Field checks shared by the protocol parsers. Each returns None for a field
+left out or sent as null (unless required) and raises ``RequestError``
+(400) with a message that names the field and the broken rule:
+
+    max_tokens: must be an integer, not a string
+    messages[1].content[0].type: 'image' is not supported (this server reads text only)
+"""
+
+from __future__ import annotations
+
+import math
+
+from .schema import RequestError
+
+__all__ = ["bad", "boolean", "integer", "jtype", "number", "obj", "seq", "string", "strings"]
+
+_JSON_TYPES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number",
+               list: "an array", dict: "an object", type(None): "null"}
+
+
+def jtype(value: object) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def bad(where: str, rule: str) -> RequestError:
+    return RequestError(400, f"{where}: {rule}", param=where)
+
+
+def _get(data: dict, key: str, where: str, required: bool):
+    """``data[key]``; a field left out or sent as null is None (or missing, if required)."""
+    value = data.get(key)
+    if value is None and required:
+        raise bad(where + key, "is required")
+    return value
+
+
+def string(data: dict, key: str, where: str = "", *, required: bool = False, nonempty: bool = False):
+    value = _get(data, key, where, required)
+    if value is not None:
+        if not isinstance(value, str):
+            raise bad(where + key, f"must be a string, not {jtype(value)}")
+        if nonempty and not value:
+            raise bad(where + key, "must not be empty")
+    return value
+
+
+def boolean(data: dict, key: str, where: str = "", *, default: bool = False) -> bool:
+    value = _get(data, key, where, False)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(where + key, f"must be a boolean, not {jtype(value)}")
+    return value
+
+
+def integer(data: dict, key: str, where: str = "", *, required: bool = False,
+            lo: int | None = None, hi: int | None = None, hi_rule: str = ""):
+    value = _get(data, key, where, required)
+    if value is None:
+        return value
+    if isinstance(value, float) and value.is_integer():  # some clients send 100.0
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(where + key, f"must be an integer, not {jtype(value)}")
+    if lo is not None and value < lo:
+        raise bad(where + key, f"must be at least {lo}, not {value}")
+    if hi is not None and value > hi:
+        raise bad(where + key, hi_rule or f"must be at most {hi}, not {value}")
+    return value
+
+
+def number(data: dict, key: str, where: str = "", *, lo: float, hi: float, lo_open: bool = False):
+    """A finite number in [lo, hi] (or (lo, hi] with ``lo_open``)."""
+    value = _get(data, key, where, False)
+    if value is None:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise bad(where + key, f"must be a number, not {jtype(value)}")
+    if value < lo or value > hi or (lo_open and value == lo):
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise bad(where + key, f"must be in {interval}, not {value:g}")
+    return float(value)
+
+
+def obj(data: dict, key: str, where: str = "", *, required: bool = False):
+    value = _get(data, key, where, required)
+    if value is not None and not isinstance(value, dict):
+        raise bad(where + key, f"must be an object, not {jtype(value)}")
+    return value
+
+
+def seq(data: dict, key: str, where: str = "", *, required: bool = False, nonempty: bool = False):
+    value = _get(data, key, where, required)
+    if value is None:
+        return value
+    if not isinstance(value, list):
+        raise bad(where + key, f"must be an array, not {jtype(value)}")
+    if nonempty and not value:
+        raise bad(where + key, "must not be empty")
+    return value
+
+
+def strings(data: dict, key: str, where: str = "", *, allow_one: bool = False) -> tuple[str, ...]:
+    """A list of non-empty strings (or one string, with ``allow_one``); () when absent."""
+    value = _get(data, key, where, False)
+    if value is None:
+        return ()
+    if allow_one and isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        kinds = "a string or an array of strings" if allow_one else "an array of strings"
+        raise bad(where + key, f"must be {kinds}, not {jtype(value)}")
+    for i, s in enumerate(value):
+        if not isinstance(s, str):
+            raise bad(f"{where}{key}[{i}]", f"must be a string, not {jtype(s)}")
+        if not s:
+            raise bad(f"{where}{key}[{i}]", "must not be empty")
+    return tuple(value)

@@ -1,0 +1,360 @@
+"""The Anthropic Messages API (``POST /v1/messages``): request parsing and
+validation, the message JSON, the SSE stream, and error JSON.
+
+A stream follows Anthropic's documented event sequence exactly:
+
+    message_start        the message, empty content, stop_reason null, prompt usage
+    content_block_start  index 0, {"type": "text", "text": ""}
+    ping
+    content_block_delta  index 0, text_delta ...
+    content_block_stop   index 0
+    (per tool call i:    content_block_start index i+1 tool_use with input {},
+                         content_block_delta input_json_delta, content_block_stop)
+    message_delta        stop_reason, stop_sequence, cumulative usage
+    message_stop
+
+and a failure after the stream has begun is one ``error`` event, after which
+the stream ends. The text block is always there, also when the reply is only
+tool calls (then it is empty), and the non-streaming message has the same blocks.
+
+Ignored without complaint: ``cache_control`` anywhere, ``thinking`` blocks
+sent back in assistant turns, and request fields this server has no use for
+(``thinking``, ``service_tier``, ...). Refused with a 400: images and
+documents (this server reads text), server tools (``web_search_...``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterable, AsyncIterator
+
+from . import _validate as v
+from ._aio import closing
+from .schema import ChatRequest, ChatResult, RequestError, StreamItem, TextDelta, Usage, load_json
+from .sse import encode
+
+__all__ = ["error_json", "message_events", "message_json", "parse_request"]
+
+log = logging.getLogger("semantic.web")
+
+_STOP = {"stop": "end_turn", "length": "max_tokens", "stop_sequence": "stop_sequence", "tool_use": "tool_use"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                503: "overloaded_error", 529: "overloaded_error"}
+_JOIN = "\n\n"  # between the text blocks of one message or of the system prompt
+
+
+# --- requests -----------------------------------------------------------------
+
+
+def parse_request(body: bytes, *, max_tokens_limit: int, agent_id: str | None = None) -> ChatRequest:
+    """The ``ChatRequest`` in a ``/v1/messages`` body.
+
+    ``max_tokens`` is required and at most ``max_tokens_limit``; ``agent_id``
+    is the ``X-Agent-Id`` header, if any (checked by the caller). Raises
+    ``RequestError`` (400) naming the first field that breaks a rule.
+    """
+    data = load_json(body)
+    messages = tuple(_messages(data))
+    system = _system(data)
+    limit_rule = f"must be at most this server's limit of {max_tokens_limit}, not {data.get('max_tokens')}"
+    max_tokens = v.integer(data, "max_tokens", required=True, lo=1, hi=max_tokens_limit, hi_rule=limit_rule)
+    tools, tool_choice = _tools(data)
+    return ChatRequest(
+        messages=messages,
+        max_tokens=max_tokens,
+        system=system,
+        model=v.string(data, "model"),
+        temperature=v.number(data, "temperature", lo=0, hi=1),
+        top_p=v.number(data, "top_p", lo=0, hi=1, lo_open=True),
+        top_k=v.integer(data, "top_k", lo=0),
+        stop=v.strings(data, "stop_sequences"),
+        stream=v.boolean(data, "stream"),
+        agent_id=agent_id,
+        tools=tools,
+        tool_choice=tool_choice,
+        metadata=v.obj(data, "metadata"),
+    )
+
+
+def _system(data: dict) -> str | None:
+    system = data.get("system")
+    if system is None or isinstance(system, str):
+        return system
+    if not isinstance(system, list):
+        raise v.bad("system", f"must be a string or an array of text blocks, not {v.jtype(system)}")
+    return _JOIN.join(_text_blocks(system, "system"))
+
+
+def _text_blocks(blocks: list, where: str) -> list[str]:
+    texts = []
+    for i, block in enumerate(blocks):
+        at = f"{where}[{i}]"
+        if (kind := _block_type(block, at)) != "text":
+            raise v.bad(at + ".type", f"must be 'text', not {kind!r}")
+        if text := v.string(block, "text", at + ".", required=True):
+            texts.append(text)
+    return texts
+
+
+def _messages(data: dict) -> list[dict]:
+    out: list[dict] = []
+    names: dict[str, str] = {}  # tool_use id -> tool name, for the results that answer them
+    for i, msg in enumerate(v.seq(data, "messages", required=True, nonempty=True)):
+        at = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise v.bad(at, f"must be an object, not {v.jtype(msg)}")
+        role = v.string(msg, "role", at + ".", required=True)
+        if role not in ("user", "assistant"):
+            hint = " (the system prompt goes in the top-level 'system' field)" if role == "system" else ""
+            raise v.bad(at + ".role", f"must be 'user' or 'assistant', not {role!r}{hint}")
+        content = msg.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+        elif isinstance(content, list):
+            out += _user_blocks(content, at, names) if role == "user" else [_assistant_blocks(content, at, names)]
+        else:
+            raise v.bad(at + ".content", f"must be a string or an array of content blocks, not {v.jtype(content)}")
+    return out
+
+
+def _block_type(block: object, at: str) -> str:
+    if not isinstance(block, dict):
+        raise v.bad(at, f"must be a content block object, not {v.jtype(block)}")
+    return v.string(block, "type", at + ".", required=True)
+
+
+def _unsupported(kind: str, at: str) -> RequestError:
+    if kind in ("image", "document"):
+        return v.bad(at + ".type", f"{kind!r} blocks are not supported (this server reads text only)")
+    return v.bad(at + ".type", f"{kind!r} blocks are not supported here")
+
+
+def _user_blocks(blocks: list, where: str, names: dict[str, str]) -> list[dict]:
+    """User text blocks become user messages; each tool_result a tool message, in order."""
+    out: list[dict] = []
+    texts: list[str] = []
+
+    def flush():
+        if texts:
+            out.append({"role": "user", "content": _JOIN.join(texts)})
+            texts.clear()
+
+    for j, block in enumerate(blocks):
+        at = f"{where}.content[{j}]"
+        kind = _block_type(block, at)
+        if kind == "text":
+            if text := v.string(block, "text", at + ".", required=True):
+                texts.append(text)
+        elif kind == "tool_result":
+            flush()
+            out.append(_tool_result(block, at, names))
+        else:
+            raise _unsupported(kind, at)
+    flush()
+    if not out:  # e.g. only empty text blocks
+        out.append({"role": "user", "content": ""})
+    return out
+
+
+def _tool_result(block: dict, at: str, names: dict[str, str]) -> dict:
+    call_id = v.string(block, "tool_use_id", at + ".", required=True)
+    content = block.get("content")
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    elif isinstance(content, list):  # text blocks; an image a tool returned is only named
+        parts = []
+        for k, part in enumerate(content):
+            kind = _block_type(part, f"{at}.content[{k}]")
+            if kind == "text":
+                parts.append(v.string(part, "text", f"{at}.content[{k}].", required=True))
+            elif kind in ("image", "document"):
+                parts.append(f"[{kind} omitted: this server reads text only]")
+            else:
+                raise _unsupported(kind, f"{at}.content[{k}]")
+        text = _JOIN.join(p for p in parts if p)
+    else:
+        raise v.bad(at + ".content", f"must be a string or an array of blocks, not {v.jtype(content)}")
+    if v.boolean(block, "is_error", at + "."):
+        text = "Error: " + text
+    msg = {"role": "tool", "tool_call_id": call_id, "content": text}
+    if call_id in names:
+        msg["name"] = names[call_id]
+    return msg
+
+
+def _assistant_blocks(blocks: list, where: str, names: dict[str, str]) -> dict:
+    texts, calls = [], []
+    for j, block in enumerate(blocks):
+        at = f"{where}.content[{j}]"
+        kind = _block_type(block, at)
+        if kind == "text":
+            if text := v.string(block, "text", at + ".", required=True):
+                texts.append(text)
+        elif kind == "tool_use":
+            call_id = v.string(block, "id", at + ".", required=True, nonempty=True)
+            name = v.string(block, "name", at + ".", required=True, nonempty=True)
+            args = v.obj(block, "input", at + ".")
+            names[call_id] = name
+            calls.append({"id": call_id, "type": "function",
+                          "function": {"name": name, "arguments": {} if args is None else args}})
+        elif kind in ("thinking", "redacted_thinking"):
+            continue  # this server never thinks out loud; a client may echo another model's
+        else:
+            raise _unsupported(kind, at)
+    msg = {"role": "assistant", "content": _JOIN.join(texts)}
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _tools(data: dict) -> tuple[tuple[dict, ...] | None, str]:
+    tools = v.seq(data, "tools")
+    if tools is None or not tools:
+        return None, "auto"
+    out, seen = [], set()
+    for i, tool in enumerate(tools):
+        at = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise v.bad(at, f"must be an object, not {v.jtype(tool)}")
+        kind = v.string(tool, "type", at + ".")
+        if kind not in (None, "custom"):
+            raise v.bad(at + ".type", f"server tool {kind!r} is not supported (only tools the client runs)")
+        name = v.string(tool, "name", at + ".", required=True, nonempty=True)
+        if name in seen:
+            raise v.bad(at + ".name", f"tool names must be unique; {name!r} appears twice")
+        seen.add(name)
+        schema = v.obj(tool, "input_schema", at + ".", required=True)
+        function = {"name": name}
+        if (description := v.string(tool, "description", at + ".")) is not None:
+            function["description"] = description
+        function["parameters"] = schema
+        out.append({"type": "function", "function": function})
+    choice = v.obj(data, "tool_choice")
+    if choice is None:
+        return tuple(out), "auto"
+    kind = v.string(choice, "type", "tool_choice.", required=True)
+    if kind == "auto":
+        return tuple(out), "auto"
+    if kind == "any":
+        return tuple(out), "required"
+    if kind == "none":
+        return None, "auto"
+    if kind == "tool":
+        name = v.string(choice, "name", "tool_choice.", required=True)
+        if name not in seen:
+            raise v.bad("tool_choice.name", f"names no tool in 'tools': {name!r}")
+        return tuple(t for t in out if t["function"]["name"] == name), "required"
+    raise v.bad("tool_choice.type", f"must be 'auto', 'any', 'tool' or 'none', not {kind!r}")
+
+
+# --- responses ----------------------------------------------------------------
+
+
+def _cancelled() -> RequestError:
+    return RequestError(503, "the turn was cancelled before it finished; try again")
+
+
+def new_message_id() -> str:
+    return "msg_" + secrets.token_hex(12)
+
+
+def _usage(usage: Usage) -> dict:
+    return {"input_tokens": usage.input_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": usage.cache_read_input_tokens, "output_tokens": usage.output_tokens}
+
+
+def _tool_block(call) -> dict:
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}
+
+
+def message_json(result: ChatResult, *, model: str, message_id: str | None = None) -> dict:
+    """The non-streaming response body for ``result``.
+
+    Raises ``RequestError`` (503) for a cancelled turn, which has no message.
+    """
+    if result.stop_reason == "cancelled":
+        raise _cancelled()
+    return {
+        "id": message_id or new_message_id(),
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [{"type": "text", "text": result.text}] + [_tool_block(c) for c in result.tool_calls],
+        "stop_reason": _STOP[result.stop_reason],
+        "stop_sequence": result.stop_sequence,
+        "usage": _usage(result.usage),
+    }
+
+
+def error_json(err: RequestError) -> dict:
+    """Anthropic's error body: ``{"type": "error", "error": {"type", "message"}}``."""
+    kind = _ERROR_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def _event(data: dict) -> bytes:
+    return encode(data, data["type"])
+
+
+async def message_events(items: AsyncIterable[StreamItem], *, model: str, usage: Usage,
+                         message_id: str | None = None) -> AsyncIterator[bytes]:
+    """The SSE stream of one message, encoded.
+
+    ``usage`` is the prompt's usage as known when the stream starts (sent in
+    ``message_start``); the final ``message_delta`` carries the result's
+    cumulative counts. ``items`` are text deltas and then one ``ChatResult``.
+    A ``RequestError`` raised by ``items`` becomes an ``error`` event with its
+    message, another exception an ``error`` event saying the server failed
+    (and a log record), a cancelled result an ``overloaded_error`` event; the
+    stream ends after any of them. Cancellation is never caught.
+    """
+    start = {"id": message_id or new_message_id(), "type": "message", "role": "assistant", "model": model,
+             "content": [], "stop_reason": None, "stop_sequence": None, "usage": _usage(usage)}
+    yield _event({"type": "message_start", "message": start})
+    yield _event({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
+    yield _event({"type": "ping"})
+    parts: list[str] = []
+    try:
+        async with closing(items) as stream:  # closed once the result is in
+            async for item in stream:
+                if isinstance(item, TextDelta):
+                    if item.text:
+                        parts.append(item.text)
+                        yield _delta(item.text)
+                    continue
+                result = item
+                break
+            else:
+                raise AssertionError("the item stream ended without a ChatResult")
+        if result.stop_reason == "cancelled":
+            raise _cancelled()
+        sent = "".join(parts)
+        assert result.text.startswith(sent), "streamed text must be a prefix of the result's text"
+    except RequestError as err:
+        yield _event(error_json(err))
+        return
+    except Exception:
+        log.exception("a /v1/messages stream failed")
+        yield _event(error_json(RequestError(500, "the server failed while generating; see its log")))
+        return
+    if rest := result.text[len(sent):]:
+        yield _delta(rest)
+    yield _event({"type": "content_block_stop", "index": 0})
+    for i, call in enumerate(result.tool_calls, start=1):
+        yield _event({"type": "content_block_start", "index": i, "content_block": {**_tool_block(call), "input": {}}})
+        yield _event({"type": "content_block_delta", "index": i,
+                      "delta": {"type": "input_json_delta", "partial_json": json.dumps(call.arguments)}})
+        yield _event({"type": "content_block_stop", "index": i})
+    yield _event({"type": "message_delta",
+                  "delta": {"stop_reason": _STOP[result.stop_reason], "stop_sequence": result.stop_sequence},
+                  "usage": _usage(result.usage)})
+    yield _event({"type": "message_stop"})
+
+
+def _delta(text: str) -> bytes:
+    return _event({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}})

@@ -1,0 +1,329 @@
+"""The OpenAI chat completions API (``POST /v1/chat/completions``): request
+parsing and validation, the completion JSON, the SSE chunks, and error JSON.
+
+A stream is ``data:`` lines only:
+
+    chunk  delta {"role": "assistant", "content": ""}
+    chunk  delta {"content": "..."} ...
+    chunk  delta {"tool_calls": [{index, id, type, function: {name, arguments}}]}  (one per call)
+    chunk  delta {}, finish_reason "stop" | "length" | "tool_calls"
+    chunk  choices [], usage                     (only with stream_options.include_usage)
+    [DONE]
+
+Every chunk carries ``"usage": null`` when usage was asked for, as OpenAI's
+do. A failure after the stream has begun is one ``{"error": {...}}`` chunk
+(the ``openai`` SDK raises it) and then ``[DONE]``.
+
+Leading ``system`` and ``developer`` messages become the system prompt; later
+ones stay where they are. Refused with a 400: images, audio and files (this
+server reads text), ``n`` other than 1, ``logprobs``, ``response_format``
+other than text, legacy ``function`` messages. Other unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterable, AsyncIterator
+
+from . import _validate as v
+from ._aio import closing
+from .schema import ChatRequest, ChatResult, RequestError, StreamItem, TextDelta, Usage, load_json
+from .sse import encode
+
+__all__ = ["completion_chunks", "completion_json", "error_json", "parse_request"]
+
+log = logging.getLogger("semantic.web")
+
+_FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "tool_use": "tool_calls"}
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                429: "rate_limit_error"}
+_JOIN = "\n\n"  # between the text parts of one message, and between leading system messages
+_DONE = encode("[DONE]")
+
+
+# --- requests -----------------------------------------------------------------
+
+
+def parse_request(body: bytes, *, max_tokens_limit: int, agent_id: str | None = None) -> ChatRequest:
+    """The ``ChatRequest`` in a ``/v1/chat/completions`` body.
+
+    ``max_completion_tokens`` (or the older ``max_tokens``) is at most
+    ``max_tokens_limit`` and defaults to it. ``agent_id`` is the
+    ``X-Agent-Id`` header, if any; the body's ``session_id`` names the agent
+    too, and the two must agree. Raises ``RequestError`` (400) naming the
+    first field that breaks a rule.
+    """
+    data = load_json(body)
+    system, messages = _messages(data)
+    limit = {}
+    for key in ("max_tokens", "max_completion_tokens"):
+        rule = f"must be at most this server's limit of {max_tokens_limit}, not {data.get(key)}"
+        limit[key] = v.integer(data, key, lo=1, hi=max_tokens_limit, hi_rule=rule)
+    max_tokens = limit["max_completion_tokens"] or limit["max_tokens"] or max_tokens_limit
+    session = v.string(data, "session_id", nonempty=True)
+    if agent_id is not None and session is not None and session != agent_id:
+        raise v.bad("session_id", f"names agent {session!r} but the X-Agent-Id header names {agent_id!r}")
+    _refuse_unsupported(data)
+    stream = v.boolean(data, "stream")
+    options = v.obj(data, "stream_options") or {}
+    tools, tool_choice = _tools(data)
+    return ChatRequest(
+        messages=messages,
+        max_tokens=max_tokens,
+        system=system,
+        model=v.string(data, "model"),
+        temperature=v.number(data, "temperature", lo=0, hi=2),
+        top_p=v.number(data, "top_p", lo=0, hi=1, lo_open=True),
+        top_k=v.integer(data, "top_k", lo=0),  # not OpenAI's, but common among local servers
+        stop=v.strings(data, "stop", allow_one=True),
+        seed=v.integer(data, "seed"),
+        stream=stream,
+        include_usage=stream and v.boolean(options, "include_usage", "stream_options."),
+        agent_id=agent_id if agent_id is not None else session,
+        tools=tools,
+        tool_choice=tool_choice,
+        metadata=v.obj(data, "metadata"),
+    )
+
+
+def _refuse_unsupported(data: dict) -> None:
+    if (n := v.integer(data, "n")) not in (None, 1):
+        raise v.bad("n", f"only 1 choice per request is supported, not {n}")
+    if v.boolean(data, "logprobs"):
+        raise v.bad("logprobs", "log probabilities are not supported")
+    fmt = v.obj(data, "response_format")
+    if fmt is not None and fmt.get("type") != "text":
+        raise v.bad("response_format", f"only {{'type': 'text'}} is supported, not {fmt.get('type')!r}")
+
+
+def _messages(data: dict) -> tuple[str | None, tuple[dict, ...]]:
+    system: list[str] = []
+    out: list[dict] = []
+    names: dict[str, str] = {}  # tool call id -> tool name, for the results that answer them
+    for i, msg in enumerate(v.seq(data, "messages", required=True, nonempty=True)):
+        at = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise v.bad(at, f"must be an object, not {v.jtype(msg)}")
+        role = v.string(msg, "role", at + ".", required=True)
+        if role in ("system", "developer"):
+            text = _text(msg, at, required=True)
+            if out:
+                out.append({"role": "system", "content": text})
+            else:
+                system.append(text)
+        elif role == "user":
+            out.append({"role": "user", "content": _text(msg, at, required=True)})
+        elif role == "assistant":
+            out.append(_assistant(msg, at, names))
+        elif role == "tool":
+            call_id = v.string(msg, "tool_call_id", at + ".", required=True, nonempty=True)
+            out.append({"role": "tool", "tool_call_id": call_id, "content": _text(msg, at, required=True)}
+                       | ({"name": names[call_id]} if call_id in names else {}))
+        else:
+            raise v.bad(at + ".role", "must be 'system', 'developer', 'user', 'assistant' or 'tool', "
+                                      f"not {role!r}")
+    if not out:
+        raise v.bad("messages", "must hold a user message, not only system messages")
+    return (_JOIN.join(system) if system else None), tuple(out)
+
+
+def _text(msg: dict, at: str, required: bool) -> str:
+    """A message's content as one string: a string, or text parts joined."""
+    content = msg.get("content")
+    if content is None:
+        if required:
+            raise v.bad(at + ".content", "is required")
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise v.bad(at + ".content", f"must be a string or an array of content parts, not {v.jtype(content)}")
+    texts = []
+    for j, part in enumerate(content):
+        where = f"{at}.content[{j}]"
+        if not isinstance(part, dict):
+            raise v.bad(where, f"must be a content part object, not {v.jtype(part)}")
+        kind = v.string(part, "type", where + ".", required=True)
+        if kind == "text":
+            texts.append(v.string(part, "text", where + ".", required=True))
+        elif kind == "refusal":
+            texts.append(v.string(part, "refusal", where + ".", required=True))
+        elif kind in ("image_url", "input_audio", "file"):
+            raise v.bad(where + ".type", f"{kind!r} parts are not supported (this server reads text only)")
+        else:
+            raise v.bad(where + ".type", f"{kind!r} parts are not supported")
+    return _JOIN.join(t for t in texts if t)
+
+
+def _assistant(msg: dict, at: str, names: dict[str, str]) -> dict:
+    calls = []
+    for k, call in enumerate(v.seq(msg, "tool_calls", at + ".") or ()):
+        where = f"{at}.tool_calls[{k}]"
+        if not isinstance(call, dict):
+            raise v.bad(where, f"must be an object, not {v.jtype(call)}")
+        call_id = v.string(call, "id", where + ".", required=True, nonempty=True)
+        function = v.obj(call, "function", where + ".", required=True)
+        name = v.string(function, "name", where + ".function.", required=True, nonempty=True)
+        args = function.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise v.bad(where + ".function.arguments", f"is not valid JSON: {e}") from None
+        if not isinstance(args, dict):
+            raise v.bad(where + ".function.arguments", f"must encode a JSON object, not {v.jtype(args)}")
+        names[call_id] = name
+        calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
+    out = {"role": "assistant", "content": _text(msg, at, required=not calls)}
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+def _tools(data: dict) -> tuple[tuple[dict, ...] | None, str]:
+    tools = v.seq(data, "tools")
+    if not tools:
+        return None, "auto"
+    out, seen = [], set()
+    for i, tool in enumerate(tools):
+        at = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise v.bad(at, f"must be an object, not {v.jtype(tool)}")
+        if (kind := v.string(tool, "type", at + ".", required=True)) != "function":
+            raise v.bad(at + ".type", f"only 'function' tools are supported, not {kind!r}")
+        function = v.obj(tool, "function", at + ".", required=True)
+        name = v.string(function, "name", at + ".function.", required=True, nonempty=True)
+        if name in seen:
+            raise v.bad(at + ".function.name", f"tool names must be unique; {name!r} appears twice")
+        seen.add(name)
+        clean = {"name": name}
+        if (description := v.string(function, "description", at + ".function.")) is not None:
+            clean["description"] = description
+        if (parameters := v.obj(function, "parameters", at + ".function.")) is not None:
+            clean["parameters"] = parameters
+        out.append({"type": "function", "function": clean})
+    choice = data.get("tool_choice")
+    if choice is None or choice == "auto":
+        return tuple(out), "auto"
+    if choice == "none":
+        return None, "auto"
+    if choice == "required":
+        return tuple(out), "required"
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = v.string(v.obj(choice, "function", "tool_choice.", required=True), "name",
+                        "tool_choice.function.", required=True)
+        if name not in seen:
+            raise v.bad("tool_choice.function.name", f"names no tool in 'tools': {name!r}")
+        return tuple(t for t in out if t["function"]["name"] == name), "required"
+    raise v.bad("tool_choice", "must be 'none', 'auto', 'required' or "
+                               "{'type': 'function', 'function': {'name': ...}}")
+
+
+# --- responses ----------------------------------------------------------------
+
+
+def new_completion_id() -> str:
+    return "chatcmpl-" + secrets.token_hex(12)
+
+
+def _cancelled() -> RequestError:
+    return RequestError(503, "the turn was cancelled before it finished; try again")
+
+
+def _usage(usage: Usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.output_tokens,
+            "total_tokens": usage.prompt_tokens + usage.output_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cache_read_input_tokens}}
+
+
+def _tool_calls(result: ChatResult) -> list[dict]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+            for c in result.tool_calls]
+
+
+def completion_json(result: ChatResult, *, model: str, completion_id: str | None = None,
+                    created: int | None = None) -> dict:
+    """The non-streaming response body for ``result``.
+
+    Raises ``RequestError`` (503) for a cancelled turn, which has no completion.
+    """
+    if result.stop_reason == "cancelled":
+        raise _cancelled()
+    message = {"role": "assistant", "content": result.text or (None if result.tool_calls else ""),
+               "refusal": None}
+    if result.tool_calls:
+        message["tool_calls"] = _tool_calls(result)
+    return {
+        "id": completion_id or new_completion_id(),
+        "object": "chat.completion",
+        "created": int(time.time()) if created is None else created,
+        "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": None,
+                     "finish_reason": _FINISH[result.stop_reason]}],
+        "usage": _usage(result.usage),
+        "system_fingerprint": None,
+    }
+
+
+def error_json(err: RequestError) -> dict:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    kind = _ERROR_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "server_error")
+    return {"error": {"message": err.message, "type": kind, "param": err.param, "code": None}}
+
+
+async def completion_chunks(items: AsyncIterable[StreamItem], *, model: str, include_usage: bool = False,
+                            completion_id: str | None = None, created: int | None = None) -> AsyncIterator[bytes]:
+    """The SSE stream of one completion, encoded (see the module docstring).
+
+    ``items`` are text deltas and then one ``ChatResult``. A ``RequestError``
+    raised by ``items`` becomes an error chunk with its message, another
+    exception an error chunk saying the server failed (and a log record), a
+    cancelled result a 503 error chunk; ``[DONE]`` follows each. Cancellation
+    is never caught.
+    """
+    head = {"id": completion_id or new_completion_id(), "object": "chat.completion.chunk",
+            "created": int(time.time()) if created is None else created, "model": model,
+            "system_fingerprint": None}
+
+    def chunk(delta: dict, finish: str | None = None) -> bytes:
+        body = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        return encode(body | {"usage": None} if include_usage else body)
+
+    yield chunk({"role": "assistant", "content": ""})
+    parts: list[str] = []
+    try:
+        async with closing(items) as stream:  # closed once the result is in
+            async for item in stream:
+                if isinstance(item, TextDelta):
+                    if item.text:
+                        parts.append(item.text)
+                        yield chunk({"content": item.text})
+                    continue
+                result = item
+                break
+            else:
+                raise AssertionError("the item stream ended without a ChatResult")
+        if result.stop_reason == "cancelled":
+            raise _cancelled()
+        sent = "".join(parts)
+        assert result.text.startswith(sent), "streamed text must be a prefix of the result's text"
+    except RequestError as err:
+        yield encode(error_json(err))
+        yield _DONE
+        return
+    except Exception:
+        log.exception("a /v1/chat/completions stream failed")
+        yield encode(error_json(RequestError(500, "the server failed while generating; see its log")))
+        yield _DONE
+        return
+    if rest := result.text[len(sent):]:
+        yield chunk({"content": rest})
+    for i, call in enumerate(_tool_calls(result)):
+        yield chunk({"tool_calls": [{"index": i, **call}]})
+    yield chunk({}, _FINISH[result.stop_reason])
+    if include_usage:
+        yield encode({**head, "choices": [], "usage": _usage(result.usage)})
+    yield _DONE

@@ -1,0 +1,174 @@
+"""What every route speaks, whatever its protocol: one normalised request in,
+a stream of text deltas and one result out, and the error a client sees.
+
+The protocol modules (``web.anthropic``, ``web.openai``) turn a request body
+into a ``ChatRequest`` and a ``ChatResult`` back into their own JSON and SSE;
+nothing here knows a protocol, a model or the runtime.
+
+Messages in a ``ChatRequest`` are ready for a Hugging Face chat template:
+
+    {"role": "system" | "user" | "assistant" | "tool", "content": str}
+
+An assistant message may carry the calls it made, arguments as a dict (HF
+templates ``tojson`` them), and a tool message names the call it answers:
+
+    {"role": "assistant", "content": "Let me look.",
+     "tool_calls": [{"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "18C"}
+
+``content`` is always a string, never ``None`` (templates concatenate it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+__all__ = [
+    "ChatRequest",
+    "ChatResult",
+    "RequestError",
+    "ROLES",
+    "StopReason",
+    "StreamItem",
+    "TextDelta",
+    "ToolCall",
+    "Usage",
+    "load_json",
+]
+
+ROLES = ("system", "user", "assistant", "tool")
+
+StopReason = Literal["stop", "length", "stop_sequence", "tool_use", "cancelled"]
+_STOP_REASONS = get_args(StopReason)
+
+
+class RequestError(Exception):
+    """A request the server will not serve; ``message`` is fit to show the client.
+
+    ``status`` is the HTTP status (4xx: the client's fault, 5xx: ours); each
+    protocol turns it into its own error type and JSON. ``param`` names the
+    offending field when there is one (``messages[2].content``).
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        if not 400 <= status <= 599:
+            raise ValueError(f"an error status is 4xx or 5xx, not {status}")
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def __repr__(self) -> str:
+        return f"RequestError({self.status}, {self.message!r}, param={self.param!r})"
+
+
+def load_json(body: bytes) -> dict:
+    """The JSON object in a request body; raises ``RequestError`` (400) otherwise."""
+    try:
+        data = json.loads(body)
+    except UnicodeDecodeError:
+        raise RequestError(400, "request body is not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise RequestError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise RequestError(400, "request body must be a JSON object")
+    return data
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """One chat turn, whichever API it came in on (see the module docstring
+    for the message format)."""
+
+    messages: tuple[dict, ...]
+    max_tokens: int
+    system: str | None = None
+    model: str | None = None  # as the client named it; the server has one model
+    temperature: float | None = None  # None: not given, the server's default applies
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    stream: bool = False
+    include_usage: bool = False  # OpenAI's stream_options.include_usage
+    agent_id: str | None = None  # None: find the agent by the conversation's text
+    tools: tuple[dict, ...] | None = None  # {"type": "function", "function": {name, description, parameters}}
+    tool_choice: Literal["auto", "required"] = "auto"  # a forced tool arrives as tools=(that tool,)
+    metadata: Mapping | None = None
+
+    def __post_init__(self):
+        if not self.messages:
+            raise ValueError("a chat request needs at least one message")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if bad := [m.get("role") for m in self.messages if m.get("role") not in ROLES]:
+            raise ValueError(f"message roles must be one of {ROLES}, not {bad[0]!r}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+    def conversation(self) -> list[dict]:
+        """The messages for the chat template: the system prompt first, if any."""
+        head = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return head + [dict(m) for m in self.messages]
+
+    @property
+    def tool_names(self) -> frozenset[str]:
+        return frozenset(t["function"]["name"] for t in self.tools or ())
+
+
+@dataclass(frozen=True)
+class Usage:
+    input_tokens: int  # prompt tokens prefilled for this request
+    cache_read_input_tokens: int = 0  # prompt tokens served from the agent's cache
+    output_tokens: int = 0
+
+    def __post_init__(self):
+        if min(self.input_tokens, self.cache_read_input_tokens, self.output_tokens) < 0:
+            raise ValueError("token counts must be >= 0")
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The whole prompt, cached or not (OpenAI's ``prompt_tokens``)."""
+        return self.input_tokens + self.cache_read_input_tokens
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict = field(hash=False)
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    """How a turn ended. ``text`` excludes any tool calls parsed out of it."""
+
+    text: str
+    stop_reason: StopReason
+    usage: Usage
+    stop_sequence: str | None = None  # the stop string that ended it ("stop_sequence" only)
+    tool_calls: tuple[ToolCall, ...] = ()  # non-empty exactly when stop_reason is "tool_use"
+
+    def __post_init__(self):
+        if self.stop_reason not in _STOP_REASONS:
+            raise ValueError(f"stop_reason must be one of {_STOP_REASONS}, not {self.stop_reason!r}")
+        if (self.stop_sequence is not None) != (self.stop_reason == "stop_sequence"):
+            raise ValueError("stop_sequence is given exactly when stop_reason is 'stop_sequence'")
+        if bool(self.tool_calls) != (self.stop_reason == "tool_use"):
+            raise ValueError("tool_calls are given exactly when stop_reason is 'tool_use'")
+        object.__setattr__(self, "tool_calls", tuple(self.tool_calls))
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str  # new text, safe to show
+
+
+# What a streaming route consumes: TextDelta items, then exactly one ChatResult.
+# The deltas joined are a prefix of the result's text; the stream builders send
+# the rest (text held back while a tool call might have been starting).
+StreamItem = TextDelta | ChatResult

@@ -1,0 +1,257 @@
+"""Tool calls in generated text: which format a model uses, parsing the calls
+out of its output (whole or streamed), and what to do for models without tools.
+
+Known formats (``ToolFormat``):
+
+- ``"hermes"`` (Hermes, Qwen 2.5/3, and others whose template says ``<tool_call>``):
+  one or more ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
+  possibly after some text.
+- ``"llama3"`` (Llama 3.1-3.3): the whole reply is ``{"name": ..., "parameters": {...}}``
+  (several may be separated by ``;``), or follows ``<|python_tag|>`` either as
+  that JSON or as a built-in call ``brave_search.call(query="...")``.
+
+A model whose chat template never mentions ``tools`` cannot be told about
+tools; ``flatten_tool_messages`` turns a conversation with tool calls and
+results into plain user/assistant text such a template can render, and the
+server answers with text (never a tool call) -- the documented behaviour for
+such models.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import secrets
+from collections.abc import AsyncIterable, AsyncIterator, Collection
+from dataclasses import replace
+from typing import Literal
+
+from .schema import ChatResult, StreamItem, TextDelta, ToolCall
+
+__all__ = [
+    "ToolCallFilter",
+    "ToolFormat",
+    "finish_result",
+    "flatten_tool_messages",
+    "new_call_id",
+    "parse_tool_calls",
+    "split_tool_calls",
+    "supports_tools",
+    "tool_format",
+]
+
+ToolFormat = Literal["hermes", "llama3"]
+
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
+_LLAMA_ENDS = ("<|eom_id|>", "<|eot_id|>")
+_MARKERS: dict[str, str] = {"hermes": _HERMES_OPEN, "llama3": _PYTHON_TAG}
+_TOOLS_VAR = re.compile(r"\btools\b")
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S)
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def supports_tools(chat_template: str | None) -> bool:
+    """Whether a chat template can show the model a ``tools`` list: it
+    mentions ``tools`` at all (a heuristic that errs towards yes). Without
+    it, tool definitions never reach the model."""
+    return bool(chat_template) and _TOOLS_VAR.search(chat_template) is not None
+
+
+def tool_format(chat_template: str | None) -> ToolFormat | None:
+    """The tool-call format a chat template teaches its model, or ``None``
+    when it has no tools or a format this module cannot parse."""
+    if not supports_tools(chat_template):
+        return None
+    if _HERMES_OPEN in chat_template:
+        return "hermes"
+    if _PYTHON_TAG in chat_template or ("ipython" in chat_template and '"parameters"' in chat_template):
+        return "llama3"
+    return None
+
+
+def parse_tool_calls(text: str, fmt: ToolFormat | None,
+                     tool_names: Collection[str] | None = None) -> tuple[str, list[ToolCall]]:
+    """Split generated ``text`` into (the text without calls, the calls).
+
+    A span that does not parse (bad JSON, no name) stays in the text. The
+    untagged Llama form (a bare JSON reply) counts only when every object in
+    it names one of ``tool_names`` (when given), since a model may well answer
+    with JSON. When calls are found the remaining text loses its trailing
+    whitespace. ``fmt=None`` returns ``(text, [])``.
+    """
+    if fmt == "hermes":
+        return _parse_hermes(text)
+    if fmt == "llama3":
+        return _parse_llama3(text, tool_names)
+    return text, []
+
+
+def _call(obj: object, keys: tuple[str, ...]) -> ToolCall | None:
+    """A ToolCall from ``{"name": str, <one of keys>: dict | JSON string}``, else None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = next((obj[k] for k in keys if k in obj), {})
+    if isinstance(args, str):  # some models double-encode the arguments
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(new_call_id(), obj["name"], args)
+
+
+def _parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
+    calls, kept, pos = [], [], 0
+    for m in _HERMES_CALL.finditer(text):
+        try:
+            call = _call(json.loads(m.group(1)), ("arguments", "parameters"))
+        except json.JSONDecodeError:
+            call = None
+        if call is not None:
+            calls.append(call)
+            kept.append(text[pos:m.start()])
+            pos = m.end()
+    if not calls:
+        return text, []
+    kept.append(text[pos:])
+    return "".join(kept).rstrip(), calls
+
+
+def _json_calls(payload: str, tool_names: Collection[str] | None) -> list[ToolCall] | None:
+    """All of ``payload`` as JSON calls separated by ';' or whitespace, else None."""
+    decoder, calls, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(payload) and (payload[i].isspace() or payload[i] == ";"):
+            i += 1
+        if i == len(payload):
+            return calls or None
+        try:
+            obj, i = decoder.raw_decode(payload, i)
+        except json.JSONDecodeError:
+            return None
+        call = _call(obj, ("parameters", "arguments"))
+        if call is None or (tool_names is not None and call.name not in tool_names):
+            return None
+        calls.append(call)
+
+
+def _builtin_call(payload: str) -> list[ToolCall] | None:
+    """``brave_search.call(query="x")`` (Llama's built-in tools), else None."""
+    try:
+        node = ast.parse(payload.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "call" and isinstance(node.func.value, ast.Name) and not node.args):
+        return None
+    try:
+        args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
+    except ValueError:
+        return None
+    return [ToolCall(new_call_id(), node.func.value.id, args)]
+
+
+def _parse_llama3(text: str, tool_names: Collection[str] | None) -> tuple[str, list[ToolCall]]:
+    before, tag, payload = text.partition(_PYTHON_TAG)
+    if not tag:
+        before, payload = "", text
+        if not text.lstrip().startswith("{"):
+            return text, []
+    for end in _LLAMA_ENDS:
+        payload = payload.split(end, 1)[0]
+    calls = _json_calls(payload, None if tag else tool_names) or (_builtin_call(payload) if tag else None)
+    return (before.rstrip(), calls) if calls else (text, [])
+
+
+class ToolCallFilter:
+    """Holds back streamed text that may be the start of a tool call.
+
+    ``feed`` returns the part of the text so far that is safe to show: never
+    a tool-call marker, nor a tail that could grow into one, nor trailing
+    whitespace (``parse_tool_calls`` strips it before calls). Once a marker
+    has appeared (or a Llama reply opens with ``{``) nothing more is released;
+    the rest arrives with the final result. So the released text is always a
+    prefix of ``parse_tool_calls(whole_text)[0]``.
+    """
+
+    def __init__(self, fmt: ToolFormat):
+        self._marker = _MARKERS[fmt]
+        self._bare_json = fmt == "llama3"
+        self._text = ""
+        self._sent = 0
+        self._held = False
+
+    def feed(self, text: str) -> str:
+        self._text += text
+        if self._held:
+            return ""
+        buf = self._text
+        end = buf.find(self._marker, max(0, self._sent - len(self._marker)))
+        if end >= 0 or (self._bare_json and self._sent == 0 and buf.lstrip().startswith("{")):
+            self._held = True
+            end = max(end, 0)
+        else:  # keep back a tail that could still become the marker
+            end = len(buf) - next((k for k in range(len(self._marker) - 1, 0, -1)
+                                   if buf.endswith(self._marker[:k])), 0)
+        end = max(len(buf[:end].rstrip()), self._sent)
+        out, self._sent = buf[self._sent:end], end
+        return out
+
+
+def finish_result(result: ChatResult, fmt: ToolFormat | None,
+                  tool_names: Collection[str] | None = None) -> ChatResult:
+    """``result`` with tool calls parsed out of its text; a turn that ended
+    normally with calls ends with ``"tool_use"``. A turn cut by ``max_tokens``
+    or a stop string keeps its reason (its calls may be incomplete) and its calls
+    stay in the text."""
+    if fmt is None or result.stop_reason != "stop" or result.tool_calls:
+        return result
+    text, calls = parse_tool_calls(result.text, fmt, tool_names)
+    if not calls:
+        return result
+    return replace(result, text=text, stop_reason="tool_use", tool_calls=tuple(calls))
+
+
+async def split_tool_calls(items: AsyncIterable[StreamItem], fmt: ToolFormat | None,
+                           tool_names: Collection[str] | None = None) -> AsyncIterator[StreamItem]:
+    """The stream ``items`` with tool calls kept out of its text deltas and
+    parsed into its final result (``finish_result``). Cancellation passes
+    through; an exception from ``items`` propagates."""
+    if fmt is None:
+        async for item in items:
+            yield item
+        return
+    hold = ToolCallFilter(fmt)
+    async for item in items:
+        if isinstance(item, TextDelta):
+            if text := hold.feed(item.text):
+                yield TextDelta(text)
+        else:
+            yield finish_result(item, fmt, tool_names)
+
+
+def flatten_tool_messages(messages: list[dict]) -> list[dict]:
+    """``messages`` for a template without tools: assistant calls become text,
+    tool results become user text, and neighbours of one role merge (such
+    templates often insist that roles alternate)."""
+    out: list[dict] = []
+    for m in messages:
+        role, content = m["role"], m["content"]
+        if role == "assistant" and m.get("tool_calls"):
+            lines = [f"[tool call: {c['function']['name']}({json.dumps(c['function']['arguments'])})]"
+                     for c in m["tool_calls"]]
+            content = "\n".join(([content] if content else []) + lines)
+        elif role == "tool":
+            role = "user"
+            content = f"[tool result{' from ' + m['name'] if m.get('name') else ''}]\n{content}"
+        if out and out[-1]["role"] == role and role != "system":
+            out[-1]["content"] += "\n\n" + content
+        else:
+            out.append({"role": role, "content": content})
+    return out
