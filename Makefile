@@ -1,12 +1,13 @@
 # Two commands for a fresh machine (each sets up what it needs, idempotently):
 #   make run    - the embedded model answers a prompt (PROMPT="...")
 #   make test   - the test suite
+#   make example - examples/orchestrator.py: agents on the in-process actor API
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
-.PHONY: run test setup blas model clean
+.PHONY: run test example setup blas model clean
 
 setup: $(VENV)/.installed blas
 
@@ -28,6 +29,9 @@ run: model
 
 test: model
 	$(BIN)/pytest -q
+
+example: model
+	$(BIN)/python examples/orchestrator.py
 
 clean:
 	rm -rf $(VENV)

@@ -1,1 +1,46 @@
-"""actors"""
+"""The actor runtime: many agents, one model, one GPU thread.
+
+Layout (each module one job; only this file's names are public):
+
+* ``runtime``     -- ``Runtime`` (opens and shuts down everything), ``Agent``
+                     handles and ``Reply`` streams: the in-process API;
+* ``agent``       -- agent actors: one mailbox per agent serialises its turns
+                     and owns its history;
+* ``gpu``         -- the GPU actor: the only code touching MLX, on its own
+                     thread; continuous batching over ``runtime.engine``;
+* ``registry``    -- the model registry (load, swap, idle unload), on the GPU thread;
+* ``persistence`` -- writes caches and histories behind the turns;
+* ``eviction``    -- keeps hot caches under the budget's high watermark;
+* ``messages``    -- every message, one union per mailbox;
+* ``errors``      -- what callers may catch.
+
+See ``docs/architecture.md`` ("The actor runtime") for who owns what.
+"""
+
+from .errors import (
+    AgentExists,
+    AgentGone,
+    ContextTooLong,
+    RuntimeClosed,
+    RuntimeUnhealthy,
+    TurnCancelled,
+    TurnError,
+)
+from .messages import Delta, Message, TurnResult
+from .runtime import Agent, Reply, Runtime
+
+__all__ = [
+    "Agent",
+    "AgentExists",
+    "AgentGone",
+    "ContextTooLong",
+    "Delta",
+    "Message",
+    "Reply",
+    "Runtime",
+    "RuntimeClosed",
+    "RuntimeUnhealthy",
+    "TurnCancelled",
+    "TurnError",
+    "TurnResult",
+]

@@ -76,6 +76,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="runs per context; medians are reported (default 3)")
     p.add_argument("--quick", action="store_true", help="contexts 1024,2048,4096")
     _add_json(p, "the results")
+
+    p = bench.add_parser("concurrency", help="agents at once through the actor runtime: throughput, TTFT, loop lateness")
+    _add_model(p)
+    p.add_argument("--context", type=int, help="prompt tokens per agent (default 1024; --quick 256)")
+    p.add_argument("--tokens", type=int, help="tokens each agent generates (default 128; --quick 64)")
+    p.add_argument("--repeats", type=int, help="rounds; medians are reported (default 3)")
+    p.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio", help="event loop (default asyncio)")
+    p.add_argument("--quick", action="store_true", help="256-token prompts, 64 tokens each (a few minutes on 2 cores)")
+    _add_json(p, "the results")
     return top
 
 

@@ -22,8 +22,9 @@ time and are read back one at a time from a single open file, hashed as they
 arrive, so nothing can change between verifying and loading. The result is
 plain safetensors: any safetensors reader opens it.
 
-``save`` and ``load`` touch MLX arrays: call them from the thread that owns
-MLX. ``read_meta``, ``verify`` and the store's listings read bytes only.
+``save``, ``encode`` and ``load`` touch MLX arrays: call them from the thread
+that owns MLX. ``write_atomic`` (the bytes ``encode`` made), ``read_meta``,
+``verify`` and the store's listings touch bytes only, on any thread.
 """
 
 from __future__ import annotations
@@ -55,12 +56,14 @@ __all__ = [
     "CacheRecord",
     "CacheStore",
     "InvalidAgentId",
+    "encode",
     "load",
     "model_key",
     "read_meta",
     "save",
     "validate_agent_id",
     "verify",
+    "write_atomic",
 ]
 
 log = logging.getLogger("semantic.cache")
@@ -170,6 +173,68 @@ def save(path: os.PathLike | str, record: CacheRecord) -> None:
     Evaluates the cache arrays; memory grows by at most one tensor.
     """
     path = Path(path)
+    head, tensors = _prepare(record)
+
+    # One pass: hash as we write, then patch the digest over the zeros (same length).
+    digest = hashlib.sha256(head)
+
+    def write(f: BinaryIO) -> None:
+        f.write(head)
+        for _, a in tensors:
+            raw = _raw(a)  # one tensor materialised at a time
+            f.write(raw)
+            digest.update(raw)
+            del raw
+        f.seek(_SUM_AT)
+        f.write(digest.hexdigest().encode())
+
+    _write_atomic(path, write)
+
+
+def encode(record: CacheRecord) -> bytearray:
+    """The whole cache file for ``record``, checksum included, as bytes in memory.
+
+    For writers that must not touch MLX: the owner of the MLX arrays encodes
+    (this evaluates and copies them), another thread writes the bytes with
+    ``write_atomic``.  ``save`` is the same file streamed to disk.  Raises what
+    ``save`` raises before it touches the disk.
+    """
+    head, tensors = _prepare(record)
+    data = bytearray(head)
+    for _, a in tensors:
+        data += _raw(a)
+    data[_SUM_AT:_SUM_AT + 64] = hashlib.sha256(data).hexdigest().encode()
+    return data
+
+
+def write_atomic(path: os.PathLike | str, data: bytes | bytearray | memoryview) -> None:
+    """Write ``data`` to ``path`` atomically (temp file, fsync, rename, fsync the
+    directory): a reader sees the old file or the new one, never a part.  Touches
+    no MLX array; safe on any thread.  Raises ``OSError``; the temp file never stays."""
+
+    def write(f: BinaryIO) -> None:
+        f.write(data)
+
+    _write_atomic(Path(path), write)
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.parent / f"{_TMP}{os.getpid()}-{secrets.token_hex(4)}-{path.stem}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with open(fd, "wb") as f:
+            write(f)
+            f.flush()
+            _fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)  # makes the rename itself durable
+
+
+def _prepare(record: CacheRecord) -> tuple[bytes, list[tuple[str, mx.array]]]:
+    """(length prefix + header with a zero checksum, tensors in file order, still lazy)."""
     validate_agent_id(record.agent_id)
     tensors, layers, quant = _flatten(record)
     offsets, at = {}, 0
@@ -197,29 +262,7 @@ def save(path: os.PathLike | str, record: CacheRecord) -> None:
     body += b" " * (-len(body) % 8)  # safetensors pads the header so tensor data is 8-byte aligned
     if len(body) > _MAX_HEADER:
         raise ValueError(f"header of {len(body)} bytes (token ids and text) exceeds safetensors' {_MAX_HEADER}")
-    head = struct.pack("<Q", len(body)) + body
-
-    # One pass: hash as we write, then patch the digest over the zeros (same length).
-    tmp = path.parent / f"{_TMP}{os.getpid()}-{secrets.token_hex(4)}-{path.stem}"
-    digest = hashlib.sha256(head)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        with open(fd, "wb") as f:
-            f.write(head)
-            for _, a in tensors:
-                raw = _raw(a)  # one tensor materialised at a time
-                f.write(raw)
-                digest.update(raw)
-                del raw
-            f.seek(_SUM_AT)
-            f.write(digest.hexdigest().encode())
-            f.flush()
-            _fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)  # makes the rename itself durable
+    return struct.pack("<Q", len(body)) + body, tensors
 
 
 def _flatten(record: CacheRecord) -> tuple[list[tuple[str, mx.array]], list[dict], tuple[int, int] | None]:
@@ -633,6 +676,16 @@ class CacheStore:
             path.parent.mkdir(parents=True, exist_ok=True)
             _fsync_dir(self.root)
         save(path, record)
+        return path
+
+    def write_encoded(self, agent_id: str, model_id: str, data: bytes | bytearray) -> Path:
+        """Write a file made by ``encode`` as the agent's cache for ``model_id`` (atomic;
+        touches no MLX array, so any thread may call it).  Raises ``InvalidAgentId``, ``OSError``."""
+        path = self.path(agent_id, model_id)
+        if not path.parent.is_dir():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _fsync_dir(self.root)
+        write_atomic(path, data)
         return path
 
     def load(self, agent_id: str, model_id: str, spec_hash: str) -> CacheRecord | None:

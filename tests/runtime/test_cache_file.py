@@ -29,11 +29,13 @@ from runtime.cache_file import (
     CacheRecord,
     CacheStore,
     InvalidAgentId,
+    encode,
     load,
     model_key,
     read_meta,
     save,
     validate_agent_id,
+    write_atomic,
 )
 from runtime.engine import Engine, SamplingParams
 from runtime.model_spec import ModelCacheSpec
@@ -123,6 +125,21 @@ def test_bfloat16_triples_and_rings_round_trip(tmp_path):
     back = load(tmp_path / "a.safetensors", model_id=rec.model_id, spec_hash=rec.spec_hash)
     assert back.tokens == rec.tokens
     assert_same_cache(rec.cache, back.cache)
+
+
+def test_encoded_bytes_are_the_saved_file(tmp_path):
+    """``encode`` + ``write_atomic`` (bytes made on the MLX thread, written on
+    another) give exactly the file ``save`` streams."""
+    rec = writer.record(2)
+    save(tmp_path / "saved.safetensors", rec)
+    data = encode(rec)
+    assert bytes(data) == (tmp_path / "saved.safetensors").read_bytes()
+    store = CacheStore(tmp_path / "store")
+    path = store.write_encoded(rec.agent_id, rec.model_id, data)
+    assert path == store.path(rec.agent_id, rec.model_id)
+    assert_same_cache(rec.cache, store.load(rec.agent_id, rec.model_id, rec.spec_hash).cache)
+    write_atomic(tmp_path / "plain.json", b"{}")
+    assert (tmp_path / "plain.json").read_bytes() == b"{}" and not list(tmp_path.glob(".tmp-*"))
 
 
 @pytest.mark.parametrize("bits, fraction", [(4, 0.29), (8, 0.54)])

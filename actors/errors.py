@@ -1,0 +1,44 @@
+"""Errors the actor runtime raises to its callers; each message says what to do."""
+
+from __future__ import annotations
+
+from runtime.errors import SemanticError
+
+__all__ = [
+    "AgentExists",
+    "AgentGone",
+    "ContextTooLong",
+    "RuntimeClosed",
+    "RuntimeUnhealthy",
+    "TurnCancelled",
+    "TurnError",
+]
+
+
+class TurnError(SemanticError):
+    """One turn failed; the agent, its history and the runtime are unaffected."""
+
+
+class ContextTooLong(TurnError):
+    """The prompt plus ``max_tokens`` does not fit the model's context window."""
+
+
+class TurnCancelled(TurnError):
+    """The turn was cancelled by someone other than its consumer (the runtime shut down)."""
+
+
+class RuntimeClosed(SemanticError):
+    """The runtime is shutting down or shut down: no new work is taken."""
+
+
+class RuntimeUnhealthy(SemanticError):
+    """The GPU actor failed; every turn in flight failed with this error and new
+    turns are refused.  Close the runtime and open a new one."""
+
+
+class AgentExists(SemanticError):
+    """An agent id is taken (fork target), or exists with another system prompt."""
+
+
+class AgentGone(SemanticError):
+    """The agent was deleted; open it again with ``Runtime.agent`` to start afresh."""

@@ -1,0 +1,717 @@
+"""The GPU actor: the only code that touches MLX, on one thread it starts and joins.
+
+Two halves, one per thread:
+
+* ``GpuActor`` lives on the event loop.  Others call ``submit`` (any command)
+  and ``cancel``; both only put a typed command on a thread-safe queue, so
+  they never wait, and ``cancel`` is safe even from a finaliser.  Its ``run``
+  task starts the thread, waits (without blocking the loop) until it ends, and
+  joins it.
+* ``_Worker`` runs on that thread and owns everything MLX: the model registry
+  (model, ``Engine``, the agents' hot caches and the KV budget) and reading
+  cache files.  When the engine is idle it blocks on its inbox; when busy it
+  drains the inbox between steps (admitting new turns, applying cancels), runs
+  one ``prefill_step`` (round-robin among pending prefills, inside the engine)
+  and one ``step_once`` (one token for every decoding sequence), and posts
+  each delta to its turn's reply stream.
+
+Posting back: the thread puts ``(sink, item)`` on an outbox queue and, if no
+wake-up is pending, schedules ``_pump`` on the loop through an anyio
+``BlockingPortal`` (``start_task_soon`` returns at once: the thread never
+waits for the loop, and the loop never waits for MLX).  ``_pump`` drains the
+outbox in order with ``send_nowait`` on unbounded streams, so one pump call
+delivers everything posted so far, in the order it was posted, whatever order
+the portal runs its tasks in.
+
+Caches leave the thread as bytes: when a turn ends its new cache is encoded
+(``runtime.cache_file.encode``) and handed to the persistence actor with a
+``WriteTicket``; the cache is *dirty* until that exact version is durable
+(``CacheWritten``).  When ``AgentCaches`` must demote a dirty cache (to make
+room), ``HotCaches.write`` waits for its ticket instead of writing itself, so
+the persistence actor stays the one writer of every file.
+
+Failure: an exception from an engine step is fatal (the batch's state is
+unknown): every turn in flight and waiting fails with ``RuntimeUnhealthy``, the
+engine is dropped, the runtime is marked unhealthy, and the thread keeps
+serving what needs no model (flush, demote, stop) until it is stopped.  An
+error while starting or ending one turn fails only that turn.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import mlx.core as mx
+from anyio.from_thread import BlockingPortal
+
+from runtime import turns
+from runtime.agent_cache import AgentCaches, AgentMemory, OutOfMemory
+from runtime.batch_cache import copy_cache
+from runtime.cache_file import CacheRecord, encode
+from runtime.engine import Delta as EngineDelta
+from runtime.engine import Finished
+from runtime.errors import SemanticError
+from runtime.models import LoadedModel
+
+from .errors import ContextTooLong, RuntimeClosed, RuntimeUnhealthy, TurnError
+from .messages import (
+    BeginTurn,
+    CacheBytes,
+    CacheWritten,
+    CancelTurn,
+    Delta,
+    Demote,
+    Done,
+    DropCache,
+    Failed,
+    FlushCaches,
+    ForkCache,
+    GpuCommand,
+    GpuDown,
+    HotAgent,
+    HotSet,
+    StopGpu,
+    SwapModel,
+    TurnEnded,
+    TurnFailed,
+    TurnResult,
+    WriteTicket,
+)
+from .registry import ModelRegistry
+
+__all__ = ["GpuActor"]
+
+log = logging.getLogger("semantic.actors")
+
+_DURABLE_WAIT_S = 120.0  # a dirty cache being demoted waits this long for its write
+
+
+@dataclass(frozen=True)
+class _Ready:
+    error: SemanticError | None  # the model failed to load
+
+
+@dataclass(frozen=True)
+class _Exited:
+    pass
+
+
+class GpuActor:
+    """The event-loop half: a mailbox, a health flag and the thread's lifetime."""
+
+    def __init__(
+        self,
+        model: str | LoadedModel,
+        cache_root: Path,
+        budget_bytes: int | None,
+        persistence,  # MemoryObjectSendStream[PersistCommand]
+        eviction=None,  # MemoryObjectSendStream[EvictCommand] | None
+        *,
+        engine_options: dict | None = None,
+        model_idle_s: float | None = None,
+    ):
+        self._inbox: queue.SimpleQueue[GpuCommand] = queue.SimpleQueue()  # loop -> thread
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # thread -> loop: (sink | None, item, final)
+        self._wake_pending = False
+        self._portal: BlockingPortal | None = None
+        self._accepting = False
+        self.error: SemanticError | None = None  # set when the GPU actor failed
+        self._worker = _Worker(
+            self, model, ModelRegistry(cache_root, budget_bytes, engine_options or {}),
+            persistence, eviction, model_idle_s,
+        )
+
+    # -- for other actors (event loop thread; none of these wait) ----------
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None
+
+    @property
+    def steps(self) -> int:
+        """Engine steps (one prefill chunk + one decode step) run so far."""
+        return self._worker.steps
+
+    @property
+    def model_name(self) -> str | None:
+        return self._worker.registry.name
+
+    def stats(self) -> dict:
+        """A snapshot for tests and benchmarks (read across threads: approximate)."""
+        w = self._worker
+        engine = w.registry.engine
+        return {
+            "steps": w.steps,
+            "decoding": engine.decoding if engine else 0,
+            "prefilling": engine.prefilling if engine else 0,
+            "turns": len(w.turns),
+            "waiting": len(w.waiting),
+            "loaded": w.registry.loaded is not None,
+        }
+
+    def submit(self, command: GpuCommand) -> None:
+        """Queue a command for the GPU thread.  When the actor is stopped or
+        failed, a request is answered at once with the reason instead."""
+        if not self._accepting or (self.error is not None and isinstance(command, (BeginTurn, ForkCache, SwapModel))):
+            self._refuse(command)  # a failed actor still serves what needs no model (flush, demote, delete)
+        else:
+            self._inbox.put(command)
+
+    def call_soon(self, fn) -> None:
+        """Run ``fn()`` on the event loop soon; callable from any thread, never blocks."""
+        try:
+            self._portal.start_task_soon(fn)
+        except (AttributeError, RuntimeError):  # no portal (not running): nothing left to close
+            pass
+
+    def cancel(self, turn_id: int) -> None:
+        """Cancel a turn (wherever it is) before the next engine step.  Never
+        blocks, safe from finalisers (``SimpleQueue.put`` is reentrant)."""
+        self._inbox.put(CancelTurn(turn_id, self._worker.steps))
+
+    # -- the actor's task ----------------------------------------------------
+
+    async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        """Start the thread; report ready once the model is loaded (or raise its
+        ``ModelError``); return when the thread has ended and been joined."""
+        self._ready, self._exited = anyio.Event(), anyio.Event()
+        self._load_error: SemanticError | None = None
+        async with BlockingPortal() as portal:
+            self._portal = portal
+            thread = threading.Thread(target=self._worker.main, name="semantic-gpu")
+            thread.start()
+            try:
+                await self._ready.wait()
+                if self._load_error is None:
+                    self._accepting = True
+                    task_status.started()
+                    await self._exited.wait()
+            finally:
+                self._accepting = False
+                with anyio.CancelScope(shield=True):
+                    self._inbox.put(StopGpu())
+                    await anyio.to_thread.run_sync(thread.join)
+                    self._pump()
+                    self._refuse_leftovers()
+        if self._load_error is not None:
+            raise self._load_error  # outside the portal's task group, so it is not wrapped
+
+    async def stop(self) -> None:
+        """Cancel every turn, hand every dirty cache to persistence, end the thread."""
+        self._accepting = False
+        self._inbox.put(StopGpu())
+        await self._exited.wait()
+
+    # -- thread -> loop ------------------------------------------------------
+
+    def _post(self, sink, item, final: bool = False) -> None:
+        """(GPU thread) Queue ``item`` for ``sink`` (None: this actor) and wake the loop."""
+        self._outbox.put((sink, item, final))
+        if not self._wake_pending:
+            self._wake_pending = True
+            try:
+                self._portal.start_task_soon(self._pump)
+            except RuntimeError:  # the portal has closed: run() pumps once more after join
+                pass
+
+    def _pump(self) -> None:
+        """(Event loop) Deliver everything posted so far, in order."""
+        self._wake_pending = False  # before draining: a later post schedules another pump
+        while True:
+            try:
+                sink, item, final = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if sink is None:
+                self._own(item)
+                continue
+            try:
+                sink.send_nowait(item)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass  # the requester is gone (a consumer that stopped, a stopped actor)
+            except anyio.WouldBlock:
+                log.error("dropped %s: a reply stream is full (reply streams must be unbounded)", type(item).__name__)
+            if final:
+                sink.close()
+
+    def _own(self, item) -> None:
+        if isinstance(item, _Ready):
+            self._load_error = item.error
+            self._ready.set()
+        elif isinstance(item, GpuDown):
+            self.error = item.error
+        elif isinstance(item, _Exited):
+            self._ready.set()
+            self._exited.set()
+        else:
+            raise AssertionError(f"unknown GPU actor event {item!r}")
+
+    def _refuse(self, command) -> None:
+        error = self.error or RuntimeClosed("the runtime is closed")
+        if isinstance(command, BeginTurn):
+            _send_final(command.reply, TurnFailed(command.turn_id, error))
+        elif isinstance(command, (ForkCache, DropCache, FlushCaches, SwapModel)):
+            _send_final(command.reply, Failed(error))
+
+    def _refuse_leftovers(self) -> None:
+        while True:
+            try:
+                self._refuse(self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+
+def _send_final(sink, item) -> None:
+    try:
+        sink.send_nowait(item)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        pass
+    sink.close()
+
+
+@dataclass(eq=False)
+class _Turn:
+    """A turn the GPU thread has received: waiting for admission, then running."""
+
+    cmd: BeginTurn
+    received: float = field(default_factory=time.perf_counter)
+    turn: turns.Turn | None = None
+    seq_id: int | None = None
+    admitted: float | None = None
+    first_token: float | None = None
+    cancel_lag: int | None = None
+
+
+@dataclass(frozen=True)
+class _Pushed:
+    """The latest version of an agent's cache handed to persistence."""
+
+    version: int
+    memory: weakref.ref  # the AgentMemory it encodes: clean once written, if still hot
+    ticket: WriteTicket
+
+
+class _Worker:
+    """The GPU thread's state and loop.  Every field is touched only on that thread
+    (``steps`` and the registry's counts are read elsewhere for stats only)."""
+
+    def __init__(self, actor: GpuActor, model, registry: ModelRegistry, persistence, eviction, model_idle_s):
+        self.actor = actor
+        self.model = model  # what to load first
+        self.registry = registry
+        self.persistence = persistence
+        self.eviction = eviction
+        self.model_idle_s = model_idle_s
+        self.inbox = actor._inbox
+        self.turns: dict[int, _Turn] = {}  # admitted, by turn id
+        self.by_seq: dict[int, _Turn] = {}  # admitted, by engine sequence id
+        self.waiting: deque[_Turn] = deque()  # received, not yet admitted
+        self.swap: SwapModel | None = None
+        self.failed: RuntimeUnhealthy | None = None
+        self.stopping = False
+        self.pushed: dict[str, _Pushed] = {}
+        self.versions = itertools.count(1)
+        self.steps = 0
+
+    # -- life ----------------------------------------------------------------
+
+    def main(self) -> None:
+        try:
+            try:
+                self._load(self.model)
+            except BaseException as e:  # ModelError, or anything else loading raised
+                error = e if isinstance(e, SemanticError) else SemanticError(f"could not load the model: {e!r}")
+                self.actor._post(None, _Ready(error))
+                return
+            self.actor._post(None, _Ready(None))
+            while not self.stopping:
+                try:
+                    self._serve()
+                except Exception as e:  # an engine step, or a bug in this loop
+                    self._fatal(e)
+        finally:
+            try:
+                self._hand_over_dirty()
+            except Exception:
+                log.exception("could not hand the hot caches to persistence at shutdown")
+            self.registry.loaded = self.registry.engine = self.registry.caches = None
+            mx.synchronize()
+            mx.clear_streams()  # a thread that used MLX must end its streams, or the process aborts at exit
+            self.actor._post(None, _Exited())
+
+    def _load(self, model) -> None:
+        self.registry.load(model)
+        self.registry.caches.write_through = self._write_through
+        self._report_hot()
+
+    def _serve(self) -> None:
+        while not self.stopping:
+            self._drain(block=self._idle())
+            if not self.stopping and not self._idle():
+                self._step()
+                self._progress()
+
+    def _idle(self) -> bool:
+        engine = self.registry.engine
+        return self.failed is not None or engine is None or engine.idle
+
+    def _drain(self, block: bool) -> None:
+        if block:
+            timeout = self.model_idle_s if self.registry.loaded is not None and not self.waiting else None
+            try:
+                self._handle(self.inbox.get(timeout=timeout))
+            except queue.Empty:
+                self._idle_unload()
+        while not self.stopping:
+            try:
+                command = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            self._handle(command)
+        self._progress()
+
+    def _step(self) -> None:
+        engine = self.registry.engine
+        self._route(engine.prefill_step())
+        self._route(engine.step_once())
+        self.steps += 1
+
+    # -- commands ----------------------------------------------------------------
+
+    def _handle(self, cmd: GpuCommand) -> None:
+        if isinstance(cmd, BeginTurn):
+            self.waiting.append(_Turn(cmd))
+        elif isinstance(cmd, CancelTurn):
+            self._cancel(cmd)
+        elif isinstance(cmd, CacheWritten):
+            self._written(cmd)
+        elif isinstance(cmd, Demote):
+            self._demote(cmd.agent_ids)
+        elif isinstance(cmd, ForkCache):
+            self._answer(cmd.reply, self._fork, cmd.source, cmd.target)
+        elif isinstance(cmd, DropCache):
+            self._answer(cmd.reply, self._drop, cmd.agent_id)
+        elif isinstance(cmd, FlushCaches):
+            self._answer(cmd.reply, self._hand_over_dirty)
+        elif isinstance(cmd, SwapModel):
+            if self.swap is not None:
+                self._reply(cmd.reply, Failed(TurnError("a model swap is already in progress")))
+            else:
+                self.swap = cmd
+        elif isinstance(cmd, StopGpu):
+            self._stop()
+        else:
+            raise AssertionError(f"unknown GPU command {cmd!r}")
+
+    def _answer(self, reply, fn, *args) -> None:
+        """Run a request's handler and reply Done(value) or Failed(error)."""
+        if self.failed is not None and fn not in (self._hand_over_dirty, self._drop):  # these need no model
+            self._reply(reply, Failed(self.failed))
+            return
+        try:
+            value = fn(*args)
+        except SemanticError as e:
+            self._reply(reply, Failed(e))
+        except Exception as e:
+            log.exception("GPU actor request %s failed", fn.__name__)
+            self._reply(reply, Failed(TurnError(f"{fn.__name__.strip('_')} failed: {e!r}")))
+        else:
+            self._reply(reply, Done(value))
+
+    def _progress(self) -> None:
+        """Admit waiting turns, or run a pending model swap once the batch drained."""
+        if self.failed is not None:
+            while self.waiting:
+                self._fail(self.waiting.popleft(), self.failed)
+            if self.swap is not None:
+                self._reply(self.swap.reply, Failed(self.failed))
+                self.swap = None
+            return
+        if self.swap is not None:
+            if self.turns:
+                return  # draining: new turns wait for the new model
+            self._swap()
+        if self.waiting and self.registry.loaded is None:
+            try:
+                self._load(self.registry.name)  # back after an idle unload
+            except SemanticError as e:
+                while self.waiting:
+                    self._fail(self.waiting.popleft(), e)
+                return
+        while self.waiting:
+            t = self.waiting[0]
+            if not self._begin(t):
+                return  # no room yet: it waits for a turn to end (first come, first served)
+            self.waiting.popleft()
+
+    def _begin(self, t: _Turn) -> bool:
+        """Admit a turn into the engine.  False: no room now; a failure replies and counts as done."""
+        cmd, reg = t.cmd, self.registry
+        caches, tokenizer = reg.caches, reg.loaded.tokenizer
+        assert not caches.busy(cmd.agent_id), "two turns of one agent at once: the agent actor serialises them"
+        try:
+            messages = [{"role": m.role, "content": m.content} for m in cmd.messages]
+            text = turns.render(tokenizer, messages)
+            prefix = turns.system_prefix(tokenizer, messages, text)
+            turn = turns.begin(caches, tokenizer, cmd.agent_id, text, cmd.sampling.max_tokens, prefix)
+        except OutOfMemory as e:
+            if self.turns:
+                return False
+            self._fail(t, e)
+            return True
+        except Exception as e:
+            log.exception("turn %d of %s could not start", cmd.turn_id, cmd.agent_id)
+            self._fail(t, TurnError(f"the turn could not start: {e!r}"))
+            return True
+        limit = reg.context_length
+        if len(turn.prompt) + cmd.sampling.max_tokens > limit:
+            caches.abandon(cmd.agent_id)
+            self._fail(t, ContextTooLong(
+                f"the prompt has {len(turn.prompt)} tokens; with max_tokens={cmd.sampling.max_tokens} it exceeds "
+                f"the model's {limit}-token context: lower max_tokens or start a new agent"
+            ))
+            return True
+        try:
+            t.seq_id = reg.engine.add(turn.prompt, cmd.sampling, turn.cache, turn.plan.keep)
+        except Exception as e:
+            caches.abandon(cmd.agent_id)
+            self._fail(t, TurnError(f"the turn could not start: {e!r}"))
+            return True
+        t.turn, t.admitted = turn, time.perf_counter()
+        self.turns[cmd.turn_id] = t
+        self.by_seq[t.seq_id] = t
+        return True
+
+    def _cancel(self, cmd: CancelTurn) -> None:
+        for t in self.waiting:
+            if t.cmd.turn_id == cmd.turn_id:
+                self.waiting.remove(t)
+                self._reply(t.cmd.reply, TurnEnded(cmd.turn_id, _result(t, None, "cancelled")))
+                return
+        t = self.turns.get(cmd.turn_id)
+        if t is None or self.registry.engine is None:
+            return  # already ended: nothing to do
+        t.cancel_lag = self.steps - cmd.at_step
+        delta = self.registry.engine.cancel(t.seq_id)
+        assert delta is not None, "an admitted turn is unknown to the engine"
+        self._route([delta])
+
+    def _route(self, deltas: list[EngineDelta]) -> None:
+        for d in deltas:
+            t = self.by_seq[d.seq_id]
+            if d.text or d.tokens:
+                if t.first_token is None:
+                    t.first_token = time.perf_counter()
+                self.actor._post(t.cmd.reply, Delta(d.text, d.tokens))
+            if d.finished is not None:
+                self._end(t, d.finished)
+
+    def _end(self, t: _Turn, finished: Finished) -> None:
+        """Store a finished (or cancelled) turn's cache, hand it to persistence, reply."""
+        del self.turns[t.cmd.turn_id], self.by_seq[t.seq_id]
+        reg = self.registry
+        try:
+            memory = turns.end(reg.caches, reg.loaded.tokenizer, t.turn, finished)
+        except Exception as e:
+            log.exception("turn %d of %s: its cache could not be stored", t.cmd.turn_id, t.cmd.agent_id)
+            reg.caches.abandon(t.cmd.agent_id)
+            self._fail(t, TurnError(f"the turn's cache could not be stored: {e!r}"))
+            return
+        self._push(memory)
+        self._reply(t.cmd.reply, TurnEnded(t.cmd.turn_id, _result(t, finished, finished.reason)))
+        self._report_hot()
+
+    def _fail(self, t: _Turn, error: SemanticError) -> None:
+        self._reply(t.cmd.reply, TurnFailed(t.cmd.turn_id, error))
+
+    def _reply(self, sink, item) -> None:
+        self.actor._post(sink, item, final=True)
+
+    # -- caches: persistence, eviction, fork, delete --------------------------------
+
+    def _push(self, memory: AgentMemory) -> bool:
+        """Encode a hot cache and hand it to the persistence actor (write-behind)."""
+        reg = self.registry
+        record = CacheRecord(
+            memory.agent_id, reg.caches.model_id, reg.caches.spec.hash, list(memory.tokens), memory.text,
+            memory.created, memory.updated, memory.cache,
+        )
+        try:
+            data = encode(record)
+        except Exception:
+            log.exception("could not encode the cache of %s; it stays dirty", memory.agent_id)
+            return False
+        version = next(self.versions)
+        ticket = WriteTicket()
+        self.pushed[memory.agent_id] = _Pushed(version, weakref.ref(memory), ticket)
+        self.actor._post(self.persistence, CacheBytes(memory.agent_id, record.model_id, version, data, ticket))
+        return True
+
+    def _written(self, cmd: CacheWritten) -> None:
+        p = self.pushed.get(cmd.agent_id)
+        if p is None or p.version != cmd.version:
+            return  # an older version, superseded
+        del self.pushed[cmd.agent_id]
+        memory, caches = p.memory(), self.registry.caches
+        if p.ticket.ok and memory is not None and caches is not None and caches.peek(cmd.agent_id) is memory:
+            memory.dirty = False
+            self._report_hot()
+
+    def _write_through(self, memory: AgentMemory) -> None:
+        """``HotCaches.write``: make ``memory`` durable through persistence (blocks this
+        thread until its write is done; only demotion of a dirty cache gets here)."""
+        p = self.pushed.get(memory.agent_id)
+        if (p is None or p.memory() is not memory) and self._push(memory):
+            p = self.pushed[memory.agent_id]
+        if p is not None and p.memory() is memory and p.ticket.done.wait(_DURABLE_WAIT_S) and p.ticket.ok:
+            memory.dirty = False
+            return
+        log.warning("the cache of %s was not written in the background; writing it on the GPU thread",
+                    memory.agent_id)
+        AgentCaches.write(self.registry.caches, memory)  # the plain synchronous write
+
+    def _hand_over_dirty(self) -> int:
+        """Hand every dirty hot cache not handed over yet to persistence (no waiting)."""
+        caches, n = self.registry.caches, 0
+        if caches is None:
+            return 0
+        for memory in caches.hot_memories():
+            p = self.pushed.get(memory.agent_id)
+            if memory.dirty and (p is None or p.memory() is not memory):
+                n += self._push(memory)
+        return n
+
+    def _make_durable(self) -> None:
+        """Block until every hot cache is on disk (before a model goes away)."""
+        caches = self.registry.caches
+        for memory in caches.hot_memories() if caches else ():
+            if memory.dirty:
+                self._write_through(memory)
+
+    def _demote(self, agent_ids) -> None:
+        caches = self.registry.caches
+        if caches is None:
+            return
+        for agent_id in agent_ids:
+            memory = caches.peek(agent_id)
+            if memory is not None and not memory.dirty:
+                caches.demote(agent_id)
+        self._report_hot()
+
+    def _report_hot(self) -> None:
+        caches = self.registry.caches
+        if self.eviction is None or caches is None:
+            return
+        agents = tuple(
+            HotAgent(m.agent_id, caches.budget.bytes_of(m.agent_id), not m.dirty) for m in caches.hot_memories()
+        )
+        self.actor._post(self.eviction, HotSet(caches.budget.budget_bytes, caches.hot_bytes, agents))
+
+    def _fork(self, source: str, target: str) -> bool:
+        """Copy ``source``'s cache to ``target`` (sharing arrays until either grows).
+        True if there was a cache to copy."""
+        if self.registry.loaded is None:
+            self._load(self.registry.name)  # back after an idle unload
+        caches = self.registry.caches
+        if caches.tier(target) is not None:  # a stale cache under the new id
+            self.pushed.pop(target, None)
+            caches.delete(target)
+        memory = caches.checkout(source)
+        if memory is None:
+            caches.abandon(source)
+            return False
+        copy = AgentMemory(target, list(memory.tokens), memory.text, copy_cache(memory.cache), memory.created)
+        caches.checkin(memory)
+        caches.checkin(copy)
+        self._push(copy)
+        self._report_hot()
+        return True
+
+    def _drop(self, agent_id: str) -> None:
+        """Forget an agent's hot cache and its file for this model (the agent is deleted)."""
+        self.pushed.pop(agent_id, None)
+        caches = self.registry.caches
+        if caches is not None:
+            assert not caches.busy(agent_id), "delete during a turn: the agent actor serialises them"
+            caches.delete(agent_id)
+            self._report_hot()
+
+    # -- model lifecycle ------------------------------------------------------------
+
+    def _swap(self) -> None:
+        cmd, self.swap = self.swap, None
+        previous = self.registry.name  # by name: holding the old weights would double peak memory
+        try:
+            self._make_durable()
+            self.registry.unload()
+            self._load(cmd.model)
+        except SemanticError as e:
+            if self.registry.loaded is None and previous is not None:
+                self._load(previous)
+            self._reply(cmd.reply, Failed(e))
+        else:
+            self._reply(cmd.reply, Done(self.registry.name))
+
+    def _idle_unload(self) -> None:
+        if self.registry.loaded is None or self.turns or self.waiting or self.swap is not None:
+            return
+        self._make_durable()
+        self.registry.unload()
+        log.info("model %s unloaded after %g s idle", self.registry.name, self.model_idle_s)
+
+    def _stop(self) -> None:
+        """Cancel every turn (their caches are kept), fail waiting ones, hand over dirty caches."""
+        engine = self.registry.engine
+        for t in list(self.turns.values()):
+            delta = engine.cancel(t.seq_id) if engine is not None else None
+            if delta is not None:
+                self._route([delta])
+        closed = RuntimeClosed("the runtime shut down before this turn started")
+        while self.waiting:
+            self._fail(self.waiting.popleft(), closed)
+        if self.swap is not None:
+            self._reply(self.swap.reply, Failed(closed))
+            self.swap = None
+        self.stopping = True
+
+    def _fatal(self, error: Exception) -> None:
+        log.error("the GPU actor failed; failing every turn in flight", exc_info=error)
+        self.failed = failed = RuntimeUnhealthy(
+            f"the GPU actor failed ({type(error).__name__}: {error}); every turn in flight failed. "
+            "Close the runtime and open a new one."
+        )
+        self.actor._post(None, GpuDown(failed))  # first: whoever sees a turn fail sees the runtime unhealthy
+        caches = self.registry.caches
+        for t in self.turns.values():
+            if caches is not None:
+                caches.abandon(t.cmd.agent_id)  # the file keeps its last good version
+            self._fail(t, failed)
+        self.turns.clear()
+        self.by_seq.clear()
+        self.registry.engine = None  # its batch is in an unknown state; checked-in caches are fine
+        self._progress()
+
+
+def _result(t: _Turn, f: Finished | None, reason: str) -> TurnResult:
+    now = time.perf_counter()
+    admitted = t.admitted or now
+    return TurnResult(
+        reason=reason,
+        text=f.text if f else "",
+        prompt_tokens=f.prompt_tokens if f else 0,
+        reused_tokens=f.reused_tokens if f else 0,
+        prefilled_tokens=f.prefilled_tokens if f else 0,
+        output_tokens=len(f.output_tokens) if f else 0,
+        queued_s=admitted - t.received,
+        ttft_s=None if t.first_token is None else t.first_token - t.received,
+        cancel_lag_steps=t.cancel_lag,
+    )

@@ -1,0 +1,303 @@
+"""Every message between actors: small frozen dataclasses, one union per mailbox.
+
+A request that needs an answer carries its own reply stream (``reply``): an
+anyio memory object send stream the requester reads once (or, for a turn,
+until a final event).  Who reads what:
+
+    mailbox                     carried by                       union
+    GPU actor inbox             thread-safe queue (its thread)   GpuCommand
+    agent actor mailbox         memory object stream             AgentCommand
+    persistence actor mailbox   memory object stream             PersistCommand
+    eviction actor mailbox      memory object stream             EvictCommand
+    a turn's reply stream       memory object stream             TurnEvent
+
+No MLX array ever travels in a message: the GPU actor turns caches into bytes
+(``CacheBytes``) before they leave its thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Union
+
+from runtime.engine import SamplingParams
+from runtime.errors import SemanticError
+
+if TYPE_CHECKING:
+    from anyio.streams.memory import MemoryObjectSendStream as Sink
+
+    from runtime.models import LoadedModel
+
+__all__ = [
+    "AgentCommand", "BeginTurn", "CacheBytes", "CacheWritten", "CancelTurn", "Delta", "Demote",
+    "DropCache", "Done", "EvictCommand", "Failed", "FlushCaches", "ForkCache", "Forget", "Fork",
+    "Flush", "GpuCommand", "GpuDown", "HistoryBytes", "HotAgent", "HotSet", "Message", "Open",
+    "PersistCommand", "Send", "StopGpu", "Stop", "SwapModel", "TurnEnded", "TurnEvent",
+    "TurnFailed", "TurnResult", "Delete", "WriteTicket",
+]
+
+
+# -- data that outlives a message ------------------------------------------
+
+
+@dataclass(frozen=True)
+class Message:
+    """One entry of an agent's conversation (model-independent)."""
+
+    role: str  # "system", "user" or "assistant"
+    content: str
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text of a reply as it streams (whole characters), and its token ids."""
+
+    text: str
+    tokens: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """How a turn ended: ``reason`` is ``stop``, ``length`` or ``cancelled``."""
+
+    reason: str
+    text: str  # the whole reply (a cancelled turn: what was generated)
+    prompt_tokens: int
+    reused_tokens: int  # prompt tokens served from the agent's cache
+    prefilled_tokens: int
+    output_tokens: int
+    queued_s: float  # from reaching the GPU actor to being admitted (memory, model swap)
+    ttft_s: float | None  # from reaching the GPU actor to the first token
+    # Cancelled turns: engine steps completed between the cancel request and the cancel; 0 or 1
+    # (the step in progress when it was asked), as no step starts before the inbox is drained.
+    cancel_lag_steps: int | None = None
+
+
+# -- generic replies ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Done:
+    """A request succeeded; ``value`` is its answer, if it has one."""
+
+    value: object = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A request failed with an error fit to raise to the caller."""
+
+    error: SemanticError
+
+
+# -- a turn's reply stream: GPU actor -> agent actor -> consumer --------------
+
+
+@dataclass(frozen=True)
+class TurnEnded:
+    turn_id: int
+    result: TurnResult
+
+
+@dataclass(frozen=True)
+class TurnFailed:
+    turn_id: int
+    error: SemanticError
+
+
+TurnEvent = Union[Delta, TurnEnded, TurnFailed]  # Delta*, then exactly one of the others
+
+
+# -- the GPU actor's inbox -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BeginTurn:
+    turn_id: int
+    agent_id: str
+    messages: tuple[Message, ...]  # the whole conversation, ending with the new user message
+    sampling: SamplingParams
+    reply: Sink[TurnEvent]
+
+
+@dataclass(frozen=True)
+class CancelTurn:
+    """Cancel a turn wherever it is (waiting, prefilling, decoding); unknown ids are ignored."""
+
+    turn_id: int
+    at_step: int = 0  # the GPU actor's step count when the cancel was requested
+
+
+@dataclass(frozen=True)
+class CacheWritten:
+    """Persistence wrote ``version`` of an agent's cache (or failed to: ``ticket.ok``)."""
+
+    agent_id: str
+    version: int
+
+
+@dataclass(frozen=True)
+class Demote:
+    """Move these agents' caches to disk if they are hot, idle and clean (written)."""
+
+    agent_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ForkCache:
+    source: str
+    target: str
+    reply: Sink[Done | Failed]
+
+
+@dataclass(frozen=True)
+class DropCache:
+    """Forget an agent's hot cache without writing it (the agent is being deleted)."""
+
+    agent_id: str
+    reply: Sink[Done | Failed]
+
+
+@dataclass(frozen=True)
+class FlushCaches:
+    """Hand every dirty hot cache to persistence; answers ``Done(count)``."""
+
+    reply: Sink[Done | Failed]
+
+
+@dataclass(frozen=True)
+class SwapModel:
+    """Drain the batch, flush and drop the caches, unload, load ``model``; answers ``Done(name)``."""
+
+    model: str | LoadedModel
+    reply: Sink[Done | Failed]
+
+
+@dataclass(frozen=True)
+class StopGpu:
+    """Cancel every turn, hand every dirty cache to persistence, end the thread."""
+
+
+GpuCommand = Union[BeginTurn, CancelTurn, CacheWritten, Demote, ForkCache, DropCache, FlushCaches, SwapModel, StopGpu]
+
+
+@dataclass(frozen=True)
+class GpuDown:
+    """The GPU actor hit a fatal error (posted to itself, on the event loop)."""
+
+    error: SemanticError
+
+
+# -- the agent actor's mailbox ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Open:
+    """Create the agent (with ``system`` as its first message) or check it matches."""
+
+    system: str | None
+    reply: Sink[Done | Failed]
+
+
+@dataclass(frozen=True)
+class Send:
+    turn_id: int
+    text: str
+    sampling: SamplingParams
+    reply: Sink[TurnEvent]
+
+
+@dataclass(frozen=True)
+class Fork:
+    target: str
+    reply: Sink[Done | Failed]
+
+
+@dataclass(frozen=True)
+class Delete:
+    reply: Sink[Done | Failed]
+
+
+AgentCommand = Union[Open, Send, Fork, Delete]
+
+
+# -- the persistence actor's mailbox ---------------------------------------------
+
+
+@dataclass(eq=False)
+class WriteTicket:
+    """Set once a version of a cache is durable on disk (or its write failed).
+
+    Shared by the GPU thread (waits on it before it may drop a dirty cache) and
+    the persistence actor (the only one that sets it): a ``threading.Event``,
+    because one side is not on the event loop.
+    """
+
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+
+
+@dataclass(frozen=True)
+class CacheBytes:
+    """A cache file made by ``runtime.cache_file.encode``; a newer version of the
+    same agent replaces a pending older one (its ticket is settled with the newer)."""
+
+    agent_id: str
+    model_id: str
+    version: int
+    data: bytes | bytearray
+    ticket: WriteTicket
+
+
+@dataclass(frozen=True)
+class HistoryBytes:
+    """An agent's history file; the latest pending one wins."""
+
+    agent_id: str
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Forget:
+    """Drop an agent's pending writes, wait for one in progress, delete its files."""
+
+    agent_id: str
+    reply: Sink[Done | Failed]
+
+
+@dataclass(frozen=True)
+class Flush:
+    """Answer once everything pending when it arrived is on disk."""
+
+    reply: Sink[Done | Failed]
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Finish the pending work, then end (persistence, eviction)."""
+
+
+PersistCommand = Union[CacheBytes, HistoryBytes, Forget, Flush, Stop]
+
+
+# -- the eviction actor's mailbox -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HotAgent:
+    agent_id: str
+    bytes: int
+    clean: bool  # its latest version is on disk: demoting it is free
+
+
+@dataclass(frozen=True)
+class HotSet:
+    """The idle hot caches, least recently used first, and the budget they live in."""
+
+    budget_bytes: int
+    used_bytes: int  # every hot cache, turns in progress included
+    agents: tuple[HotAgent, ...]
+
+
+EvictCommand = Union[HotSet, Stop]

@@ -1,0 +1,100 @@
+"""The model registry: which model the GPU actor has loaded, with its engine and
+its agents' caches.
+
+It lives on the GPU actor's thread (a model is MLX state) and is driven by it:
+the GPU actor asks it to ``load`` at start and on a swap, and to ``unload``
+after an idle time.  Swapping is the GPU actor's job around it (drain the
+batch, make every dirty cache durable, then ``unload`` and ``load``), because
+only the GPU actor knows what is in flight.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+
+from runtime.agent_cache import AgentCaches, AgentMemory, open_caches
+from runtime.engine import Engine
+from runtime.models import LoadedModel, load
+
+__all__ = ["ModelRegistry", "HotCaches"]
+
+log = logging.getLogger("semantic.actors")
+
+
+class HotCaches(AgentCaches):
+    """``AgentCaches`` whose writes are made durable through the persistence actor.
+
+    ``AgentCaches`` writes a dirty cache when it demotes it (to make room, or
+    on request); here ``write`` goes through ``write_through`` (set by the GPU
+    actor), so one writer -- the persistence actor -- orders every write of a
+    file and an older version can never land after a newer one.
+    """
+
+    write_through: Callable[[AgentMemory], None] | None = None
+
+    def write(self, memory: AgentMemory) -> None:
+        if self.write_through is None:
+            super().write(memory)
+        else:
+            self.write_through(memory)
+
+    def peek(self, agent_id: str) -> AgentMemory | None:
+        """The agent's hot (checked-in) cache, without touching its recency."""
+        return self._hot.get(agent_id)
+
+    def hot_memories(self) -> list[AgentMemory]:
+        """Checked-in hot caches, least recently used first."""
+        return list(self._hot.values())
+
+    def busy(self, agent_id: str) -> bool:
+        return agent_id in self._busy
+
+    def drop_all(self) -> None:
+        """Forget every hot cache and shared prefix (their memory goes with them).
+        Call only when none is dirty and no turn holds one."""
+        assert not self._busy, "drop_all() with turns in progress: their caches would be lost"
+        for agent_id in list(self._hot):
+            del self._hot[agent_id]
+            self._release(agent_id)
+        self._prefixes.clear()
+
+
+class ModelRegistry:
+    """The loaded model, its ``Engine`` and its ``HotCaches`` (GPU thread only)."""
+
+    def __init__(self, cache_root: Path, budget_bytes: int | None, engine_options: dict):
+        self.cache_root = cache_root
+        self.budget_bytes = budget_bytes
+        self.engine_options = engine_options
+        self.loaded: LoadedModel | None = None
+        self.engine: Engine | None = None
+        self.caches: HotCaches | None = None
+        self.name: str | None = None  # the model asked for last; kept across an idle unload
+
+    def load(self, model: str | LoadedModel) -> None:
+        """Load ``model`` (a name, or one loaded already) and build its engine and caches.
+        Raises ``ModelError``; on failure nothing is loaded."""
+        assert self.loaded is None, "load() over a loaded model: unload() first"
+        loaded = model if isinstance(model, LoadedModel) else load(model, progress=False)
+        base = open_caches(loaded, self.cache_root, self.budget_bytes)
+        caches = HotCaches(base.store, base.model_id, base.spec, base.budget)
+        self.loaded, self.caches, self.name = loaded, caches, loaded.name
+        self.engine = Engine(loaded.model, loaded.tokenizer, **self.engine_options)
+        log.info("model %s loaded; KV budget %.0f MiB", loaded.name, caches.budget.budget_bytes / 2**20)
+
+    def unload(self) -> None:
+        """Drop the model, engine and caches (the caller made the dirty ones durable)."""
+        if self.caches is not None:
+            self.caches.drop_all()
+        self.loaded = self.engine = self.caches = None
+        gc.collect()
+        mx.clear_cache()
+
+    @property
+    def context_length(self) -> int:
+        return self.loaded.context_length if self.loaded else 0

@@ -1,0 +1,436 @@
+"""The runtime and its in-process API for orchestrators.
+
+::
+
+    async with Runtime.open(model="smollm2", cache_dir=..., budget=...) as rt:
+        alice = await rt.agent("alice", system="You are terse.")
+        async for delta in alice.send("Hello!", max_tokens=64):
+            print(delta.text, end="")
+        answer = await alice.reply("And now?")
+        bob = await alice.fork("bob")      # shares alice's cached prefix
+        await bob.delete()
+
+``Runtime.open`` starts, under one task group: the persistence actor, the
+eviction actor and the GPU actor (which loads the model; a ``ModelError``
+comes out of ``open``).  Agent actors start on demand and retire when idle.
+
+Shutdown is leaving the ``async with`` -- normally, by an exception, or by
+cancellation of the enclosing scope.  The actors run shielded from that
+cancellation and are stopped in order: the GPU actor cancels every turn in
+flight (their caches are kept) and hands every dirty cache to persistence;
+agent actors refuse queued turns and end; the persistence actor writes
+everything pending and ends; then the eviction actor.  No task or thread
+outlives the block, and every file is written whole or not at all.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+
+from runtime.cache_file import CacheStore, validate_agent_id
+from runtime.engine import SamplingParams
+from runtime.models import LoadedModel
+from runtime.paths import agents_dir
+
+from .agent import AgentActor, AgentContext, AgentSlot, encode_history, read_history, request
+from .errors import AgentExists, AgentGone, RuntimeClosed, TurnCancelled
+from .eviction import EvictionActor
+from .gpu import GpuActor
+from .messages import (
+    Delete,
+    Delta,
+    Done,
+    Failed,
+    Flush,
+    FlushCaches,
+    Fork,
+    HistoryBytes,
+    Message,
+    Open,
+    Send,
+    Stop,
+    SwapModel,
+    TurnEnded,
+    TurnEvent,
+    TurnResult,
+)
+from .persistence import PersistenceActor
+
+__all__ = ["Agent", "Reply", "Runtime"]
+
+
+class Runtime:
+    """Agents, each a conversation with a persistent KV cache, batched on one model.
+
+    Create it with ``Runtime.open``.  All methods must be called from the event
+    loop the runtime was opened on.
+    """
+
+    def __init__(self, tg, gpu: GpuActor, persistence: PersistenceActor, eviction: EvictionActor,
+                 root: Path, agent_idle_s: float):
+        self._tg = tg
+        self._gpu = gpu
+        self._persistence = persistence
+        self._eviction = eviction
+        self.cache_dir = root
+        self._histories = root / "histories"
+        self._slots: dict[str, AgentSlot] = {}
+        self._turn_ids = itertools.count(1)
+        self._closing = False
+        self._started: list[object] = []  # actors whose run() has started
+        self._ctx = AgentContext(gpu, persistence.mailbox, self._histories, agent_idle_s,
+                                 lambda: self._closing, self._release)
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        model: str | LoadedModel = "smollm2",
+        cache_dir: str | Path | None = None,
+        budget: int | None = None,
+        *,
+        agent_idle_s: float = 60.0,
+        model_idle_s: float | None = None,
+        prefill_chunk: int = 256,
+        eviction_watermarks: tuple[float, float] = (0.9, 0.75),
+    ) -> AsyncIterator[Runtime]:
+        """Open a runtime; leaving the block shuts it down (see the module docstring).
+
+        ``model``: ``"smollm2"`` (embedded), an mlx-lm model directory or Hugging
+        Face repo id, or a ``LoadedModel`` already loaded (tests share one).
+        ``cache_dir``: where agents' caches and histories live (default
+        ``~/.cache/semantic/agents``).  ``budget``: bytes of hot KV cache (default:
+        device memory less the weights less headroom).  ``agent_idle_s``: an idle
+        agent actor retires after this long.  ``model_idle_s``: unload the model
+        after this long without turns (None: never).  ``prefill_chunk``: most
+        prompt tokens one prefill step runs, which bounds how long decoding
+        streams wait for another agent's prefill.  ``eviction_watermarks``:
+        (high, low) fractions of the budget for the eviction actor.
+
+        Raises ``ModelError`` when the model cannot be loaded, ``ValueError`` for
+        bad settings.
+        """
+        root = Path(cache_dir) if cache_dir is not None else agents_dir()
+        store = await anyio.to_thread.run_sync(CacheStore, root)  # creates it; clears dead writers' temp files
+        persistence = PersistenceActor(store, root / "histories")
+        eviction = EvictionActor(*eviction_watermarks)
+        gpu = GpuActor(model, root, budget, persistence.mailbox, eviction.mailbox,
+                       engine_options={"max_chunk": prefill_chunk}, model_idle_s=model_idle_s)
+        persistence.gpu = eviction.gpu = gpu
+        try:
+            async with anyio.create_task_group() as tg:
+                rt = cls(tg, gpu, persistence, eviction, root, agent_idle_s)
+                try:
+                    for actor in (persistence, eviction, gpu):
+                        await tg.start(_shielded, actor.run)
+                        rt._started.append(actor)
+                    yield rt
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await rt._shutdown()
+        except BaseExceptionGroup as group:
+            # Task groups wrap even a lone error (the caller's own, or ModelError at start): unwrap it.
+            lone = group
+            while isinstance(lone, BaseExceptionGroup) and len(lone.exceptions) == 1:
+                lone = lone.exceptions[0]
+            if isinstance(lone, BaseExceptionGroup):
+                raise
+            raise lone from None
+
+    # -- the API -------------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        """False once the GPU actor failed (every turn in flight failed; reopen the runtime)."""
+        return self._gpu.healthy and not self._closing
+
+    @property
+    def model(self) -> str | None:
+        """The name of the loaded model (or the one an idle unload will bring back)."""
+        return self._gpu.model_name
+
+    async def agent(self, agent_id: str, system: str | None = None) -> Agent:
+        """Open an agent, creating it if new (with ``system`` as its system prompt).
+
+        An existing agent keeps its history; ``system`` must then match its
+        system prompt or be None.  Raises ``InvalidAgentId``, ``AgentExists``
+        (another system prompt), ``RuntimeClosed``.  Cancelling the caller does not
+        undo the creation once the agent's actor has it.
+        """
+        validate_agent_id(agent_id)
+        self._check_open()
+        slot = await self._slot(agent_id)
+        _raise_failed(await request(lambda r: self._deliver(slot, Open(system, r))))
+        return Agent(self, slot)
+
+    async def swap_model(self, model: str | LoadedModel) -> str:
+        """Swap the model: turns in flight finish, new ones wait; every dirty cache
+        is written; the old model is unloaded and ``model`` loaded.  Agents keep
+        their histories; each model keeps its own caches on disk.  Returns the new
+        model's name.  Raises ``ModelError`` (the old model is back), ``RuntimeClosed``."""
+        self._check_open()
+        return _raise_failed(await request(lambda r: self._gpu.submit(SwapModel(model, r))))
+
+    async def flush(self) -> None:
+        """Return once every cache and history of every turn ended so far is on disk
+        (works on an unhealthy runtime too)."""
+        self._check_open(unhealthy_ok=True)
+        _raise_failed(await request(lambda r: self._gpu.submit(FlushCaches(r))))
+        _raise_failed(await request(lambda r: self._persistence.mailbox.send_nowait(Flush(r))))
+
+    def stats(self) -> dict:
+        """Counters for tests, benchmarks and monitoring (a snapshot)."""
+        return {
+            **self._gpu.stats(),
+            "agent_actors": sum(s.mailbox is not None for s in self._slots.values()),
+            "writes": self._persistence.writes,
+            "coalesced_writes": self._persistence.coalesced,
+            "demotions_requested": self._eviction.requested,
+        }
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _check_open(self, unhealthy_ok: bool = False) -> None:
+        if self._closing:
+            raise RuntimeClosed("the runtime is closed")
+        if self._gpu.error is not None and not unhealthy_ok:
+            raise self._gpu.error
+
+    async def _slot(self, agent_id: str) -> AgentSlot:
+        while (slot := self._slots.get(agent_id)) is not None and slot.deleted:
+            await slot.stopped.wait()  # its files are being deleted: start afresh after
+        if slot is None:
+            slot = self._slots[agent_id] = AgentSlot(agent_id)
+        return slot
+
+    def _deliver(self, slot: AgentSlot, message) -> None:
+        """Put a message in the agent's mailbox, starting its actor if none runs."""
+        if slot.deleted:
+            raise AgentGone(f"agent {slot.agent_id!r} was deleted; open it again with Runtime.agent")
+        if slot.reserved:
+            raise AgentExists(f"agent {slot.agent_id!r} is being created by a fork")
+        if self._closing:
+            raise RuntimeClosed("the runtime is closed")
+        if slot.mailbox is None:
+            send, receive = anyio.create_memory_object_stream(math.inf)
+            slot.mailbox, slot.stopped, slot.wakeup = send, anyio.Event(), None
+            self._tg.start_soon(_shielded_agent, AgentActor(slot, receive, self._ctx), name=f"agent {slot.agent_id}")
+        slot.mailbox.send_nowait(message)
+        if slot.wakeup is not None:
+            slot.wakeup.set()
+
+    def _release(self, slot: AgentSlot) -> None:
+        if self._slots.get(slot.agent_id) is slot:
+            del self._slots[slot.agent_id]
+
+    async def _fork(self, source: AgentSlot, target: str) -> Agent:
+        validate_agent_id(target)
+        self._check_open()
+        slot = await self._slot(target)
+        if slot.reserved or slot.exists or slot.mailbox is not None:
+            raise AgentExists(f"agent {target!r} exists; fork to a new id")
+        slot.reserved = True
+        try:
+            if await anyio.to_thread.run_sync(read_history, self._histories, target) is not None:
+                raise AgentExists(f"agent {target!r} exists; fork to a new id")
+            history = _raise_failed(await request(lambda r: self._deliver(source, Fork(target, r))))
+            slot.history, slot.exists = history, True  # no actor owns it yet: we create it
+            self._persistence.mailbox.send_nowait(HistoryBytes(target, encode_history(target, history)))
+        except BaseException:
+            self._release(slot)
+            raise
+        finally:
+            slot.reserved = False
+        return Agent(self, slot)
+
+    async def _shutdown(self) -> None:
+        self._closing = True
+        gpu, persistence, eviction = self._gpu, self._persistence, self._eviction
+        if gpu in self._started:
+            await gpu.stop()  # turns in flight end (cancelled); dirty caches go to persistence
+        for slot in list(self._slots.values()):
+            if slot.mailbox is not None:
+                slot.mailbox.close()  # the actor refuses what is queued, then ends
+                if slot.wakeup is not None:
+                    slot.wakeup.set()
+        for slot in list(self._slots.values()):
+            if slot.stopped is not None:
+                await slot.stopped.wait()
+        for actor in (persistence, eviction):
+            if actor in self._started:
+                try:
+                    actor.mailbox.send_nowait(Stop())  # it ends after the pending work, closing its mailbox
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    pass  # it has ended already
+
+
+async def _shielded(run, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+    """Run an actor out of reach of outside cancellation: the runtime stops it in order."""
+    with anyio.CancelScope(shield=True):
+        await run(task_status=task_status)
+
+
+async def _shielded_agent(actor: AgentActor) -> None:
+    with anyio.CancelScope(shield=True):
+        await actor.run()
+
+
+def _raise_failed(answer: Done | Failed):
+    if isinstance(answer, Failed):
+        raise answer.error
+    return answer.value
+
+
+class Agent:
+    """A handle on one agent (cheap; many may exist for one agent)."""
+
+    def __init__(self, runtime: Runtime, slot: AgentSlot):
+        self._rt = runtime
+        self._slot = slot
+
+    @property
+    def id(self) -> str:
+        return self._slot.agent_id
+
+    @property
+    def history(self) -> tuple[Message, ...]:
+        """The conversation so far (system prompt, then user/assistant pairs)."""
+        return self._slot.history or ()
+
+    @property
+    def last_result(self) -> TurnResult | None:
+        """How the agent's last turn ended (token counts, timings), cancelled ones included."""
+        return self._slot.last_result
+
+    def send(self, text: str, **sampling) -> Reply:
+        """Queue a turn now and return its stream: ``async for delta in agent.send(...)``.
+
+        ``sampling``: ``SamplingParams`` fields (max_tokens, temperature, top_p,
+        top_k, min_p, stop, seed); greedy by default.  Turns of one agent run in
+        the order ``send`` was called; each sees the previous ones.  Closing the
+        stream, breaking out of the loop, or cancelling the task that reads it
+        cancels the turn within one engine step (see ``Reply``).
+
+        Raises at once: ``TypeError``/``ValueError`` for bad sampling,
+        ``RuntimeClosed``, ``RuntimeUnhealthy``, ``AgentGone``.  While streaming:
+        ``TurnError`` (e.g. ``ContextTooLong``, ``OutOfMemory``) for this turn only.
+        """
+        params = SamplingParams(**sampling)
+        self._rt._check_open()
+        turn_id = next(self._rt._turn_ids)
+        reply, events = anyio.create_memory_object_stream[TurnEvent](math.inf)
+        try:
+            self._rt._deliver(self._slot, Send(turn_id, text, params, reply))
+        except BaseException:
+            reply.close()
+            events.close()
+            raise
+        return Reply(turn_id, events, self._rt._gpu)
+
+    async def reply(self, text: str, **sampling) -> str:
+        """Run a turn and return the whole reply text (``send`` without streaming).
+        Raises what ``send`` raises; cancelling the caller cancels the turn."""
+        async with self.send(text, **sampling) as stream:
+            return await stream.text()
+
+    async def fork(self, new_id: str) -> Agent:
+        """A new agent with this agent's history and a copy of its cache (sharing
+        memory until either grows).  Runs after this agent's queued turns.
+        Raises ``AgentExists``, ``InvalidAgentId``, ``OutOfMemory`` (the copy does
+        not fit the budget).  Cancelling the caller does not stop a fork under way."""
+        return await self._rt._fork(self._slot, new_id)
+
+    async def delete(self) -> None:
+        """Delete the agent after its queued turns: its hot cache, every cache file
+        and its history.  The handle is unusable afterwards (``AgentGone``).  Works on
+        an unhealthy runtime too."""
+        self._rt._check_open(unhealthy_ok=True)
+        _raise_failed(await request(lambda r: self._rt._deliver(self._slot, Delete(r))))
+
+    def __repr__(self) -> str:
+        return f"<Agent {self.id!r}: {len(self.history)} messages>"
+
+
+class Reply:
+    """One turn's stream of ``Delta``\\ s; ``result`` once it ended.
+
+    Cancelling: ``close()``/``aclose()``, leaving ``async with``, breaking out of
+    ``async for`` (the stream is dropped), or cancelling the task that awaits it
+    asks the GPU actor to cancel the turn before its next step.  A cancelled
+    turn leaves the agent's history unchanged; its cache keeps what was
+    computed (see ``actors.agent``).  Iterating raises ``TurnError`` if the turn
+    failed and ``TurnCancelled`` if the runtime cancelled it (shutdown).
+    """
+
+    def __init__(self, turn_id: int, events, gpu: GpuActor):
+        self.turn_id = turn_id
+        self.result: TurnResult | None = None
+        self._events = events
+        self._gpu = gpu
+        self._loop_thread = threading.get_ident()
+        self._done = False
+
+    def __aiter__(self) -> Reply:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            event = await self._events.receive()
+        except anyio.EndOfStream:
+            self._finish()
+            raise RuntimeClosed("the runtime closed during this turn") from None
+        except BaseException:
+            self.close()
+            raise
+        if isinstance(event, Delta):
+            return event
+        self._finish()
+        if isinstance(event, TurnEnded):
+            self.result = event.result
+            if event.result.reason == "cancelled":
+                raise TurnCancelled("the turn was cancelled: the runtime shut down")
+            raise StopAsyncIteration
+        raise event.error
+
+    async def text(self) -> str:
+        """Read the rest of the stream; return the whole reply."""
+        async for _ in self:
+            pass
+        return self.result.text
+
+    def close(self) -> None:
+        """Stop reading; cancel the turn if it has not ended.  Never blocks."""
+        if not getattr(self, "_done", True):
+            self._done = True
+            self._events.close()
+            self._gpu.cancel(self.turn_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Reply:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_done", True):
+            return
+        if threading.get_ident() == self._loop_thread:
+            self.close()  # dropped mid-stream (e.g. ``break``): CPython frees it right here
+        else:  # freed by the cycle collector on another thread: streams belong to the loop
+            self._gpu.call_soon(self.close)
+
+    def _finish(self) -> None:
+        self._done = True
+        self._events.close()

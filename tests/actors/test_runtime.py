@@ -1,0 +1,393 @@
+"""The actor runtime on the real model, on asyncio and trio: concurrent agents
+give the same greedy texts as one at a time, one agent's turns run in order,
+cancellation frees the batch slot and leaves a consistent agent, errors stay in
+their turn, a GPU failure fails what is in flight, and shutdown leaves every
+completed turn on disk."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import anyio
+import pytest
+
+from actors import (
+    AgentExists,
+    AgentGone,
+    ContextTooLong,
+    Runtime,
+    RuntimeUnhealthy,
+    TurnCancelled,
+)
+from actors.messages import Message
+from runtime.agent_cache import AgentCaches
+from runtime.block_pool import KVBudget
+from runtime.cache_file import CacheStore
+from runtime.engine import Engine, SamplingParams
+from runtime.prefix import encode
+from runtime.turns import render, run_turn
+
+pytestmark = [pytest.mark.model, pytest.mark.anyio]
+
+AGENTS = 8
+QUESTIONS = ["Name a fruit.", "What colour is it?", "Is it sweet?"]
+TOKENS = 6  # greedy tokens per turn in the equality test
+
+
+def system(i: int) -> str:
+    return f"You are assistant number {i}. Answer briefly."  # distinct: no shared prefixes
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(smollm2, tmp_path_factory) -> dict[str, list[str]]:
+    """Each agent's 3 turns run alone through the synchronous driver, agent after agent."""
+    engine = Engine(smollm2.model, smollm2.tokenizer, max_chunk=256)  # the runtime's chunking
+    spec = smollm2.spec
+    caches = AgentCaches(CacheStore(tmp_path_factory.mktemp("reference")), smollm2.name, spec,
+                         KVBudget(spec, 256 << 20, sliding_dtype_bytes=smollm2.dtype.size))
+    texts = {}
+    for i in range(AGENTS):
+        messages, texts[f"a{i}"] = [{"role": "system", "content": system(i)}], []
+        for q in QUESTIONS:
+            messages.append({"role": "user", "content": q})
+            r = run_turn(engine, caches, f"a{i}", messages, SamplingParams(max_tokens=TOKENS))
+            texts[f"a{i}"].append(r.finished.text)
+            messages.append({"role": "assistant", "content": r.finished.text})
+    return texts
+
+
+def temp_files(root) -> list:
+    return [p for p in root.rglob(".tmp-*")]
+
+
+async def test_concurrent_agents_match_one_agent_at_a_time(open_runtime, one_at_a_time):
+    texts: dict[str, list[str]] = {}
+    async with open_runtime() as rt:
+        agents = [await rt.agent(f"a{i}", system=system(i)) for i in range(AGENTS)]
+
+        async def converse(agent):
+            texts[agent.id] = []
+            for q in QUESTIONS:
+                chunks = [d.text async for d in agent.send(q, max_tokens=TOKENS)]
+                texts[agent.id].append("".join(chunks))
+
+        async with anyio.create_task_group() as tg:
+            for agent in agents:
+                tg.start_soon(converse, agent)
+        assert rt.stats()["steps"] < AGENTS * len(QUESTIONS) * TOKENS, "turns were batched, not run one by one"
+        for agent in agents:
+            assert [m.content for m in agent.history[2::2]] == texts[agent.id]
+    assert texts == one_at_a_time
+
+
+async def test_two_sends_to_one_agent_run_in_submission_order(open_runtime):
+    async with open_runtime() as rt:
+        agent = await rt.agent("zed", system="You are a helpful assistant.")
+        first = agent.send("My name is Zed. Say hello to me.", max_tokens=8)
+        second = agent.send("What is my name?", max_tokens=8)
+        results = {}
+
+        async def read(name, reply):
+            results[name] = await reply.text()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read, "second", second)  # read in the other order: makes no difference
+            tg.start_soon(read, "first", first)
+        roles = [(m.role, m.content) for m in agent.history]
+        assert roles == [
+            ("system", "You are a helpful assistant."),
+            ("user", "My name is Zed. Say hello to me."), ("assistant", results["first"]),
+            ("user", "What is my name?"), ("assistant", results["second"]),
+        ]
+        # The second turn's prompt is the first's conversation plus its own message, served from the cache.
+        assert second.result.reused_tokens >= first.result.prompt_tokens + first.result.output_tokens - 1
+        assert second.result.prefilled_tokens < 30
+
+
+async def test_consumer_that_stops_reading_frees_its_slot_within_one_step(open_runtime, smollm2):
+    tok = smollm2.tokenizer
+    async with open_runtime() as rt:
+        agent = await rt.agent("quitter", system="You are a storyteller.")
+        other = await rt.agent("other", system="You are a poet.")
+        await agent.reply("Hello!", max_tokens=4)
+        before = agent.history
+
+        async def keep_busy():  # another sequence in the batch while we cancel
+            await other.reply("Write a long poem about the sea.", max_tokens=16)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(keep_busy)
+            read = 0
+            async for _ in agent.send("Tell me a very long story about a dragon.", max_tokens=200):
+                read += 1
+                if read == 3:
+                    break  # stop reading: the stream is dropped, the turn is cancelled
+            await rt.agent("quitter")  # a mailbox round trip: the cancelled turn has ended
+            cancelled = agent.last_result
+            assert cancelled.reason == "cancelled"
+            # Out of the batch before the GPU actor started another step: at most the step in
+            # progress when the stream was dropped completed (cancel_lag_steps counts it).
+            assert cancelled.cancel_lag_steps is not None and cancelled.cancel_lag_steps <= 1
+            assert read <= cancelled.output_tokens
+            assert agent.history == before  # a cancelled turn leaves no trace in the history
+            assert rt.stats()["decoding"] <= 1  # only the other agent is left in the batch
+
+        # The next turn works, reusing the history part of the cancelled turn's cache.
+        answer = await agent.reply("Just say hi.", max_tokens=6)
+        assert answer and agent.history[-1] == Message("assistant", answer)
+        assert agent.last_result.reused_tokens > 0
+        await rt.flush()
+    record = CacheStore(rt.cache_dir).load("quitter", smollm2.name, smollm2.spec.hash)
+    assert record is not None and record.cache[0].offset == len(record.tokens)
+    assert tok.decode(record.tokens) == record.text
+    assert record.text.startswith(render(tok, [{"role": m.role, "content": m.content} for m in agent.history[:-1]]))
+
+
+async def test_cancelling_the_reading_task_cancels_the_turn(open_runtime):
+    async with open_runtime() as rt:
+        agent = await rt.agent("cancelled", system="You are a storyteller.")
+        started = anyio.Event()
+
+        async def consume():
+            async for _ in agent.send("Tell me a long story.", max_tokens=200):
+                started.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await started.wait()
+            tg.cancel_scope.cancel()
+        await rt.agent("cancelled")
+        assert agent.last_result.reason == "cancelled" and agent.history == (
+            Message("system", "You are a storyteller."),)
+        # A turn closed before it starts never runs.
+        first = agent.send("Count to three.", max_tokens=4)
+        never = agent.send("This turn is dropped.", max_tokens=4)
+        never.close()
+        await first.text()
+        await rt.agent("cancelled")
+        assert [m.content for m in agent.history if m.role == "user"] == ["Count to three."]
+
+
+async def test_an_error_in_one_turn_fails_only_that_turn(open_runtime):
+    async with open_runtime() as rt:
+        bad = await rt.agent("verbose", system="You are terse.")
+        good = await rt.agent("fine", system="You are terse.")
+        results = {}
+
+        async def too_long():
+            with pytest.raises(ContextTooLong, match="context"):
+                await bad.reply("word " * 9000, max_tokens=8)
+            results["bad"] = "raised"
+
+        async def ok():
+            results["good"] = await good.reply("Say yes.", max_tokens=4)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(too_long)
+            tg.start_soon(ok)
+        assert results["bad"] == "raised" and results["good"]
+        assert rt.healthy and bad.history == (Message("system", "You are terse."),)
+        assert await bad.reply("Say no.", max_tokens=4)
+        with pytest.raises(ValueError, match="temperature"):
+            bad.send("x", temperature=-1)
+
+
+async def test_gpu_failure_fails_turns_in_flight_and_marks_unhealthy(open_runtime, smollm2, monkeypatch):
+    boom = threading.Event()
+    step_once = Engine.step_once
+
+    def failing_step(engine):
+        if boom.is_set():
+            raise RuntimeError("simulated device failure")
+        return step_once(engine)
+
+    monkeypatch.setattr(Engine, "step_once", failing_step)
+    async with open_runtime() as rt:
+        agents = [await rt.agent(f"g{i}", system="You are terse.") for i in range(2)]
+        await agents[0].reply("Hi.", max_tokens=3)  # a completed turn: must survive on disk
+        streaming = anyio.Event()
+        errors = []
+
+        async def generate(agent):
+            try:
+                async for _ in agent.send("Tell me a long story.", max_tokens=200):
+                    streaming.set()
+            except RuntimeUnhealthy as e:
+                errors.append(e)
+
+        async with anyio.create_task_group() as tg:
+            for agent in agents:
+                tg.start_soon(generate, agent)
+            await streaming.wait()
+            boom.set()
+        assert len(errors) == 2 and "simulated device failure" in str(errors[0])
+        assert not rt.healthy
+        with pytest.raises(RuntimeUnhealthy):
+            agents[1].send("Anyone there?")
+        await rt.flush()  # what needs no model still works
+        await agents[1].delete()
+    # The completed turn's cache was flushed at shutdown; the failed turns left the files alone.
+    record = CacheStore(rt.cache_dir).load("g0", smollm2.name, smollm2.spec.hash)
+    assert record is not None and record.cache[0].offset == len(record.tokens)
+    assert not temp_files(rt.cache_dir)
+
+
+async def test_shutdown_mid_generation_keeps_every_completed_turn(open_runtime, smollm2, tmp_path):
+    before_tasks = {t.id for t in anyio.get_running_tasks()}
+    ids = [f"s{i}" for i in range(4)]
+    completed = {}
+    with anyio.CancelScope() as scope:
+        async with open_runtime() as rt:
+            agents = [await rt.agent(i, system="You are a storyteller.") for i in ids]
+            for agent in agents:
+                completed[agent.id] = await agent.reply("Name a colour.", max_tokens=4)
+            generating = {agent.id: anyio.Event() for agent in agents}
+
+            async def generate(agent):
+                async for _ in agent.send("Tell me a very long story.", max_tokens=300):
+                    generating[agent.id].set()
+
+            async with anyio.create_task_group() as tg:
+                for agent in agents:
+                    tg.start_soon(generate, agent)
+                for event in generating.values():
+                    await event.wait()
+                scope.cancel()  # cancel the runtime's scope while all four generate
+                await anyio.sleep_forever()
+    assert scope.cancelled_caught
+    assert {t.id for t in anyio.get_running_tasks()} == before_tasks, "a task outlived the runtime"
+    assert not any(t.name == "semantic-gpu" for t in threading.enumerate())
+    assert not temp_files(tmp_path)
+
+    # Reopen: histories hold the completed turns (not the cancelled ones); caches load from disk.
+    async with open_runtime() as rt:
+        for i in ids:
+            agent = await rt.agent(i)
+            assert [m.content for m in agent.history] == [
+                "You are a storyteller.", "Name a colour.", completed[i]]
+            await agent.reply("And another?", max_tokens=3)
+            first_prompt = encode(smollm2.tokenizer, render(smollm2.tokenizer, [
+                {"role": "system", "content": "You are a storyteller."}, {"role": "user", "content": "Name a colour."}]))
+            assert agent.last_result.reused_tokens >= len(first_prompt)  # the completed turn, from disk
+
+
+async def test_fork_delete_and_restart(open_runtime, smollm2):
+    async with open_runtime(agent_idle_s=0) as rt:
+        alice = await rt.agent("alice", system="You are a geographer.")
+        await alice.reply("What is the capital of France?", max_tokens=6)
+        with pytest.raises(AgentExists, match="another system prompt"):
+            await rt.agent("alice", system="You are a chef.")
+        bob = await alice.fork("bob")
+        assert bob.history == alice.history
+        with pytest.raises(AgentExists):
+            await alice.fork("bob")
+        await bob.reply("And of Spain?", max_tokens=4)
+        assert bob.last_result.reused_tokens >= alice.last_result.prompt_tokens  # the shared cached prefix
+        assert len(alice.history) == 3 and len(bob.history) == 5
+        await alice._slot.stopped.wait()  # idle actors retire (agent_idle_s=0) ...
+        assert rt.stats()["agent_actors"] <= 1
+        await alice.reply("And of Italy?", max_tokens=4)  # ... and come back on demand
+        assert len(alice.history) == 5
+        await bob.delete()
+        with pytest.raises(AgentGone):
+            bob.send("Hello?")
+        assert (await rt.agent("bob")).history == ()  # a fresh agent under the old id
+        store = CacheStore(rt.cache_dir)
+        assert store.load("bob", smollm2.name, smollm2.spec.hash) is None
+        swapped = await rt.swap_model(smollm2)  # drain, flush, unload, load: caches come back from disk
+        assert swapped == smollm2.name
+        await alice.reply("Thanks.", max_tokens=3)
+        assert alice.last_result.reused_tokens > 0
+    async with open_runtime() as rt:
+        alice = await rt.agent("alice")
+        assert len(alice.history) == 7 and alice.history[0] == Message("system", "You are a geographer.")
+
+
+async def test_tight_budget_demotes_to_disk_and_keeps_working(open_runtime, smollm2):
+    """Hot caches exceed the budget: turns still run (dirty caches are written before
+    they are dropped) and every agent's cache comes back from disk."""
+    block = KVBudget(smollm2.spec, 1 << 30, sliding_dtype_bytes=smollm2.dtype.size).bytes_for(1)
+    async with open_runtime(budget=3 * block, eviction_watermarks=(0.5, 0.3)) as rt:
+        agents = [await rt.agent(f"t{i}", system="You are terse.") for i in range(5)]
+        async def one_word(agent):
+            await agent.reply("Say one word.", max_tokens=3)
+
+        async with anyio.create_task_group() as tg:
+            for agent in agents:
+                tg.start_soon(one_word, agent)
+        for agent in agents:
+            await agent.reply("Another word.", max_tokens=3)
+            assert agent.last_result.reused_tokens > 0
+        assert rt.stats()["loaded"]
+    assert not temp_files(rt.cache_dir)
+    store = CacheStore(rt.cache_dir)
+    assert all(store.load(a.id, smollm2.name, smollm2.spec.hash) for a in agents)
+
+
+def test_runtime_reports_a_model_that_cannot_load(tmp_path):
+    from runtime.errors import ModelError
+
+    async def main():
+        async with Runtime.open(str(tmp_path / "missing"), cache_dir=tmp_path / "c"):
+            pass
+
+    with pytest.raises(ModelError):
+        anyio.run(main)
+    assert not any(t.name == "semantic-gpu" for t in threading.enumerate())
+
+
+async def test_a_reader_outliving_the_runtime_sees_its_turn_cancelled(open_runtime):
+    outcome = []
+
+    async def read(reply, started):
+        try:
+            async for _ in reply:
+                started.set()
+        except TurnCancelled as e:
+            outcome.append(e)
+
+    async with anyio.create_task_group() as readers:  # outside the runtime's block
+        async with open_runtime() as rt:
+            agent = await rt.agent("late", system="You are a storyteller.")
+            reply, started = agent.send("Tell me a long story.", max_tokens=300), anyio.Event()
+            readers.start_soon(read, reply, started)
+            await started.wait()
+    assert len(outcome) == 1 and reply.result.reason == "cancelled"
+    assert agent.history == (Message("system", "You are a storyteller."),)
+
+
+def test_an_idle_model_is_unloaded_and_comes_back(smollm2, tmp_path):
+    """``model_idle_s``: the model is unloaded when idle (caches written first) and
+    reloaded by the next turn, whose cache comes back from disk (one backend: loading
+    the model from disk is slow)."""
+    unloaded, loads = threading.Event(), []
+
+    class Watch(logging.Handler):
+        def emit(self, record):
+            if " unloaded after " in record.getMessage():
+                unloaded.set()
+            elif "loaded;" in record.getMessage():
+                loads.append(record)
+
+    async def main():
+        async with Runtime.open(smollm2, cache_dir=tmp_path, model_idle_s=0) as rt:
+            agent = await rt.agent("sleepy", system="You are terse.")
+            await agent.reply("Hi.", max_tokens=3)
+            unloaded.clear()
+            if rt.stats()["loaded"]:  # not unloaded yet: wait (the GPU thread logs once it has)
+                assert await anyio.to_thread.run_sync(unloaded.wait, 30)
+            before = len(loads)
+            await agent.reply("Again.", max_tokens=3)  # reloads the model by name
+            assert len(loads) == before + 1 and rt.model == smollm2.name
+            assert agent.last_result.reused_tokens > 0  # the cache came back from disk
+
+    logger, handler = logging.getLogger("semantic.actors"), Watch()
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        anyio.run(main)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
