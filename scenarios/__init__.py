@@ -1,1 +1,35 @@
-"""scenarios"""
+"""Multi-agent, multi-phase scenarios written in YAML, and their runner.
+
+Layout (dependencies point down; nothing here imports MLX):
+
+* ``schema``  the YAML format -> frozen ``Scenario`` (or ``ScenarioError`` with file:line)
+* ``backend`` the seam: ``Backend`` / ``AgentHandle`` protocols, ``Sampling``, ``TurnStats``
+* ``plan``    who hears what and when: the schedule, cache keys, each agent's next prompt
+* ``runner``  ``run(scenario, backend)``: plays the turns, emits events, returns a ``Result``
+* ``report``  the per-turn report (JSON) and the transcript (JSON, Markdown)
+* ``view``    the live terminal view (rich), plain lines when not a terminal
+* ``cli``     ``semantic scenario run|validate``
+* ``library/`` the shipped scenarios
+
+The names below are re-exported lazily, so importing ``scenarios.cli`` for
+``semantic --help`` stays instant.
+"""
+
+import importlib
+
+__all__ = [
+    "AgentHandle", "Backend", "Result", "Sampling", "Scenario", "ScenarioError", "TextDelta", "TurnStats",
+    "load", "loads", "run",
+]
+
+_HOME = {
+    "AgentHandle": "backend", "Backend": "backend", "Sampling": "backend", "TextDelta": "backend",
+    "TurnStats": "backend", "Scenario": "schema", "ScenarioError": "schema", "load": "schema", "loads": "schema",
+    "Result": "runner", "run": "runner",
+}
+
+
+def __getattr__(name: str):
+    if name in _HOME:
+        return getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+    raise AttributeError(f"module 'scenarios' has no attribute {name!r}")

@@ -1,0 +1,101 @@
+"""The seam between the scenario runner and whatever runs the model.
+
+The runner drives agents through two small protocols and never sees a
+tokenizer, a cache or a socket.  Two backends will implement them: the
+in-process actor runtime and an HTTP client for ``semantic serve``; tests use
+a fake.
+
+An agent handle is a *conversation*: ``open_agent`` starts it with a system
+prompt, and every ``turn`` appends one user message and the assistant's reply.
+The backend keeps the history; the runner only ever appends.  So the prompt of
+turn n+1, rendered by the chat template, starts with the prompt + reply of
+turn n, and a caching backend can EXTEND the agent's cache instead of
+re-reading it.
+
+Nothing here imports MLX, anyio or an HTTP client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+__all__ = ["AgentHandle", "Backend", "Sampling", "TextDelta", "TurnEvent", "TurnStats"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one turn samples; mirrors ``runtime.sampling.SamplingParams`` (0 = greedy)."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = field(default=())
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """The next piece of the reply, safe to show (whole characters)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    """What one turn cost, as the engine measured it.  Always the last event of a turn.
+
+    ``prompt_tokens == reused_tokens + prefilled_tokens``: reused tokens came
+    from the agent's cache, prefilled ones were computed in this turn.
+    ``text`` is the whole reply (the deltas joined, stop strings cut).
+    """
+
+    prompt_tokens: int
+    reused_tokens: int
+    prefilled_tokens: int
+    ttft_ms: float  # turn submitted -> first token
+    prefill_ms: float  # time spent prefilling this turn's new tokens
+    generated_tokens: int
+    decode_tps: float  # generated tokens / decode seconds (0 when nothing was decoded)
+    text: str
+
+
+TurnEvent = TextDelta | TurnStats
+
+
+class AgentHandle(Protocol):
+    """One agent's conversation on one cache key.  Used by one task at a time."""
+
+    def turn(self, prompt: str, sampling: Sampling) -> AsyncGenerator[TurnEvent, None]:
+        """Append ``prompt`` as the next user message and stream the reply.
+
+        An async generator (``async def`` with ``yield``): the runner closes
+        it with ``aclose()`` when it stops early.
+
+        Yields ``TextDelta``s, then exactly one ``TurnStats``, then stops.
+        On success the reply becomes the next assistant message.  Cancelled
+        (or closed) before ``TurnStats`` is yielded, the conversation is left
+        as it was before the call: neither the prompt nor a partial reply is
+        kept (the cache may keep what it computed; a later prompt that
+        extends it may reuse that).  Raises ``runtime.errors.SemanticError`` for failures a user
+        can act on (server gone, out of memory).
+        """
+        ...
+
+    async def close(self) -> None:
+        """End the conversation.  Its cache key is never used again by this
+        run, so the backend may drop the cache.  Idempotent."""
+        ...
+
+
+class Backend(Protocol):
+    async def open_agent(self, agent: str, system: str, cache_key: str, *, use_cache: bool = True) -> AgentHandle:
+        """Start a conversation for scenario agent ``agent`` with system prompt
+        ``system``, whose cache lives under ``cache_key``.
+
+        ``use_cache=False`` (``--no-cache``) makes every turn prefill its whole
+        prompt: ``reused_tokens`` is then 0 and nothing is read from or kept
+        for reuse.  The runner opens each cache key once per run.
+        """
+        ...

@@ -1,0 +1,203 @@
+"""Run a scenario against a ``Backend``, turn by turn, and record what happened.
+
+``run`` is the only public entry point.  It owns all run state (the open
+handles, the ``Prompts`` queues, the records) inside one call; observers get
+immutable events and cannot change it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import anyio
+
+from .backend import AgentHandle, Backend, TextDelta, TurnStats
+from .plan import Line, Prompts, Slot, cache_key, schedule
+from .schema import Phase, Scenario
+
+__all__ = [
+    "Event", "PhaseFinished", "PhaseStarted", "Result", "TurnFinished", "TurnRecord", "TurnStarted", "TurnText", "run",
+]
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    """One turn as the report shows it."""
+
+    index: int
+    phase: str
+    agent: str
+    name: str
+    round: int
+    lifecycle: str
+    cache_key: str
+    agent_turn: int  # 1 for the first turn on this cache key, 2 for the next, ...
+    prompt_tokens: int
+    reused_tokens: int
+    prefilled_tokens: int
+    ttft_ms: float
+    prefill_ms: float
+    generated_tokens: int
+    decode_tps: float
+    text: str
+
+    @property
+    def reuse(self) -> float:
+        """Share of the prompt's tokens that came from the cache."""
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class Result:
+    scenario: Scenario
+    run_id: str
+    use_cache: bool
+    seed: int | None
+    turns: tuple[TurnRecord, ...]
+    transcript: dict[str, tuple[Line, ...]]  # phase name -> its lines, in phase order
+    verdict: str | None  # the judging phase's reply
+
+
+@dataclass(frozen=True)
+class PhaseStarted:
+    phase: Phase
+    index: int
+
+
+@dataclass(frozen=True)
+class TurnStarted:
+    index: int
+    phase: str
+    agent: str
+    name: str
+    round: int
+    reopened: bool  # a new conversation starts here (first turn on its cache key)
+
+
+@dataclass(frozen=True)
+class TurnText:
+    agent: str
+    text: str  # the next piece of the reply
+
+
+@dataclass(frozen=True)
+class TurnFinished:
+    record: TurnRecord
+
+
+@dataclass(frozen=True)
+class PhaseFinished:
+    phase: Phase
+
+
+Event = PhaseStarted | TurnStarted | TurnText | TurnFinished | PhaseFinished
+
+
+async def run(
+    scenario: Scenario,
+    backend: Backend,
+    *,
+    run_id: str,
+    seed: int | None = None,
+    use_cache: bool = True,
+    on_event: Callable[[Event], None] | None = None,
+) -> Result:
+    """Play every turn of ``scenario`` in order and return the transcript and per-turn numbers.
+
+    Guarantees: each permanent agent has one conversation (one cache key) for
+    the whole run and each ephemeral agent one per phase; every prompt only
+    appends to the agent's conversation; a line reaches only the agents of
+    its phase, private blocks only their ``visible_to``.  ``seed`` (if any)
+    gives turn i the seed ``seed + i``; ``use_cache`` is passed to every
+    ``open_agent``.  ``on_event`` is called synchronously, in order.
+
+    Raises what the backend raises.  Cancelled, or failing, it closes every
+    handle it opened (shielded) and re-raises; nothing is returned.
+    """
+    r = _Run(scenario, backend, run_id, seed, use_cache, on_event or (lambda event: None))
+    try:
+        current: Phase | None = None
+        for slot in schedule(scenario):
+            if slot.phase is not current:
+                if current is not None:
+                    await r.end_phase(current)
+                current = slot.phase
+                r.prompts.start_phase(current)
+                r.emit(PhaseStarted(current, slot.phase_index))
+            await r.turn(slot)
+        assert current is not None, "a validated scenario has at least one phase"
+        await r.end_phase(current)
+        for key in list(r.handles):  # the permanent agents
+            await r.handles[key].close()
+            del r.handles[key]
+    finally:
+        if r.handles:  # failed or cancelled: close the rest, and report the first error only
+            with anyio.CancelScope(shield=True):
+                for handle in r.handles.values():
+                    with contextlib.suppress(Exception):
+                        await handle.close()
+    said = r.prompts.transcript
+    verdict = r.records[-1].text if scenario.phases[-1].judge is not None else None
+    return Result(scenario, run_id, use_cache, seed, tuple(r.records),
+                  {p.name: tuple(said[p.name]) for p in scenario.phases}, verdict)
+
+
+@dataclass
+class _Run:
+    """One run's state; only ``run`` (through these methods) changes it."""
+
+    scenario: Scenario
+    backend: Backend
+    run_id: str
+    seed: int | None
+    use_cache: bool
+    emit: Callable[[Event], None]
+    prompts: Prompts = field(init=False)
+    handles: dict[str, AgentHandle] = field(default_factory=dict)  # cache key -> open conversation
+    turns_on: dict[str, int] = field(default_factory=dict)  # cache key -> turns taken
+    records: list[TurnRecord] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.prompts = Prompts(self.scenario)
+
+    async def turn(self, slot: Slot) -> None:
+        agent = self.scenario.agents[slot.agent]
+        key = cache_key(self.scenario, self.run_id, slot.agent, slot.phase.name)
+        reopened = key not in self.handles
+        if reopened:
+            self.handles[key] = await self.backend.open_agent(slot.agent, agent.system, key, use_cache=self.use_cache)
+        self.emit(TurnStarted(slot.index, slot.phase.name, slot.agent, agent.name, slot.round, reopened))
+        sampling = slot.phase.sampling[slot.agent]
+        if self.seed is not None:
+            sampling = replace(sampling, seed=self.seed + slot.index)
+        stats = None
+        async with contextlib.aclosing(self.handles[key].turn(self.prompts.take(slot.agent), sampling)) as events:
+            async for event in events:
+                match event:
+                    case TextDelta(text=text):
+                        self.emit(TurnText(slot.agent, text))
+                    case TurnStats():
+                        stats = event
+        assert stats is not None, "a backend's turn must end with TurnStats"
+        assert stats.prompt_tokens == stats.reused_tokens + stats.prefilled_tokens, "backend token counts do not add up"
+        self.turns_on[key] = self.turns_on.get(key, 0) + 1
+        record = TurnRecord(
+            slot.index, slot.phase.name, slot.agent, agent.name, slot.round, agent.lifecycle, key, self.turns_on[key],
+            stats.prompt_tokens, stats.reused_tokens, stats.prefilled_tokens, stats.ttft_ms, stats.prefill_ms,
+            stats.generated_tokens, stats.decode_tps, stats.text,
+        )
+        self.records.append(record)
+        self.prompts.said(slot.phase, Line(slot.phase.name, slot.agent, slot.round, stats.text.strip()))
+        self.emit(TurnFinished(record))
+
+    async def end_phase(self, phase: Phase) -> None:
+        self.prompts.end_phase(phase)
+        for agent in phase.agents:
+            if not self.scenario.agents[agent].permanent:
+                key = cache_key(self.scenario, self.run_id, agent, phase.name)
+                if key in self.handles:
+                    await self.handles[key].close()  # still listed if this fails: run()'s finally tries again
+                    del self.handles[key]
+        self.emit(PhaseFinished(phase))
