@@ -218,7 +218,7 @@ class AgentActor:
         messages = (*self.slot.history, Message("user", message.text))
         send, events = anyio.create_memory_object_stream[TurnEvent](math.inf)
         gpu = self.ctx.gpu
-        gpu.submit(BeginTurn(message.turn_id, self.agent_id, messages, message.sampling, send))
+        gpu.submit(BeginTurn(message.turn_id, self.agent_id, messages, message.sampling, send, message.use_cache))
         end: TurnEnded | TurnFailed | None = None
         consumer_gone = False
         async with events:

@@ -462,7 +462,8 @@ class _Worker:
             messages = [{"role": m.role, "content": m.content} for m in cmd.messages]
             text = turns.render(tokenizer, messages)
             prefix = turns.system_prefix(tokenizer, messages, text)
-            turn = turns.begin(caches, tokenizer, cmd.agent_id, text, cmd.sampling.max_tokens, prefix)
+            turn = turns.begin(caches, tokenizer, cmd.agent_id, text, cmd.sampling.max_tokens, prefix,
+                               use_cache=cmd.use_cache)
         except OutOfMemory as e:
             if self.turns:
                 return False
@@ -714,4 +715,6 @@ def _result(t: _Turn, f: Finished | None, reason: str) -> TurnResult:
         queued_s=admitted - t.received,
         ttft_s=None if t.first_token is None else t.first_token - t.received,
         cancel_lag_steps=t.cancel_lag,
+        prefill_s=None if t.first_token is None else t.first_token - admitted,
+        decode_s=None if t.first_token is None else now - t.first_token,
     )

@@ -72,6 +72,8 @@ class TurnResult:
     # Cancelled turns: engine steps completed between the cancel request and the cancel; 0 or 1
     # (the step in progress when it was asked), as no step starts before the inbox is drained.
     cancel_lag_steps: int | None = None
+    prefill_s: float | None = None  # admitted -> first token (its prefill, interleaved with others' decoding)
+    decode_s: float | None = None  # first token -> end
 
 
 # -- generic replies ---------------------------------------------------------
@@ -119,6 +121,7 @@ class BeginTurn:
     messages: tuple[Message, ...]  # the whole conversation, ending with the new user message
     sampling: SamplingParams
     reply: Sink[TurnEvent]
+    use_cache: bool = True  # False: prefill the whole prompt, reuse nothing (for comparisons)
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,7 @@ class Send:
     text: str
     sampling: SamplingParams
     reply: Sink[TurnEvent]
+    use_cache: bool = True
 
 
 @dataclass(frozen=True)

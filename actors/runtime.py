@@ -309,11 +309,12 @@ class Agent:
         """How the agent's last turn ended (token counts, timings), cancelled ones included."""
         return self._slot.last_result
 
-    def send(self, text: str, **sampling) -> Reply:
+    def send(self, text: str, *, use_cache: bool = True, **sampling) -> Reply:
         """Queue a turn now and return its stream: ``async for delta in agent.send(...)``.
 
         ``sampling``: ``SamplingParams`` fields (max_tokens, temperature, top_p,
-        top_k, min_p, stop, seed); greedy by default.  Turns of one agent run in
+        top_k, min_p, stop, seed); greedy by default.  ``use_cache=False`` prefills
+        the whole prompt and reuses nothing (to compare against caching).  Turns of one agent run in
         the order ``send`` was called; each sees the previous ones.  Closing the
         stream, breaking out of the loop, or cancelling the task that reads it
         cancels the turn within one engine step (see ``Reply``).
@@ -327,17 +328,17 @@ class Agent:
         turn_id = next(self._rt._turn_ids)
         reply, events = anyio.create_memory_object_stream[TurnEvent](math.inf)
         try:
-            self._rt._deliver(self._slot, Send(turn_id, text, params, reply))
+            self._rt._deliver(self._slot, Send(turn_id, text, params, reply, use_cache))
         except BaseException:
             reply.close()
             events.close()
             raise
         return Reply(turn_id, events, self._rt._gpu)
 
-    async def reply(self, text: str, **sampling) -> str:
+    async def reply(self, text: str, *, use_cache: bool = True, **sampling) -> str:
         """Run a turn and return the whole reply text (``send`` without streaming).
         Raises what ``send`` raises; cancelling the caller cancels the turn."""
-        async with self.send(text, **sampling) as stream:
+        async with self.send(text, use_cache=use_cache, **sampling) as stream:
             return await stream.text()
 
     async def fork(self, new_id: str) -> Agent:

@@ -105,6 +105,25 @@ async def test_two_sends_to_one_agent_run_in_submission_order(open_runtime):
         assert second.result.prefilled_tokens < 30
 
 
+async def test_use_cache_false_prefills_the_whole_prompt(open_runtime):
+    async with open_runtime() as rt:
+        agent = await rt.agent("nocache", system="You are a helpful assistant.")
+        await agent.reply("Name a colour.", max_tokens=4)
+        cached = agent.send("Name another.", max_tokens=4)
+        await cached.text()
+        assert cached.result.reused_tokens > 0
+        fresh = agent.send("And one more.", max_tokens=4, use_cache=False)
+        await fresh.text()
+        r = fresh.result
+        assert (r.reused_tokens, r.prefilled_tokens) == (0, r.prompt_tokens)
+        assert r.prompt_tokens > cached.result.prompt_tokens
+        assert 0 < r.prefill_s <= r.ttft_s and r.decode_s >= 0
+        # The next cached turn extends the cache the uncached turn left.
+        again = agent.send("Thanks.", max_tokens=4)
+        await again.text()
+        assert again.result.reused_tokens >= r.prompt_tokens
+
+
 async def test_consumer_that_stops_reading_frees_its_slot_within_one_step(open_runtime, smollm2):
     tok = smollm2.tokenizer
     async with open_runtime() as rt:
