@@ -85,6 +85,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio", help="event loop (default asyncio)")
     p.add_argument("--quick", action="store_true", help="256-token prompts, 64 tokens each (a few minutes on 2 cores)")
     _add_json(p, "the results")
+
+    from scenarios.cli import add_parser as add_scenario_parser  # argparse only: cheap
+
+    add_scenario_parser(sub)
     return top
 
 
@@ -114,7 +118,7 @@ def _warn_if_slow() -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.command in ("generate", "bench"):
+    if args.command in ("generate", "bench", "scenario"):
         _warn_if_slow()
     if args.command == "doctor":
         from .doctor import doctor
@@ -137,6 +141,10 @@ def _run(args: argparse.Namespace) -> int:
         import importlib
 
         return importlib.import_module(f"bench.{args.bench}").run(args)
+    if args.command == "scenario":
+        from scenarios.cli import run
+
+        return run(args)
     raise AssertionError(f"unhandled command {args.command}")
 
 

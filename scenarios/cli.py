@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .backend import Backend
     from .schema import Scenario
 
-__all__ = ["add_parser", "library", "main", "make_backend", "resolve", "run"]
+__all__ = ["add_parser", "compare_scenario", "library", "main", "make_backend", "resolve", "run"]
 
 LIBRARY = Path(__file__).parent / "library"
 
@@ -40,6 +40,15 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="directory for transcript.json, transcript.md and report.json "
                                                "(default ./scenario-runs/ID-RUN)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object (no live view)")
+    p = actions.add_parser("compare", help="run a scenario twice, cached and --no-cache, with the same seed: "
+                                           "prefill work and identical replies side by side")
+    p.add_argument("file", metavar="FILE", help=f"a scenario YAML file, or a shipped one by name ({shipped})")
+    p.add_argument("--model", default=None, help="as for run")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed for both runs (default 0)")
+    p.add_argument("--url", default=None, help="run both through a running `semantic serve` at this URL")
+    p.add_argument("--out", default=None, help="directory for both runs' outputs and compare.json "
+                                               "(default ./scenario-runs/ID-RUN-compare)")
+    p.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
     p = actions.add_parser("validate", help="check a scenario file; print its phases and turns")
     p.add_argument("file", metavar="FILE", help=f"a scenario YAML file, or a shipped one by name ({shipped})")
     return top
@@ -51,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
         return validate(args)
     if args.action == "run":
         return run_scenario(args)
+    if args.action == "compare":
+        return compare_scenario(args)
     raise AssertionError(f"unhandled scenario action {args.action}")
 
 
@@ -105,58 +116,112 @@ def run_scenario(args: argparse.Namespace) -> int:
 
     import anyio
 
-    from runtime.errors import SemanticError
-
     from .schema import load
 
     scenario = load(resolve(args.file))
-    if args.url is not None:
-        if not args.url.startswith(("http://", "https://")):
-            raise SemanticError(f"--url must start with http:// or https:// (got {args.url!r})")
-        if args.model is not None:
-            raise SemanticError("--model cannot be used with --url: the server runs its own model")
+    _check_url(args)
     run_id = secrets.token_hex(4)
     out = Path(args.out) if args.out else Path("scenario-runs") / f"{scenario.id}-{run_id}"
     backend = make_backend(args)
     return anyio.run(_play, scenario, backend, args, run_id, out)
 
 
+def compare_scenario(args: argparse.Namespace) -> int:
+    import secrets
+
+    import anyio
+
+    from .schema import load
+
+    scenario = load(resolve(args.file))
+    _check_url(args)
+    run_id = secrets.token_hex(4)
+    out = Path(args.out) if args.out else Path("scenario-runs") / f"{scenario.id}-{run_id}-compare"
+    return anyio.run(_compare, scenario, make_backend(args), args, run_id, out)
+
+
+def _check_url(args: argparse.Namespace) -> None:
+    from runtime.errors import SemanticError
+
+    if args.url is not None:
+        if not args.url.startswith(("http://", "https://")):
+            raise SemanticError(f"--url must start with http:// or https:// (got {args.url!r})")
+        if args.model is not None:
+            raise SemanticError("--model cannot be used with --url: the server runs its own model")
+
+
 def make_backend(args: argparse.Namespace) -> AbstractAsyncContextManager[Backend]:
     """The backend for ``args``: HTTP to ``args.url`` if given, else in process
     with ``args.model`` (None = the embedded SmolLM2).
 
-    Returns an async context manager: entering starts the backend (its task
-    group, model, HTTP client), leaving stops it.  ``args.no_cache`` needs no
-    handling here: the runner passes ``use_cache`` to every ``open_agent``.
+    Returns an async context manager: entering starts the backend (the runtime
+    and its model, or the HTTP client), leaving stops it.  ``args.no_cache``
+    needs no handling here: the runner passes ``use_cache`` to every ``open_agent``.
     """
-    from runtime.errors import SemanticError
+    if args.url is not None:
+        from .remote import remote_backend
 
-    raise SemanticError("in-process and HTTP backends arrive with the actor runtime")
+        return remote_backend(args.url)
+    from .local import local_backend
+
+    if not args.json:
+        print(f"loading {args.model or 'smollm2'} ...", file=sys.stderr, flush=True)
+    return local_backend(args.model)
 
 
 async def _play(scenario: Scenario, backend_cm: AbstractAsyncContextManager[Backend], args: argparse.Namespace,
                 run_id: str, out: Path) -> int:
     import json
 
-    from . import report, runner
-    from .view import View
+    from . import report
 
-    meta = {"model": None if args.url else (args.model or "smollm2"), "backend": "http" if args.url else "in-process",
-            "url": args.url}
     async with backend_cm as backend:
-        if args.json:
-            result = await runner.run(scenario, backend, run_id=run_id, seed=args.seed, use_cache=not args.no_cache)
-        else:
-            with View(scenario) as view:
-                result = await runner.run(scenario, backend, run_id=run_id, seed=args.seed,
-                                          use_cache=not args.no_cache, on_event=view)
-            view.summary(result)
-    rep = report.write(result, out, **meta)
+        result = await _run_once(scenario, backend, args, run_id, use_cache=not args.no_cache)
+    rep = report.write(result, out, **_meta(args))
     if args.json:
         print(json.dumps({**rep, "output_dir": str(out)}))
     else:
         print(f"transcript and report in {out}/")
     return 0
+
+
+async def _compare(scenario: Scenario, backend_cm: AbstractAsyncContextManager[Backend], args: argparse.Namespace,
+                   run_id: str, out: Path) -> int:
+    import json
+
+    from . import compare, report
+
+    async with backend_cm as backend:
+        cached = await _run_once(scenario, backend, args, f"{run_id}c", use_cache=True)
+        uncached = await _run_once(scenario, backend, args, f"{run_id}n", use_cache=False)
+    report.write(cached, out / "cached", **_meta(args))
+    report.write(uncached, out / "no-cache", **_meta(args))
+    comparison = compare.compare(cached, uncached)
+    (out / "compare.json").write_text(json.dumps(comparison, indent=2) + "\n")
+    if args.json:
+        print(json.dumps({**comparison, "output_dir": str(out)}))
+    else:
+        print(compare.render(comparison))
+        print(f"both runs and compare.json in {out}/")
+    return 0
+
+
+async def _run_once(scenario: Scenario, backend: Backend, args: argparse.Namespace, run_id: str, use_cache: bool):
+    from . import runner
+    from .view import View
+
+    if args.json:
+        return await runner.run(scenario, backend, run_id=run_id, seed=args.seed, use_cache=use_cache)
+    with View(scenario) as view:
+        result = await runner.run(scenario, backend, run_id=run_id, seed=args.seed, use_cache=use_cache,
+                                  on_event=view)
+    view.summary(result)
+    return result
+
+
+def _meta(args: argparse.Namespace) -> dict:
+    return {"model": None if args.url else (args.model or "smollm2"), "backend": "http" if args.url else "in-process",
+            "url": args.url}
 
 
 def main(argv: list[str] | None = None) -> int:

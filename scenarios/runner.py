@@ -41,6 +41,7 @@ class TurnRecord:
     prefill_ms: float
     generated_tokens: int
     decode_tps: float
+    prompt: str  # the new user message of this turn
     text: str
 
     @property
@@ -173,7 +174,8 @@ class _Run:
         if self.seed is not None:
             sampling = replace(sampling, seed=self.seed + slot.index)
         stats = None
-        async with contextlib.aclosing(self.handles[key].turn(self.prompts.take(slot.agent), sampling)) as events:
+        prompt = self.prompts.take(slot.agent)
+        async with contextlib.aclosing(self.handles[key].turn(prompt, sampling)) as events:
             async for event in events:
                 match event:
                     case TextDelta(text=text):
@@ -186,7 +188,7 @@ class _Run:
         record = TurnRecord(
             slot.index, slot.phase.name, slot.agent, agent.name, slot.round, agent.lifecycle, key, self.turns_on[key],
             stats.prompt_tokens, stats.reused_tokens, stats.prefilled_tokens, stats.ttft_ms, stats.prefill_ms,
-            stats.generated_tokens, stats.decode_tps, stats.text,
+            stats.generated_tokens, stats.decode_tps, prompt, stats.text,
         )
         self.records.append(record)
         self.prompts.said(slot.phase, Line(slot.phase.name, slot.agent, slot.round, stats.text.strip()))

@@ -41,10 +41,11 @@ def test_missing_file_is_one_line():
     assert len(out.stderr.splitlines()) == 1
 
 
-def test_run_stops_at_the_backend_for_now():
-    out = scenario("run", "town_council", "--seed", "3", "--no-cache")
+def test_run_against_no_server_is_one_clear_line():
+    out = scenario("run", "town_council", "--json", "--url", "http://127.0.0.1:9")
     assert out.returncode == 2
-    assert out.stderr == "semantic: error: in-process and HTTP backends arrive with the actor runtime\n"
+    assert out.stderr.startswith("semantic: error: cannot reach semantic serve at http://127.0.0.1:9")
+    assert len(out.stderr.splitlines()) == 1
 
 
 @pytest.mark.parametrize("args, message", [
