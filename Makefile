@@ -1,4 +1,5 @@
-# Two commands for a fresh machine (each sets up what it needs, idempotently):
+# Commands for a fresh machine (each sets up what it needs, idempotently):
+#   make serve  - the HTTP server (Anthropic, OpenAI and agent APIs) on 127.0.0.1:8000 (PORT=...)
 #   make run    - the embedded model answers a prompt (PROMPT="...")
 #   make test   - the test suite
 #   make example - examples/orchestrator.py: agents on the in-process actor API
@@ -6,8 +7,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
+PORT ?= 8000
 
-.PHONY: run test example setup blas model clean
+.PHONY: serve run test example setup blas model clean
 
 setup: $(VENV)/.installed blas
 
@@ -23,6 +25,9 @@ blas:
 
 model: setup
 	$(BIN)/semantic prepare
+
+serve: model
+	$(BIN)/semantic serve --port $(PORT)
 
 run: model
 	$(BIN)/semantic generate --prompt "$(PROMPT)"

@@ -27,11 +27,12 @@ from .errors import (
     TurnError,
 )
 from .messages import Delta, Message, TurnResult
-from .runtime import Agent, Reply, Runtime
+from .runtime import Agent, AgentInfo, Reply, Runtime
 
 __all__ = [
     "Agent",
     "AgentExists",
+    "AgentInfo",
     "AgentGone",
     "ContextTooLong",
     "Delta",

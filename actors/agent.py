@@ -11,6 +11,8 @@ to the GPU actor with a reply stream, forwards each ``Delta`` to the
 consumer's stream, and on ``TurnEnded`` appends the user message and the reply
 to the history, hands the history file to the persistence actor, and only
 then forwards the end -- so a consumer that saw the end sees the new history.
+A turn that brings its whole conversation (``Agent.respond``, for stateless
+HTTP clients) replaces the history with that conversation plus the reply.
 
 **A cancelled turn** (its consumer stopped reading or was cancelled, or the
 runtime shut down) leaves the history unchanged: neither the user message nor
@@ -27,7 +29,8 @@ lose a message.
 
 History file (``<cache dir>/histories/<agent id>.json``, written atomically):
 ``{"format": "semantic-agent-history", "version": 1, "agent_id": ...,
-"messages": [{"role": ..., "content": ...}, ...], "updated": <unix time>}``.
+"messages": [{"role": ..., "content": ...}, ...], "updated": <unix time>}``; a tool
+turn's message also has ``tool_calls``, ``tool_call_id`` or ``name`` (see ``Message``).
 History and cache are written separately: after a crash they may disagree,
 which is safe, because a cache is matched to a prompt by its own text.
 """
@@ -215,10 +218,14 @@ class AgentActor:
         if self.ctx.closing():
             _final(consumer, TurnFailed(message.turn_id, RuntimeClosed("the runtime is shutting down")))
             return
-        messages = (*self.slot.history, Message("user", message.text))
+        if message.messages is not None:  # the whole conversation: it replaces the history
+            messages = message.messages
+        else:
+            messages = (*self.slot.history, Message("user", message.text))
         send, events = anyio.create_memory_object_stream[TurnEvent](math.inf)
         gpu = self.ctx.gpu
-        gpu.submit(BeginTurn(message.turn_id, self.agent_id, messages, message.sampling, send, message.use_cache))
+        gpu.submit(BeginTurn(message.turn_id, self.agent_id, messages, message.sampling, send, message.use_cache,
+                             message.tools))
         end: TurnEnded | TurnFailed | None = None
         consumer_gone = False
         async with events:
@@ -290,7 +297,7 @@ def encode_history(agent_id: str, history: tuple[Message, ...]) -> bytes:
         "format": HISTORY_FORMAT,
         "version": 1,
         "agent_id": agent_id,
-        "messages": [{"role": m.role, "content": m.content} for m in history],
+        "messages": [m.as_dict() for m in history],
         "updated": time.time(),
     }
     return json.dumps(doc, ensure_ascii=False, indent=1).encode()
@@ -308,7 +315,7 @@ def read_history(histories: Path, agent_id: str) -> tuple[Message, ...] | None:
     try:
         doc = json.loads(raw)
         assert doc["format"] == HISTORY_FORMAT and doc["version"] == 1 and doc["agent_id"] == agent_id
-        messages = tuple(Message(str(m["role"]), str(m["content"])) for m in doc["messages"])
+        messages = tuple(Message.from_dict(m) for m in doc["messages"])
     except (ValueError, KeyError, TypeError, AssertionError) as e:
         aside = path.with_name(f"{path.name}.bad-{time.strftime('%Y%m%dT%H%M%S')}")
         os.replace(path, aside)

@@ -20,7 +20,8 @@ class TurnError(SemanticError):
 
 
 class ContextTooLong(TurnError):
-    """The prompt plus ``max_tokens`` does not fit the model's context window."""
+    """The prompt leaves no room for a reply in the model's context window (a
+    reply that would run past the context stops at its end instead: reason ``length``)."""
 
 
 class TurnCancelled(TurnError):

@@ -46,7 +46,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import anyio
@@ -105,6 +105,16 @@ class _Exited:
     pass
 
 
+@dataclass(frozen=True)
+class HotSnapshot:
+    """The hot set as the GPU thread last saw it, for monitoring from the event loop."""
+
+    model_id: str | None = None
+    budget_bytes: int = 0
+    used_bytes: int = 0
+    agents: dict = field(default_factory=dict)  # agent id -> (tokens, bytes, last use as unix time)
+
+
 class GpuActor:
     """The event-loop half: a mailbox, a health flag and the thread's lifetime."""
 
@@ -125,6 +135,7 @@ class GpuActor:
         self._portal: BlockingPortal | None = None
         self._accepting = False
         self.error: SemanticError | None = None  # set when the GPU actor failed
+        self.hot = HotSnapshot()  # replaced (never mutated) by the GPU thread
         self._worker = _Worker(
             self, model, ModelRegistry(cache_root, budget_bytes, engine_options or {}),
             persistence, eviction, model_idle_s,
@@ -144,6 +155,11 @@ class GpuActor:
     @property
     def model_name(self) -> str | None:
         return self._worker.registry.name
+
+    @property
+    def loaded(self):
+        """The loaded ``LoadedModel`` (None while unloaded); read its settings, never run it here."""
+        return self._worker.registry.loaded
 
     def stats(self) -> dict:
         """A snapshot for tests and benchmarks (read across threads: approximate)."""
@@ -459,11 +475,11 @@ class _Worker:
         caches, tokenizer = reg.caches, reg.loaded.tokenizer
         assert not caches.busy(cmd.agent_id), "two turns of one agent at once: the agent actor serialises them"
         try:
-            messages = [{"role": m.role, "content": m.content} for m in cmd.messages]
-            text = turns.render(tokenizer, messages)
+            messages = [m.as_dict() for m in cmd.messages]
+            text = turns.render(tokenizer, messages, cmd.tools)
             prefix = turns.system_prefix(tokenizer, messages, text)
             turn = turns.begin(caches, tokenizer, cmd.agent_id, text, cmd.sampling.max_tokens, prefix,
-                               use_cache=cmd.use_cache)
+                               use_cache=cmd.use_cache, context_length=reg.context_length)
         except OutOfMemory as e:
             if self.turns:
                 return False
@@ -473,16 +489,18 @@ class _Worker:
             log.exception("turn %d of %s could not start", cmd.turn_id, cmd.agent_id)
             self._fail(t, TurnError(f"the turn could not start: {e!r}"))
             return True
-        limit = reg.context_length
-        if len(turn.prompt) + cmd.sampling.max_tokens > limit:
+        limit, n = reg.context_length, len(turn.prompt)
+        if n >= limit:  # not even one token fits
             caches.abandon(cmd.agent_id)
             self._fail(t, ContextTooLong(
-                f"the prompt has {len(turn.prompt)} tokens; with max_tokens={cmd.sampling.max_tokens} it exceeds "
-                f"the model's {limit}-token context: lower max_tokens or start a new agent"
+                f"the prompt has {n} tokens, more than fit the model's {limit}-token context "
+                f"(at most {limit - 1} leave room for a reply): shorten it or start a new agent"
             ))
             return True
+        # A reply that would run past the context stops at its end (reason "length").
+        sampling = cmd.sampling if n + cmd.sampling.max_tokens <= limit else replace(cmd.sampling, max_tokens=limit - n)
         try:
-            t.seq_id = reg.engine.add(turn.prompt, cmd.sampling, turn.cache, turn.plan.keep)
+            t.seq_id = reg.engine.add(turn.prompt, sampling, turn.cache, turn.plan.keep)
         except Exception as e:
             caches.abandon(cmd.agent_id)
             self._fail(t, TurnError(f"the turn could not start: {e!r}"))
@@ -610,7 +628,13 @@ class _Worker:
 
     def _report_hot(self) -> None:
         caches = self.registry.caches
-        if self.eviction is None or caches is None:
+        if caches is None:
+            return
+        # Published for readers on other threads (one assignment, never mutated after).
+        self.actor.hot = HotSnapshot(caches.model_id, caches.budget.budget_bytes, caches.hot_bytes, {
+            m.agent_id: (len(m.tokens), caches.budget.bytes_of(m.agent_id), m.updated) for m in caches.hot_memories()
+        })
+        if self.eviction is None:
             return
         agents = tuple(
             HotAgent(m.agent_id, caches.budget.bytes_of(m.agent_id), not m.dirty) for m in caches.hot_memories()
@@ -717,4 +741,5 @@ def _result(t: _Turn, f: Finished | None, reason: str) -> TurnResult:
         cancel_lag_steps=t.cancel_lag,
         prefill_s=None if t.first_token is None else t.first_token - admitted,
         decode_s=None if t.first_token is None else now - t.first_token,
+        stop_sequence=f.stop_sequence if f else None,
     )

@@ -43,10 +43,36 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Message:
-    """One entry of an agent's conversation (model-independent)."""
+    """One entry of an agent's conversation (model-independent).
 
-    role: str  # "system", "user" or "assistant"
+    Tool turns (for chat templates that know tools) carry a little more: an
+    assistant message may hold the ``tool_calls`` it made (``{"id", "type":
+    "function", "function": {"name", "arguments": dict}}``), and a ``tool``
+    message answers ``tool_call_id`` (from the tool ``name``).
+    """
+
+    role: str  # "system", "user", "assistant" or "tool"
     content: str
+    tool_calls: tuple[dict, ...] = field(default=(), hash=False)
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def as_dict(self) -> dict:
+        """The message as a chat template takes it (optional keys only when set)."""
+        out = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [dict(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Message:
+        """The inverse of ``as_dict``; raises ``KeyError``/``TypeError`` on a malformed dict."""
+        return cls(str(d["role"]), str(d["content"]), tuple(d.get("tool_calls") or ()),
+                   d.get("tool_call_id"), d.get("name"))
 
 
 @dataclass(frozen=True)
@@ -74,6 +100,7 @@ class TurnResult:
     cancel_lag_steps: int | None = None
     prefill_s: float | None = None  # admitted -> first token (its prefill, interleaved with others' decoding)
     decode_s: float | None = None  # first token -> end
+    stop_sequence: str | None = None  # the stop string that ended it (reason "stop")
 
 
 # -- generic replies ---------------------------------------------------------
@@ -122,6 +149,7 @@ class BeginTurn:
     sampling: SamplingParams
     reply: Sink[TurnEvent]
     use_cache: bool = True  # False: prefill the whole prompt, reuse nothing (for comparisons)
+    tools: tuple[dict, ...] | None = None  # tool definitions for the chat template
 
 
 @dataclass(frozen=True)
@@ -205,11 +233,17 @@ class Open:
 
 @dataclass(frozen=True)
 class Send:
+    """A turn: ``text`` is the new user message, appended to the history; or,
+    when ``messages`` is given, the turn's whole conversation, which replaces
+    the history (stateless clients send everything each time)."""
+
     turn_id: int
     text: str
     sampling: SamplingParams
     reply: Sink[TurnEvent]
     use_cache: bool = True
+    messages: tuple[Message, ...] | None = None
+    tools: tuple[dict, ...] | None = None
 
 
 @dataclass(frozen=True)

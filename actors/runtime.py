@@ -28,13 +28,14 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 
-from runtime.cache_file import CacheStore, validate_agent_id
+from runtime.cache_file import CacheFileError, CacheStore, read_meta, validate_agent_id
 from runtime.engine import SamplingParams
 from runtime.models import LoadedModel
 from runtime.paths import agents_dir
@@ -63,7 +64,7 @@ from .messages import (
 )
 from .persistence import PersistenceActor
 
-__all__ = ["Agent", "Reply", "Runtime"]
+__all__ = ["Agent", "AgentInfo", "Reply", "Runtime"]
 
 
 class Runtime:
@@ -155,6 +156,44 @@ class Runtime:
     def model(self) -> str | None:
         """The name of the loaded model (or the one an idle unload will bring back)."""
         return self._gpu.model_name
+
+    @property
+    def context_length(self) -> int:
+        """Tokens the loaded model's context holds (0 while it is unloaded)."""
+        loaded = self._gpu.loaded
+        return loaded.context_length if loaded else 0
+
+    @property
+    def chat_template(self) -> str | None:
+        """The loaded model's chat template (None while unloaded or if it has none)."""
+        loaded = self._gpu.loaded
+        return getattr(loaded.tokenizer, "chat_template", None) if loaded else None
+
+    def memory(self) -> dict:
+        """Hot KV cache bytes against the budget, and bytes of every file in the cache directory."""
+        hot = self._gpu.hot
+        return {"hot_bytes": hot.used_bytes, "budget_bytes": hot.budget_bytes,
+                "disk_bytes": self._persistence.store.disk_bytes()}
+
+    async def agents(self, only: str | None = None) -> list[AgentInfo]:
+        """Every agent that has a history (in memory or on disk), or only the one
+        named ``only`` (if it exists), with its cache for the loaded model: a
+        snapshot, read partly from disk on a worker thread.  Raises ``InvalidAgentId``."""
+        if only is not None:
+            validate_agent_id(only)
+        hot = self._gpu.hot
+        live = {i: s.history for i, s in self._slots.items()
+                if s.exists and not s.deleted and s.history is not None and only in (None, i)}
+        return await anyio.to_thread.run_sync(_agent_infos, self._histories, self._persistence.store, hot, live, only)
+
+    def cache_tier(self, agent_id: str) -> str | None:
+        """Where the agent's cache for the loaded model is now: "hot", "warm" (disk) or None."""
+        hot = self._gpu.hot
+        if agent_id in hot.agents:
+            return "hot"
+        if hot.model_id is not None and self._persistence.store.path(agent_id, hot.model_id).is_file():
+            return "warm"
+        return None
 
     async def agent(self, agent_id: str, system: str | None = None) -> Agent:
         """Open an agent, creating it if new (with ``system`` as its system prompt).
@@ -271,6 +310,64 @@ class Runtime:
                     pass  # it has ended already
 
 
+@dataclass(frozen=True)
+class AgentInfo:
+    """One agent as ``Runtime.agents`` lists it."""
+
+    id: str
+    history: tuple[Message, ...]
+    model: str | None  # whose cache the numbers below describe (the loaded model)
+    tokens: int  # tokens its cache holds (0: none)
+    bytes: int  # hot: its share of the KV budget; warm: its file's size
+    tier: str | None  # "hot" (in memory), "warm" (on disk) or None (no cache for this model)
+    last_use: float | None  # unix time its cache was last updated
+
+
+def _agent_infos(histories: Path, store: CacheStore, hot, live: dict, only: str | None) -> list[AgentInfo]:
+    """(worker thread) Merge histories on disk and in memory with the hot set and cache files."""
+    found = dict(live)
+    if only is not None:
+        paths = [histories / f"{only}.json"] if only not in found else []
+    else:
+        paths = histories.glob("*.json") if histories.is_dir() else ()
+    for path in paths:
+        agent_id = path.name[: -len(".json")]
+        if agent_id in found:
+            continue
+        try:
+            validate_agent_id(agent_id)
+            history = read_history(histories, agent_id)
+        except (ValueError, OSError):
+            continue
+        if history is not None:
+            found[agent_id] = history
+    if only is not None:
+        path = store.path(only, hot.model_id) if hot.model_id is not None else None
+        entries = [dict(agent=only, model=hot.model_id, **_file_info(path))] if path and path.is_file() else []
+    else:
+        entries = store.entries()
+    files = {e["agent"]: e for e in entries if e["model"] == hot.model_id}
+    out = []
+    for agent_id in sorted(found):
+        if agent_id in hot.agents:
+            tokens, size, used = hot.agents[agent_id]
+            tier = "hot"
+        elif (e := files.get(agent_id)) is not None:
+            tokens, size, used, tier = e["tokens"], e["bytes"], e["updated"], "warm"
+        else:
+            tokens, size, used, tier = 0, 0, None, None
+        out.append(AgentInfo(agent_id, found[agent_id], hot.model_id, tokens, size, tier, used))
+    return out
+
+
+def _file_info(path: Path) -> dict:
+    try:
+        meta = read_meta(path)
+    except CacheFileError:
+        return {"tokens": 0, "bytes": 0, "updated": None}
+    return {"tokens": meta["token_count"], "bytes": meta["bytes"], "updated": meta["updated"]}
+
+
 async def _shielded(run, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
     """Run an actor out of reach of outside cancellation: the runtime stops it in order."""
     with anyio.CancelScope(shield=True):
@@ -323,12 +420,36 @@ class Agent:
         ``RuntimeClosed``, ``RuntimeUnhealthy``, ``AgentGone``.  While streaming:
         ``TurnError`` (e.g. ``ContextTooLong``, ``OutOfMemory``) for this turn only.
         """
+        return self._queue(text, None, None, use_cache, sampling)
+
+    def respond(self, messages: Iterable[Message], *, tools: Iterable[dict] | None = None,
+                use_cache: bool = True, **sampling) -> Reply:
+        """Queue a turn over a whole conversation and return its stream (as ``send``).
+
+        For stateless clients that send everything each time: ``messages`` (a
+        system message first, if any; ending with the message to answer)
+        *replaces* the agent's history, and the reply is appended once the turn
+        ends.  The agent's cache is matched to the new prompt by text, so a
+        conversation that extends the cached one prefills only what is new, and
+        one that diverges keeps the shared part.  ``tools``: tool definitions
+        (``{"type": "function", "function": {...}}``) for chat templates that
+        take them.  A cancelled turn leaves the history unchanged.
+
+        Raises what ``send`` raises, and ``ValueError`` for an empty conversation.
+        """
+        messages = tuple(messages)
+        if not messages:
+            raise ValueError("a conversation needs at least one message")
+        return self._queue("", messages, tuple(tools) if tools else None, use_cache, sampling)
+
+    def _queue(self, text: str, messages: tuple[Message, ...] | None, tools: tuple[dict, ...] | None,
+               use_cache: bool, sampling: dict) -> Reply:
         params = SamplingParams(**sampling)
         self._rt._check_open()
         turn_id = next(self._rt._turn_ids)
         reply, events = anyio.create_memory_object_stream[TurnEvent](math.inf)
         try:
-            self._rt._deliver(self._slot, Send(turn_id, text, params, reply, use_cache))
+            self._rt._deliver(self._slot, Send(turn_id, text, params, reply, use_cache, messages, tools))
         except BaseException:
             reply.close()
             events.close()

@@ -86,6 +86,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="256-token prompts, 64 tokens each (a few minutes on 2 cores)")
     _add_json(p, "the results")
 
+    p = bench.add_parser("compare", help="`semantic serve` against mlx_lm.server over HTTP, side by side")
+    _add_model(p)
+    p.add_argument("--quick", action="store_true", help="a reduced set (< 10 minutes on 2 cores; full run < 45)")
+    p.add_argument("--out", default="docs/benchmarks", help="where the JSON, Markdown table and PNG plots go "
+                   "(default docs/benchmarks)")
+    p.add_argument("--stand-in", action="store_true", help=argparse.SUPPRESS)  # mlx_lm.server plays ours too
+    _add_json(p, "the results (only the JSON on stdout)")
+
+    from .serve import add_parser as add_serve_parser  # argparse only: cheap
+
+    add_serve_parser(sub)
+
     from scenarios.cli import add_parser as add_scenario_parser  # argparse only: cheap
 
     add_scenario_parser(sub)
@@ -118,7 +130,7 @@ def _warn_if_slow() -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.command in ("generate", "bench", "scenario"):
+    if args.command in ("generate", "bench", "scenario", "serve"):
         _warn_if_slow()
     if args.command == "doctor":
         from .doctor import doctor
@@ -141,6 +153,10 @@ def _run(args: argparse.Namespace) -> int:
         import importlib
 
         return importlib.import_module(f"bench.{args.bench}").run(args)
+    if args.command == "serve":
+        from .serve import run
+
+        return run(args)
     if args.command == "scenario":
         from scenarios.cli import run
 

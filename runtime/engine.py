@@ -56,6 +56,7 @@ class Finished:
     prompt_tokens: int
     reused_tokens: int  # prompt tokens served from the given cache
     prefilled_tokens: int  # prompt tokens computed by this request
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class _Sequence:
     output: list[int] = field(default_factory=list)
     text: str = ""  # all generated text so far
     shown: int = 0  # length of ``text`` already handed out
+    stop_hit: str | None = None  # the stop string found in ``text``
 
     @property
     def pending(self) -> list[int]:
@@ -295,6 +297,7 @@ class Engine:
         start = max(0, seq.shown - max((len(s) for s in stops), default=0))
         hits = [i for s in stops if (i := seq.text.find(s, start)) >= 0]
         if hits:
+            seq.stop_hit = min((i, s) for s in stops if (i := seq.text.find(s, start)) >= 0)[1]
             seq.text = seq.text[: min(hits)]
             end, hit = len(seq.text), True
         else:
@@ -314,6 +317,7 @@ class Engine:
             prompt_tokens=len(seq.prompt),
             reused_tokens=seq.reused,
             prefilled_tokens=min(len(seq.fed), len(seq.prompt)) - seq.reused,
+            stop_sequence=seq.stop_hit if reason == STOP else None,
         )
 
 

@@ -19,8 +19,11 @@ from .prefix import COLD, PrefixPlan, encode, plan
 __all__ = ["Turn", "TurnResult", "begin", "end", "render", "run_turn", "system_prefix"]
 
 
-def render(tokenizer, messages: list[dict]) -> str:
-    """The prompt text for ``messages``, ending with the assistant's turn opener."""
+def render(tokenizer, messages: list[dict], tools: list[dict] | tuple[dict, ...] | None = None) -> str:
+    """The prompt text for ``messages`` (and the ``tools`` the model may call, for
+    templates that take them), ending with the assistant's turn opener."""
+    if tools:
+        return tokenizer.apply_chat_template(messages, tools=list(tools), tokenize=False, add_generation_prompt=True)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
@@ -55,19 +58,24 @@ def begin(
     prefix_text: str | None = None,
     min_share: float = 0.5,
     use_cache: bool = True,
+    context_length: int | None = None,
 ) -> Turn:
     """Check out the agent's cache and plan the prefill of ``prompt_text``.
 
-    Reserves budget for the whole turn (prompt + ``max_tokens``) before
-    anything runs; raises ``OutOfMemory`` if that can never fit.  Every
-    ``begin`` must be followed by ``end`` or ``caches.abandon``.
+    Reserves budget for the whole turn (prompt + ``max_tokens``, but no more
+    than ``context_length`` when given: a reply stops at the end of the
+    context) before anything runs; raises ``OutOfMemory`` if that can never
+    fit.  Every ``begin`` must be followed by ``end`` or ``caches.abandon``.
     """
     memory = caches.checkout(agent_id)
     if not use_cache:  # every turn prefills its whole prompt (for comparisons)
         memory = None
     try:
         turn = _plan(caches, tokenizer, agent_id, prompt_text, memory, prefix_text, min_share, use_cache)
-        caches.grow(agent_id, len(turn.prompt) + max_tokens)
+        need = len(turn.prompt) + max_tokens
+        if context_length is not None:
+            need = min(need, max(context_length, len(turn.prompt)))
+        caches.grow(agent_id, need)
     except BaseException:
         caches.abandon(agent_id)
         raise

@@ -8,10 +8,17 @@ Layout (each module one job; routes are thin and speak only ``schema`` to the ru
 - ``tools``     tool-call formats: parse calls out of generated text, hold them back
                 from streamed text, and flatten tool turns for models without tools
 - ``sse``       encoding one event; a response that cancels its body on disconnect
+- ``agents``    the agent API (``/v1/agents``): parsing, JSON and SSE bodies
+- ``chat``      one turn for a route: request -> runtime conversation -> stream items
+- ``identity``  which agent a stateless request continues (longest stored prefix)
+- ``metrics``   Prometheus metrics of one server
+- ``app``       the Starlette app: routes, lifespan (opens the ``Runtime``), guard
+- ``server``    serving it with hypercorn (trio or asyncio)
 - ``_validate`` field checks shared by the parsers (private)
 - ``_aio``      closing async iterators, collapsing task groups (private)
 
-The protocol modules are pure: no runtime, no model, no I/O.
+The protocol modules (``schema``, ``anthropic``, ``openai``, ``tools``,
+``sse``, ``agents``) are pure: no runtime, no model, no I/O.
 """
 
 from .schema import ChatRequest, ChatResult, RequestError, StreamItem, TextDelta, ToolCall, Usage

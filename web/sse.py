@@ -10,17 +10,20 @@ Starlette's ``StreamingResponse`` listens for the client's disconnect only
 on servers older than ASGI 2.4 and otherwise notices it at the next send,
 which during a long prefill may be a minute away. ``EventStreamResponse``
 always runs the body and a disconnect listener in one task group, so a
-disconnect cancels the body wherever it waits.
+disconnect cancels the body wherever it waits. It sends the response head
+with the body's first event, so a request the body refuses before that (a
+``RequestError``) can still get a plain HTTP error with its status.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterable, Mapping
+from collections.abc import AsyncIterable, Callable, Mapping
 
 from starlette.types import Receive, Scope, Send
 
 from ._aio import closing, collapsing_task_group
+from .schema import RequestError
 
 __all__ = ["EventStreamResponse", "encode"]
 
@@ -48,16 +51,21 @@ class EventStreamResponse:
     when the client disconnects, the body is cancelled where it waits and, if
     it is an async generator, closed before this returns (its ``finally``
     blocks run, so it can give its turn back). The body's own exceptions
-    propagate (the protocol streams turn failures into error events first).
+    propagate (the protocol streams turn failures into error events first),
+    except a ``RequestError`` raised before the first event when
+    ``error_body`` is given: that is answered as JSON ``error_body(err)``
+    with the error's status instead of a stream.
     """
 
     media_type = "text/event-stream; charset=utf-8"
 
     def __init__(self, body: AsyncIterable[bytes], status_code: int = 200,
-                 headers: Mapping[str, str] | None = None):
+                 headers: Mapping[str, str] | None = None,
+                 error_body: Callable[[RequestError], dict] | None = None):
         self.body = body
         self.status_code = status_code
         self.headers = {**_HEADERS, **(headers or {}), "content-type": self.media_type}
+        self.error_body = error_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         assert scope["type"] == "http", "an event stream answers HTTP requests only"
@@ -73,10 +81,29 @@ class EventStreamResponse:
             tg.cancel_scope.cancel()  # the body is done: stop listening
 
     async def _stream(self, send: Send) -> None:
-        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
-        await send({"type": "http.response.start", "status": self.status_code, "headers": raw})
-        async with closing(self.body) as chunks:
-            async for chunk in chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        started = False
+
+        async def start(status: int, headers: Mapping[str, str]) -> None:
+            nonlocal started
+            started = True
+            raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+            await send({"type": "http.response.start", "status": status, "headers": raw})
+
+        try:
+            async with closing(self.body) as chunks:
+                async for chunk in chunks:
+                    if not started:
+                        await start(self.status_code, self.headers)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except RequestError as err:
+            if started or self.error_body is None:
+                raise
+            body = json.dumps(self.error_body(err), ensure_ascii=False).encode()
+            keep = {k: v for k, v in self.headers.items() if k not in _HEADERS and k != "content-type"}
+            await start(err.status, {**keep, "content-type": "application/json"})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        if not started:
+            await start(self.status_code, self.headers)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

@@ -1,0 +1,70 @@
+"""``semantic serve``: the HTTP server (Anthropic, OpenAI and agent APIs)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+
+from runtime.errors import SemanticError
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """``4096``, ``512M``, ``8GiB``, ``2g`` -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.I)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4096, 512M or 8G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve the Anthropic, OpenAI and agent HTTP APIs")
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (embedded, default), a local mlx-lm model directory, or a Hugging Face repo id")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--cache-dir", help="where agents' caches and histories live (default ~/.cache/semantic/agents)")
+    p.add_argument("--budget", type=parse_bytes, help="bytes of hot KV cache, e.g. 2G (default: memory less weights)")
+    p.add_argument("--api-key", help="require this key (x-api-key or 'Authorization: Bearer'); default: none")
+    p.add_argument("--backend", choices=("trio", "asyncio"), default="trio", help="event loop (default trio)")
+    p.add_argument("--max-tokens-limit", type=int, default=64000,
+                   help="largest max_tokens a request may ask for (default 64000)")
+    p.add_argument("--max-body-bytes", type=parse_bytes, default=32 << 20,
+                   help="largest request body (default 32M)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import runtime  # noqa: F401  (fast BLAS before mlx)
+    from runtime.models import resolve
+    from web.app import ServerConfig
+    from web.server import bind, run as run_server
+
+    try:
+        config = ServerConfig(model=args.model, cache_dir=args.cache_dir, budget=args.budget, api_key=args.api_key,
+                              max_tokens_limit=args.max_tokens_limit, max_body_bytes=args.max_body_bytes)
+    except ValueError as e:
+        raise SemanticError(str(e)) from None
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    say(f"preparing {args.model} ...")
+    resolve(args.model, progress=True)  # the embedded model is converted once, with a progress bar
+    say(f"loading {args.model} ...")
+    t0 = time.perf_counter()
+
+    def ready(rt) -> None:
+        key = "<your --api-key>" if args.api_key else "none"
+        say(f"{rt.model} loaded in {time.perf_counter() - t0:.1f} s; listening on {url} -- "
+            f"Claude Code: ANTHROPIC_BASE_URL={url} ANTHROPIC_API_KEY={key} claude -- "
+            f"OpenAI SDK: OpenAI(base_url=\"{url}/v1\", api_key=\"{key}\") -- Ctrl-C stops")
+
+    run_server(config, sock, backend=args.backend, on_ready=ready)
+    say("stopped; caches are on disk")
+    return 0
+
+
+def say(line: str) -> None:
+    print(f"semantic: {line}", file=sys.stdout, flush=True)

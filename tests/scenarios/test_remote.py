@@ -1,0 +1,45 @@
+"""Scenarios through a real ``semantic serve`` app over HTTP (the agent API):
+the same greedy transcript and cache reuse as in process, and conversations
+deleted on the server when they close."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from actors import Runtime
+from scenarios import runner
+from scenarios.local import LocalBackend
+from scenarios.remote import remote_backend
+from tests.web.live import live_server
+
+from .test_local import SCENARIO
+
+pytestmark = [pytest.mark.model, pytest.mark.anyio]
+
+
+async def test_http_run_matches_the_in_process_run(smollm2, tmp_path):
+    async with Runtime.open(smollm2, cache_dir=tmp_path / "local", budget=64 << 20) as rt:
+        local = await runner.run(SCENARIO, LocalBackend(rt), run_id="l", seed=1)
+    async with live_server(tmp_path / "served", model=smollm2) as url:
+        async with remote_backend(url) as backend:
+            remote = await runner.run(SCENARIO, backend, run_id="r", seed=1)
+        async with httpx.AsyncClient(base_url=url) as client:
+            listed = (await client.get("/v1/agents")).json()
+    assert [t.text for t in remote.turns] == [t.text for t in local.turns]
+    assert [(t.prompt_tokens, t.reused_tokens) for t in remote.turns] == \
+        [(t.prompt_tokens, t.reused_tokens) for t in local.turns]
+    assert all(t.ttft_ms > 0 for t in remote.turns)
+    assert not any(a["id"].startswith("scn.") for a in listed["agents"]), "closed conversations are deleted"
+
+
+async def test_a_failing_turn_is_a_clear_error(smollm2, tmp_path):
+    from runtime.errors import SemanticError
+    from scenarios.backend import Sampling
+
+    async with live_server(tmp_path, model=smollm2) as url, remote_backend(url) as backend:
+        agent = await backend.open_agent("ann", "You are Ann.", "scn.x.y.ann")
+        with pytest.raises(SemanticError, match="400"):
+            async for _ in agent.turn("word " * 10000, Sampling(max_tokens=4)):
+                pass
+        await agent.close()

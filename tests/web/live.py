@@ -1,0 +1,68 @@
+"""A real server for tests: the app of ``web.app`` over a real ``Runtime``,
+served by hypercorn in the test's event loop on a free loopback port.
+
+``tiny_loaded()`` is a random-weight Llama small enough to generate hundreds
+of tokens a second, with the embedded model's tokenizer and chat template (so
+prompts render as they do for SmolLM2) and a 512-token context (so a prompt
+over the context is cheap to send)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import httpx
+import mlx.core as mx
+
+from mlx.utils import tree_map
+
+from runtime.model_spec import ModelCacheSpec, build_model
+from runtime.models import LoadedModel
+from tests.tiny import TINY_CONFIGS
+from web.app import ServerConfig
+from web.server import bind, serve
+
+CONTEXT = 512
+LIMIT = 2048  # the servers' max_tokens limit in these tests
+
+
+@functools.cache
+def tiny_loaded() -> LoadedModel:
+    from mlx_lm.utils import load_tokenizer
+
+    from runtime import embedded
+
+    path = embedded.prepare(progress=False)
+    tokenizer = load_tokenizer(Path(path))
+    config = dict(TINY_CONFIGS["llama"], vocab_size=len(tokenizer.get_vocab()), max_position_embeddings=CONTEXT)
+    mx.random.seed(0)
+    model = build_model(config)
+    model.update(tree_map(lambda p: p * 4 if p.ndim == 2 else p, model.parameters()))  # as tests.tiny does
+    mx.eval(model.parameters())
+    return LoadedModel("tiny", Path(path), model, tokenizer, config, ModelCacheSpec.from_model(model), mx.float32)
+
+
+@asynccontextmanager
+async def live_server(cache_dir: Path, model=None, **options) -> AsyncIterator[str]:
+    """Serve a fresh app for the duration; yields its base URL once the model is loaded."""
+    options.setdefault("max_tokens_limit", LIMIT)
+    options.setdefault("budget", 256 << 20)
+    config = ServerConfig(model=model or tiny_loaded(), cache_dir=cache_dir, **options)
+    sock = bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    ready, stop = anyio.Event(), anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(serve, config, sock, on_ready=lambda rt: ready.set(), shutdown=stop.wait))
+        try:
+            with anyio.fail_after(120):
+                await ready.wait()
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            stop.set()
+
+
+def client(url: str, **headers) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=url, timeout=60, headers=headers)

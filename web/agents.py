@@ -1,0 +1,138 @@
+"""The agent API (``/v1/agents``): request parsing and response bodies.
+
+The server keeps each agent's history; a client sends only the new message.
+
+    POST   /v1/agents                {"id", "system"?, "model"?}   201 created, 200 exists alike, 409 differs
+    GET    /v1/agents                {"agents": [summary, ...]}
+    GET    /v1/agents/{id}           summary + "history"
+    DELETE /v1/agents/{id}           {"id", "deleted": true}
+    POST   /v1/agents/{id}/messages  {"content", "max_tokens", "temperature"?, "top_p"?, "top_k"?,
+                                      "seed"?, "stop"?, "stream"?, "use_cache"?}
+    POST   /v1/agents/{id}/fork      {"id"}                       201 {"id", "forked_from", ...}
+
+A turn answers ``turn_json`` (or, streaming, ``event: delta`` {"text"}
+events and then ``event: done`` with the same object); errors are
+``{"error": {"type", "message"}}`` (an ``event: error`` mid-stream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass
+
+from actors import AgentInfo, TurnResult
+
+from . import _validate as v
+from ._aio import closing
+from .schema import ChatResult, RequestError, StreamItem, TextDelta, load_json
+from .sse import encode
+
+__all__ = ["NewAgent", "TurnRequest", "agent_json", "error_json", "parse_fork", "parse_new_agent",
+           "parse_turn", "turn_events", "turn_json"]
+
+_STOP = {"stop": "end_turn", "length": "max_tokens", "stop_sequence": "stop_sequence", "tool_use": "tool_use"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                408: "request_timeout", 409: "conflict_error", 413: "request_too_large", 503: "overloaded_error"}
+
+
+@dataclass(frozen=True)
+class NewAgent:
+    id: str
+    system: str | None
+    model: str | None
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    content: str
+    sampling: dict  # SamplingParams fields
+    stream: bool
+    use_cache: bool
+
+
+def parse_new_agent(body: bytes) -> NewAgent:
+    data = load_json(body)
+    return NewAgent(v.string(data, "id", required=True), v.string(data, "system"), v.string(data, "model"))
+
+
+def parse_fork(body: bytes) -> str:
+    return v.string(load_json(body), "id", required=True)
+
+
+def parse_turn(body: bytes, *, max_tokens_limit: int) -> TurnRequest:
+    data = load_json(body)
+    rule = f"must be at most this server's limit of {max_tokens_limit}, not {data.get('max_tokens')}"
+    sampling = {
+        "max_tokens": v.integer(data, "max_tokens", required=True, lo=1, hi=max_tokens_limit, hi_rule=rule),
+        "stop": v.strings(data, "stop", allow_one=True),
+        "temperature": v.number(data, "temperature", lo=0, hi=2),
+        "top_p": v.number(data, "top_p", lo=0, hi=1, lo_open=True),
+        "top_k": v.integer(data, "top_k", lo=0),
+        "seed": v.integer(data, "seed"),
+    }
+    return TurnRequest(
+        content=v.string(data, "content", required=True),
+        sampling={k: x for k, x in sampling.items() if x is not None},
+        stream=v.boolean(data, "stream"),
+        use_cache=v.boolean(data, "use_cache", default=True),
+    )
+
+
+def agent_json(info: AgentInfo, *, history: bool = False) -> dict:
+    system = info.history[0].content if info.history and info.history[0].role == "system" else None
+    out = {"id": info.id, "model": info.model, "system": system, "messages": len(info.history),
+           "tokens_cached": info.tokens, "bytes": info.bytes, "tier": info.tier, "last_use": info.last_use}
+    if history:
+        out["history"] = [m.as_dict() for m in info.history]
+    return out
+
+
+def turn_json(agent_id: str, result: ChatResult, turn: TurnResult | None) -> dict:
+    """A finished turn (``result`` as ``web.chat`` builds it, ``turn`` the runtime's record)."""
+    if result.stop_reason == "cancelled":
+        raise RequestError(503, "the turn was cancelled before it finished; try again")
+    timing = {"ttft_ms": None, "queued_ms": None, "prefill_ms": None, "decode_tps": None}
+    if turn is not None:
+        ms = lambda s: None if s is None else round(s * 1000, 3)  # noqa: E731
+        decode_s = getattr(turn, "decode_s", None)
+        timing = {"ttft_ms": ms(turn.ttft_s), "queued_ms": ms(turn.queued_s),
+                  "prefill_ms": ms(getattr(turn, "prefill_s", None)),
+                  "decode_tps": round((turn.output_tokens - 1) / decode_s, 3)
+                  if decode_s and turn.output_tokens > 1 else None}
+    u = result.usage
+    return {
+        "agent_id": agent_id,
+        "role": "assistant",
+        "content": result.text,
+        "stop_reason": _STOP[result.stop_reason],
+        "stop_sequence": result.stop_sequence,
+        "usage": {"prompt_tokens": u.prompt_tokens, "reused_tokens": u.cache_read_input_tokens,
+                  "prefilled_tokens": u.input_tokens, "output_tokens": u.output_tokens},
+        "timing": timing,
+    }
+
+
+def error_json(err: RequestError) -> dict:
+    kind = _ERROR_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
+    return {"error": {"type": kind, "message": err.message}}
+
+
+async def turn_events(items: AsyncIterable[StreamItem], done) -> AsyncIterator[bytes]:
+    """The SSE stream of one turn; ``done(result)`` builds the final object.
+    A ``RequestError`` before the first event propagates (the response turns
+    it into a plain HTTP error); later, it becomes an ``error`` event."""
+    sent = False
+    try:
+        async with closing(items) as stream:
+            async for item in stream:
+                if isinstance(item, TextDelta):
+                    sent = True
+                    yield encode({"text": item.text}, "delta")
+                else:
+                    body = done(item)
+                    sent = True
+                    yield encode(body, "done")
+    except RequestError as err:
+        if not sent:
+            raise
+        yield encode(error_json(err), "error")

@@ -1,0 +1,451 @@
+"""The Starlette app: every route, wired to one ``Runtime``.
+
+``create_app(config)`` builds it; its lifespan opens the runtime (the root
+task group of the server lives there), builds the conversation index from the
+agents on disk, and shuts the runtime down -- flushing every cache -- when the
+server stops.
+
+Routes are thin: parse the body into one request (``web.anthropic``,
+``web.openai``, ``web.agents``), start one agent turn (``web.chat``), and
+answer JSON or stream SSE. A request refused before its first event gets a
+plain HTTP error in its protocol's shape, streaming or not; a failure later
+in a stream is an error event. The guard in front of the routes checks the
+API key, caps the body size and the time a client may take to send it.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from actors import Agent, AgentExists, AgentGone, Runtime, RuntimeClosed, RuntimeUnhealthy, TurnError
+from runtime.cache_file import InvalidAgentId, validate_agent_id
+from runtime.errors import SemanticError
+
+from . import agents, anthropic, openai
+from ._aio import closing
+from .chat import Prepared, chat_result, prepare, run_turn, sampling, turn_error
+from .identity import ConversationIndex
+from .metrics import CONTENT_TYPE_LATEST, Metrics
+from .schema import ChatResult, RequestError, StreamItem, Usage
+from .sse import EventStreamResponse
+from .tools import tool_format
+
+__all__ = ["ServerConfig", "create_app"]
+
+log = logging.getLogger("semantic.web")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What a server runs and its limits (checked when the app is built)."""
+
+    model: object = "smollm2"  # a name, or a runtime.models.LoadedModel (tests share one)
+    cache_dir: Path | None = None
+    budget: int | None = None  # bytes of hot KV cache (None: the runtime's default)
+    api_key: str | None = None  # required as x-api-key or "Authorization: Bearer" when set
+    max_tokens_limit: int = 64000  # larger max_tokens get a 400 (Claude Code asks for 32000)
+    max_body_bytes: int = 32 << 20
+    body_timeout_s: float = 60.0  # a client must send its whole body within this
+    runtime_options: dict = field(default_factory=dict)  # more Runtime.open keywords
+
+    def __post_init__(self):
+        if self.max_tokens_limit < 1:
+            raise ValueError("max_tokens_limit must be >= 1")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be at least 1024")
+        if self.body_timeout_s <= 0:
+            raise ValueError("body_timeout_s must be > 0")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (None: no key)")
+
+
+def create_app(config: ServerConfig, on_ready: Callable[[Runtime], None] | None = None) -> Starlette:
+    """The app; ``on_ready(runtime)`` runs once the model is loaded and the index built."""
+    server = _Server(config)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with Runtime.open(config.model, config.cache_dir, config.budget, **config.runtime_options) as rt:
+            await server.start(rt)
+            if on_ready is not None:
+                on_ready(rt)
+            yield
+
+    s = server
+    app = Starlette(lifespan=lifespan, routes=[
+        Route("/v1/messages", s.messages, methods=["POST"]),
+        Route("/v1/chat/completions", s.completions, methods=["POST"]),
+        Route("/v1/agents", s.create_agent, methods=["POST"]),
+        Route("/v1/agents", s.list_agents, methods=["GET"]),
+        Route("/v1/agents/{agent_id:path}/messages", s.agent_turn, methods=["POST"]),
+        Route("/v1/agents/{agent_id:path}/fork", s.fork_agent, methods=["POST"]),
+        Route("/v1/agents/{agent_id:path}", s.get_agent, methods=["GET"]),
+        Route("/v1/agents/{agent_id:path}", s.delete_agent, methods=["DELETE"]),
+        Route("/v1/models", s.models, methods=["GET"]),
+        Route("/health", s.health, methods=["GET"]),
+        Route("/metrics", s.metrics_text, methods=["GET"]),
+    ])
+    app.add_middleware(_Guard, config=config)
+    app.state.server = server
+    return app
+
+
+def error_shape(path: str) -> Callable[[RequestError], dict]:
+    """The error JSON a route's clients expect."""
+    if path.startswith("/v1/chat/"):
+        return openai.error_json
+    if path.startswith("/v1/agents"):
+        return agents.error_json
+    return anthropic.error_json
+
+
+def _error(path: str, err: RequestError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_shape(path)(err), status_code=err.status, headers=headers)
+
+
+def _agent_id(agent_id: str, where: str) -> str:
+    try:
+        return validate_agent_id(agent_id)
+    except InvalidAgentId as e:
+        shown = agent_id if len(agent_id) <= 64 else agent_id[:64] + "..."
+        raise RequestError(400, f"{where}: {e} (got {shown!r})", param=where) from None
+
+
+class _Server:
+    """The routes' shared state: the runtime, the conversation index, the metrics."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.rt: Runtime | None = None
+        self.index = ConversationIndex()
+        self.metrics = Metrics()
+        self.started = time.time()
+
+    async def start(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.index = ConversationIndex(tool_format(rt.chat_template))
+        for info in await rt.agents():
+            self.index.record(info.id, info.history)
+        log.info("%d agents on disk", len(self.index))
+
+    @property
+    def model(self) -> str:
+        return self.rt.model or "unknown"
+
+    # -- the stateless chat routes ------------------------------------------------
+
+    async def messages(self, request: Request) -> Response:
+        return await self._chat(request, anthropic)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._chat(request, openai)
+
+    async def _chat(self, request: Request, protocol) -> Response:
+        try:
+            header = request.headers.get("x-agent-id")
+            agent_id = None if header is None else _agent_id(header, "X-Agent-Id")
+            req = protocol.parse_request(await request.body(), max_tokens_limit=self.config.max_tokens_limit,
+                                         agent_id=agent_id)
+            if req.agent_id is not None:
+                _agent_id(req.agent_id, "session_id")
+            prepared = prepare(req, self.rt.chat_template)
+            agent = await self._agent_for(req.agent_id, prepared)
+        except RequestError as err:
+            return _error(request.url.path, err)
+        headers = {"x-agent-id": agent.id}
+        items = self._turn(agent, prepared, lambda: agent.respond(prepared.messages, tools=prepared.tools,
+                                                                    **sampling(req)))
+        if req.stream:
+            if protocol is anthropic:
+                body = _primed(items, lambda first: anthropic.message_events(
+                    first, model=self.model, usage=_start_usage(first)))
+            else:
+                body = _primed(items, lambda first: openai.completion_chunks(
+                    first, model=self.model, include_usage=req.include_usage))
+            return EventStreamResponse(body, headers=headers, error_body=protocol.error_json)
+        try:
+            result = await _final(items)
+            build = anthropic.message_json if protocol is anthropic else openai.completion_json
+            return JSONResponse(build(result, model=self.model), headers=headers)
+        except RequestError as err:
+            return _error(request.url.path, err, headers)
+
+    async def _agent_for(self, agent_id: str | None, prepared: Prepared) -> Agent:
+        """The agent a chat request names, or the one its conversation continues, or a new one."""
+        if agent_id is None:
+            agent_id = self.index.match(prepared.messages) or "conv-" + secrets.token_hex(8)
+        try:
+            return await self.rt.agent(agent_id)
+        except (AgentExists, AgentGone) as e:
+            raise RequestError(409, str(e)) from None
+        except (RuntimeClosed, RuntimeUnhealthy) as e:
+            raise turn_error(e) from None
+
+    async def _turn(self, agent: Agent, prepared: Prepared, start) -> AsyncIterator[StreamItem]:
+        """One turn's items (``web.chat.run_turn``), with the agent claimed in the
+        index while it runs, and the index and metrics updated when it ends."""
+        tier = self.rt.cache_tier(agent.id)
+        self.index.claim(agent.id)
+        reply = None
+        try:
+            try:
+                reply = start()
+            except (TypeError, ValueError) as e:
+                raise RequestError(400, str(e)) from None
+            except SemanticError as e:
+                raise turn_error(e) from None
+            async with closing(run_turn(reply, prepared)) as items:
+                async for item in items:
+                    yield item
+        finally:
+            self.index.release(agent.id)
+            self.index.record(agent.id, agent.history)
+            if reply is not None:
+                self.metrics.turn(reply.result, tier)
+
+    # -- the agent API --------------------------------------------------------------
+
+    async def _known(self, agent_id: str) -> Agent:
+        """An existing agent, else 404 (the agent API never creates one implicitly)."""
+        agent_id = _agent_id(agent_id, "agent id")
+        if not await self.rt.agents(only=agent_id):
+            raise RequestError(404, f"no agent {agent_id!r}; create it with POST /v1/agents")
+        try:
+            return await self.rt.agent(agent_id)
+        except AgentGone as e:
+            raise RequestError(404, str(e)) from None
+
+    async def create_agent(self, request: Request) -> Response:
+        try:
+            new = agents.parse_new_agent(await request.body())
+            agent_id = _agent_id(new.id, "id")
+            if new.model is not None and new.model not in (self.model, self.config.model):
+                raise RequestError(400, f"model: this server runs {self.model!r}, not {new.model!r}", "model")
+            existed = bool(await self.rt.agents(only=agent_id))
+            try:
+                agent = await self.rt.agent(agent_id, system=new.system)
+            except AgentExists as e:
+                raise RequestError(409, str(e)) from None
+            [info] = await self.rt.agents(only=agent.id)
+            self.index.record(agent.id, agent.history)
+            return JSONResponse(agents.agent_json(info), status_code=200 if existed else 201)
+        except RequestError as err:
+            return _error(request.url.path, err)
+
+    async def list_agents(self, request: Request) -> Response:
+        return JSONResponse({"agents": [agents.agent_json(i) for i in await self.rt.agents()]})
+
+    async def get_agent(self, request: Request) -> Response:
+        try:
+            agent = await self._known(request.path_params["agent_id"])
+            [info] = await self.rt.agents(only=agent.id)
+            return JSONResponse(agents.agent_json(info, history=True))
+        except RequestError as err:
+            return _error(request.url.path, err)
+
+    async def delete_agent(self, request: Request) -> Response:
+        try:
+            agent = await self._known(request.path_params["agent_id"])
+            await agent.delete()
+        except RequestError as err:
+            return _error(request.url.path, err)
+        except SemanticError as e:
+            return _error(request.url.path, turn_error(e))
+        self.index.forget(agent.id)
+        return JSONResponse({"id": agent.id, "deleted": True})
+
+    async def fork_agent(self, request: Request) -> Response:
+        try:
+            source = await self._known(request.path_params["agent_id"])
+            target = _agent_id(agents.parse_fork(await request.body()), "id")
+            try:
+                forked = await source.fork(target)
+            except AgentExists as e:
+                raise RequestError(409, str(e)) from None
+            except (TurnError, SemanticError) as e:
+                raise turn_error(e) from None
+            [info] = await self.rt.agents(only=forked.id)
+            self.index.record(forked.id, forked.history)
+            return JSONResponse({**agents.agent_json(info), "forked_from": source.id}, status_code=201)
+        except RequestError as err:
+            return _error(request.url.path, err)
+
+    async def agent_turn(self, request: Request) -> Response:
+        try:
+            agent = await self._known(request.path_params["agent_id"])
+            turn = agents.parse_turn(await request.body(), max_tokens_limit=self.config.max_tokens_limit)
+        except RequestError as err:
+            return _error(request.url.path, err)
+        prepared = Prepared((), None, None, frozenset())
+        box = {}
+
+        def start():
+            box["reply"] = reply = agent.send(turn.content, use_cache=turn.use_cache, **turn.sampling)
+            return reply
+
+        items = self._turn(agent, prepared, start)
+        done = lambda result: agents.turn_json(agent.id, result, box["reply"].result)  # noqa: E731
+        headers = {"x-agent-id": agent.id}
+        if turn.stream:
+            return EventStreamResponse(agents.turn_events(items, done), headers=headers,
+                                       error_body=agents.error_json)
+        try:
+            return JSONResponse(done(await _final(items)), headers=headers)
+        except RequestError as err:
+            return _error(request.url.path, err, headers)
+
+    # -- operations -------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        created = int(self.started)
+        entry = {"id": self.model, "object": "model", "created": created, "owned_by": "semantic",
+                 "type": "model", "display_name": self.model,
+                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
+                 "context_length": self.rt.context_length}
+        return JSONResponse({"object": "list", "data": [entry], "has_more": False,
+                             "first_id": self.model, "last_id": self.model})
+
+    async def health(self, request: Request) -> Response:
+        rt = self.rt
+        stats = rt.stats()
+        memory = await anyio.to_thread.run_sync(rt.memory)
+        body = {"status": "ok" if rt.healthy else "unhealthy", "ready": rt.healthy, "model": rt.model,
+                "context_length": rt.context_length, "memory": memory,
+                "queue_depth": stats.get("waiting", 0), "decoding": stats.get("decoding", 0),
+                "agents": len(self.index)}
+        return JSONResponse(body, status_code=200 if rt.healthy else 503)
+
+    async def metrics_text(self, request: Request) -> Response:
+        memory = await anyio.to_thread.run_sync(self.rt.memory)
+        return Response(self.metrics.render(self.rt.stats(), memory), media_type=CONTENT_TYPE_LATEST)
+
+
+def _start_usage(first: AsyncIterator[StreamItem]) -> Usage:
+    """The usage ``message_start`` can tell: the whole usage when the turn had
+    ended before its first event, else none yet (``message_delta`` has it all)."""
+    head = getattr(first, "head", None)
+    if isinstance(head, ChatResult):
+        return Usage(head.usage.input_tokens, head.usage.cache_read_input_tokens, 0)
+    return Usage(0)
+
+
+class _Peeked:
+    """An async iterator that yields ``head`` and then the rest of ``items``."""
+
+    def __init__(self, head: StreamItem, items: AsyncIterator[StreamItem]):
+        self.head = head
+        self._items = items
+        self._first = True
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StreamItem:
+        if self._first:
+            self._first = False
+            return self.head
+        return await self._items.__anext__()
+
+    async def aclose(self) -> None:
+        await self._items.aclose()
+
+
+async def _primed(items: AsyncIterator[StreamItem], stream) -> AsyncIterator[bytes]:
+    """``stream(items)`` once the turn has produced its first item, so that a
+    turn refused at the start raises its ``RequestError`` before any byte."""
+    async with closing(items):
+        head = await items.__anext__()
+        async with closing(stream(_Peeked(head, items))) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+
+async def _final(items: AsyncIterator[StreamItem]) -> ChatResult:
+    async with closing(items) as stream:
+        async for item in stream:
+            if isinstance(item, ChatResult):
+                return item
+    raise AssertionError("a turn's items ended without a result")
+
+
+class _Guard:
+    """In front of every route: the API key, the body size limit, and how long
+    a client may take to send its body. The body is read here whole and
+    replayed to the route."""
+
+    def __init__(self, app: ASGIApp, config: ServerConfig):
+        self.app = app
+        self.config = config
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        try:
+            self._authorize(scope)
+            body = await self._body(scope, receive)
+        except RequestError as err:
+            return await _error(path, err)(scope, receive, send)
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _authorize(self, scope: Scope) -> None:
+        key = self.config.api_key
+        if key is None or scope["path"] == "/health":
+            return
+        headers = {k.lower(): v for k, v in scope["headers"]}
+        given = headers.get(b"x-api-key", b"")
+        auth = headers.get(b"authorization", b"")
+        if auth[:7].lower() == b"bearer ":
+            given = given or auth[7:].strip()
+        if not secrets.compare_digest(given, key.encode()):
+            raise RequestError(401, "invalid or missing API key: send it as 'x-api-key' or 'Authorization: Bearer'")
+
+    async def _body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.config.max_body_bytes
+        too_big = RequestError(413, f"request body is over this server's limit of {limit} bytes")
+        for k, v in scope["headers"]:
+            if k.lower() == b"content-length" and v.isdigit() and int(v) > limit:
+                raise too_big
+        chunks, size = [], 0
+        with anyio.move_on_after(self.config.body_timeout_s) as timer:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    break
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    chunks = None  # over: read on (up to twice the limit) so the client can read our 413
+                    if size > 2 * limit:
+                        break
+                elif chunks is not None:
+                    chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+        if chunks is None:
+            raise too_big
+        if timer.cancelled_caught:
+            raise RequestError(408, f"the request body did not arrive within {self.config.body_timeout_s:g} s")
+        return b"".join(chunks)

@@ -1,0 +1,71 @@
+"""Prometheus metrics of one server: observed per turn, sampled per scrape.
+
+Each app has its own ``CollectorRegistry`` (two servers in one process, as in
+tests, never share counters). Names and what they measure:
+
+    semantic_ttft_seconds                 histogram  request received -> first token
+    semantic_decode_tokens_per_second     histogram  one turn's decode speed
+    semantic_prompt_tokens_total{kind}    counter    prefilled | reused (served from a cache)
+    semantic_output_tokens_total          counter
+    semantic_turns_total{cache}           counter    hot | warm (disk) | prefix (shared system
+                                                     prompt) | miss: where the reused tokens came from
+    semantic_batch_size                   gauge      sequences decoding together (at scrape)
+    semantic_queue_depth                  gauge      turns waiting for admission (at scrape)
+    semantic_hot_cache_bytes              gauge      KV bytes held in memory
+    semantic_kv_budget_bytes              gauge      the budget they live in
+    semantic_disk_cache_bytes             gauge      bytes under the cache directory
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from actors import TurnResult
+
+__all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
+
+_TTFT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TPS = (1, 2, 5, 10, 20, 50, 100, 200, 500)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("semantic_ttft_seconds", "Time to first token", buckets=_TTFT, registry=r)
+        self.decode = Histogram("semantic_decode_tokens_per_second", "Decode speed of one turn",
+                                buckets=_TPS, registry=r)
+        self.prompt = Counter("semantic_prompt_tokens", "Prompt tokens by how they were served", ["kind"], registry=r)
+        self.output = Counter("semantic_output_tokens", "Generated tokens", registry=r)
+        self.turns = Counter("semantic_turns", "Turns by where their reused tokens came from", ["cache"], registry=r)
+        self.batch = Gauge("semantic_batch_size", "Sequences decoding together", registry=r)
+        self.queue = Gauge("semantic_queue_depth", "Turns waiting for admission", registry=r)
+        self.hot = Gauge("semantic_hot_cache_bytes", "KV cache bytes in memory", registry=r)
+        self.budget = Gauge("semantic_kv_budget_bytes", "KV cache budget", registry=r)
+        self.disk = Gauge("semantic_disk_cache_bytes", "Bytes under the cache directory", registry=r)
+        for kind in ("prefilled", "reused"):
+            self.prompt.labels(kind)
+        for cache in ("hot", "warm", "prefix", "miss"):
+            self.turns.labels(cache)
+
+    def turn(self, result: TurnResult | None, tier: str | None) -> None:
+        """Count a finished turn; ``tier`` is where the agent's cache was when it began."""
+        if result is None or result.reason == "cancelled":
+            return
+        if result.ttft_s is not None:
+            self.ttft.observe(result.ttft_s)
+        if result.decode_s and result.output_tokens > 1:
+            self.decode.observe((result.output_tokens - 1) / result.decode_s)
+        self.prompt.labels("prefilled").inc(result.prefilled_tokens)
+        self.prompt.labels("reused").inc(result.reused_tokens)
+        self.output.inc(result.output_tokens)
+        self.turns.labels("miss" if not result.reused_tokens else tier or "prefix").inc()
+
+    def render(self, stats: dict, memory: dict) -> bytes:
+        """The exposition text, gauges sampled from ``Runtime.stats()`` and ``Runtime.memory()``."""
+        self.batch.set(stats.get("decoding", 0))
+        self.queue.set(stats.get("waiting", 0))
+        self.hot.set(memory["hot_bytes"])
+        self.budget.set(memory["budget_bytes"])
+        self.disk.set(memory["disk_bytes"])
+        return generate_latest(self.registry)
