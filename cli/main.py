@@ -91,8 +91,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a reduced set (< 10 minutes on 2 cores; full run < 45)")
     p.add_argument("--out", default="docs/benchmarks", help="where the JSON, Markdown table and PNG plots go "
                    "(default docs/benchmarks)")
+    p.add_argument("--only", metavar="W[,W]", help="only these workloads: multi-turn, restart, many-agents, "
+                   "concurrency, memory (default: all)")
     p.add_argument("--stand-in", action="store_true", help=argparse.SUPPRESS)  # mlx_lm.server plays ours too
-    _add_json(p, "the results (only the JSON on stdout)")
+    _add_json(p, "the results (only that on stdout; progress goes to stderr)")
 
     from .serve import add_parser as add_serve_parser  # argparse only: cheap
 

@@ -1,0 +1,496 @@
+"""``semantic bench compare``: ours (``semantic serve``) against the peer
+(``mlx_lm.server``), side by side, measured in one run over HTTP.
+
+Both servers run on loopback with the same model, weights, precision and BLAS
+(``bench.servers``); one client (``bench.client``) talks to both: greedy,
+streaming OpenAI chat completions, the same prompts and max tokens, requests
+alternating A B A B (the order swaps from one step to the next).  Workloads:
+
+* **multi-turn** -- one agent, 6 turns of ~200 new tokens each: TTFT and
+  end-to-end per turn (median over runs, each run a fresh agent);
+* **restart** -- turns 1-3, both servers restarted, turn 4: its TTFT;
+* **many agents** -- N agents (4, 16, 64), each a history of ``history``
+  tokens, then one follow-up each, round-robin: p50/p95 TTFT.  Agents are
+  added as N grows (the N = 16 round includes the first 4 agents' second
+  follow-ups).  The peer keeps at most ``--prompt-cache-size`` (default 10)
+  caches in memory, so beyond 10 agents a round-robin follow-up finds its
+  history gone and prefills it all again;
+* **concurrency** -- 1, 2, 4, 8 fresh clients at once, ``context``-token
+  prompts, ``tokens`` output tokens: system and per-stream tokens/s;
+* **memory** -- each server's resident memory (VmRSS of its process tree)
+  after the many-agents workload, its growth per history token, our cache
+  files' bytes per token, and the peer once more with ``--kv-bits 4`` (a
+  smaller many-agents run: its RSS is bounded by its LRU size).
+
+Output: one JSON document, a Markdown table of ours/peer ratios and PNG plots
+in ``--out`` (default ``docs/benchmarks``); ``--json`` prints the document.
+``--only`` picks workloads (``memory`` brings ``many-agents`` with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+
+from . import report
+from .client import Turn, chat
+from .servers import Server, ours_spec, peer_dir, peer_spec
+
+TEXT = Path(__file__).parent / "data" / "lighthouses.txt"
+SYSTEM = "You are a careful reader who answers briefly."
+FOLLOW_UP = "Thank you. In one short sentence: which detail above matters most to a ship's captain, and why?"
+RETELL = "Retell the text above in detail, paragraph by paragraph."
+OURS, PEER = report.OURS, report.PEER
+TIMEOUT = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
+
+
+@dataclass
+class Plan:
+    """Workload sizes.  ``--quick`` fits < 10 minutes on 2 cores, the full run < 45."""
+
+    runs: int = 3  # multi-turn and restart: fresh agents, medians over them
+    turns: int = 6
+    turn_tokens: int = 200
+    turn_max_tokens: int = 32
+    restart_turn: int = 4  # the turn after the restart
+    agents: tuple = (4, 16, 64)
+    history: int = 1024  # tokens of each agent's history
+    setup_max_tokens: int = 8
+    follow_max_tokens: int = 4
+    setup_clients: int = 4  # setup requests in flight at once (not timed)
+    clients: tuple = (1, 2, 4, 8)
+    context: int = 1024
+    tokens: int = 128
+    repeats: int = 3
+    kv4_agents: int = 16  # many-agents run of the peer with --kv-bits 4 (memory)
+    kv4_follow_ups: bool = True  # False: its histories only (its RSS plateaus at its LRU size anyway)
+
+    @classmethod
+    def quick(cls) -> Plan:
+        # 16 agents are past the peer's 10-entry LRU, where N = 64 differs only in count;
+        # 64 histories would cost more than the whole budget on two cores.
+        return cls(turn_max_tokens=8, agents=(4, 16), history=512, clients=(1, 4), context=256,
+                   tokens=32, kv4_agents=11, kv4_follow_ups=False)
+
+    @classmethod
+    def full(cls) -> Plan:
+        # 64 agents x 1K tokens of history costs ~15 minutes of setup per server pair on
+        # two cores, plus ~8 minutes of the peer re-prefilling them: 512 tokens fits.
+        return cls(history=512, kv4_agents=16)
+
+
+class Log:
+    def __init__(self, quiet: bool = False):
+        self.t0 = time.perf_counter()
+        self.quiet = quiet
+
+    def __call__(self, msg: str) -> None:
+        if not self.quiet:
+            m, s = divmod(int(time.perf_counter() - self.t0), 60)
+            print(f"[{m:02d}:{s:02d}] {msg}", file=sys.stderr, flush=True)
+
+
+# --- prompts ---------------------------------------------------------------------
+
+
+class Texts:
+    """Passages of about n tokens of ``bench/data/lighthouses.txt``, stable per key."""
+
+    def __init__(self, tokenizer_json: Path | None):
+        self.words = TEXT.read_text().split()
+        self.tok = None
+        if tokenizer_json is not None and tokenizer_json.is_file():
+            from tokenizers import Tokenizer
+
+            self.tok = Tokenizer.from_file(str(tokenizer_json))
+
+    def count(self, text: str) -> int:
+        return len(self.tok.encode(text).ids) if self.tok else int(len(text.split()) * 1.3)
+
+    def passage(self, tokens: int, *key) -> str:
+        start = zlib.crc32(repr(key).encode()) % len(self.words)
+        n = max(8, int(tokens / 1.4))
+        text = " ".join(self.words[(start + i) % len(self.words)] for i in range(n))
+        while self.count(text) < tokens:
+            n += 8
+            text = " ".join(self.words[(start + i) % len(self.words)] for i in range(n))
+        return text
+
+
+# --- the runs -----------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, servers: dict[str, Server], plan: Plan, texts: Texts, log: Log):
+        self.servers = servers
+        self.plan = plan
+        self.texts = texts
+        self.log = log
+        self.client = httpx.Client(timeout=TIMEOUT)
+        self.step = 0
+
+    def close(self):
+        self.client.close()
+
+    def order(self) -> list[str]:
+        """A B, then B A, then A B ...: who goes first alternates step by step."""
+        self.step += 1
+        names = [OURS, PEER]
+        return names if self.step % 2 else names[::-1]
+
+    def send(self, side: str, agent: str, messages: list[dict], max_tokens: int) -> Turn:
+        s = self.servers[side]
+        return chat(self.client, s.url, agent, messages, max_tokens, s.spec.body_model)
+
+    def warm_up(self, side: str, tag: str = "") -> None:
+        """Load the model and warm its kernels at a few prompt sizes (agents used only here)."""
+        for n in (16, 120, 300):
+            text = self.texts.passage(n, "warm-up", tag)
+            self.send(side, f"bench-warm-up-{n}{tag}", [{"role": "user", "content": text}], 4)
+
+    # multi-turn and restart share the conversation shape
+    def _turn_text(self, run: str, t: int) -> str:
+        return (f"Part {t} of my notes:\n{self.texts.passage(self.plan.turn_tokens - 25, run, t)}\n\n"
+                f"In one sentence, what does part {t} add?")
+
+    def _turn(self, side: str, agent: str, history: list[dict], run: str, t: int) -> Turn:
+        history.append({"role": "user", "content": self._turn_text(run, t)})
+        turn = self.send(side, agent, history, self.plan.turn_max_tokens)
+        history.append({"role": "assistant", "content": turn.text})
+        return turn
+
+    def multi_turn(self) -> dict:
+        p = self.plan
+        raw = {OURS: {t: [] for t in range(1, p.turns + 1)}, PEER: {t: [] for t in range(1, p.turns + 1)}}
+        for r in range(p.runs):
+            agent = f"mt-{r}"
+            hist = {side: [{"role": "system", "content": SYSTEM}] for side in raw}
+            for t in range(1, p.turns + 1):
+                for side in self.order():
+                    turn = self._turn(side, agent, hist[side], agent, t)
+                    raw[side][t].append((turn.ttft, turn.e2e, turn.cached_tokens, turn.prompt_tokens))
+                self.log(f"multi-turn run {r + 1}/{p.runs}, turn {t}: TTFT "
+                         + ", ".join(f"{s} {raw[s][t][-1][0] * 1000:.0f} ms" for s in raw))
+        return raw
+
+    def restart(self) -> dict:
+        p = self.plan
+        raw = {side: {"turn3": [], "turn4": [], "turn4_cached": [], "turn4_prompt": [], "restart_s": []}
+               for side in (OURS, PEER)}
+        hist = {(r, side): [{"role": "system", "content": SYSTEM}] for r in range(p.runs) for side in raw}
+        for r in range(p.runs):
+            for t in range(1, p.restart_turn):
+                for side in self.order():
+                    turn = self._turn(side, f"rs-{r}", hist[r, side], f"rs-{r}", t)
+                    if t == p.restart_turn - 1:
+                        raw[side]["turn3"].append(turn.ttft)
+            self.log(f"restart: agent {r + 1}/{p.runs} has {p.restart_turn - 1} turns on both servers")
+        for side in (OURS, PEER):
+            began = time.perf_counter()
+            self.servers[side].restart()
+            self.warm_up(side, "-again")  # the model is loaded and warm; the agents' caches are not touched
+            raw[side]["restart_s"].append(time.perf_counter() - began)
+            self.log(f"restart: {self.servers[side].spec.name} restarted in "
+                     f"{raw[side]['restart_s'][-1]:.1f} s (incl. warm-up)")
+        for r in range(p.runs):
+            for side in self.order():
+                turn = self._turn(side, f"rs-{r}", hist[r, side], f"rs-{r}", p.restart_turn)
+                raw[side]["turn4"].append(turn.ttft)
+                raw[side]["turn4_cached"].append(turn.cached_tokens)
+                raw[side]["turn4_prompt"].append(turn.prompt_tokens)
+            self.log(f"restart: turn {p.restart_turn} of agent {r + 1}: TTFT "
+                     + ", ".join(f"{s} {raw[s]['turn4'][-1] * 1000:.0f} ms" for s in raw))
+        return raw
+
+    def many_agents(self, sides: list[str], counts: tuple, tag: str = "ma",
+                    follow_ups: bool = True) -> tuple[dict, dict]:
+        """Returns (raw TTFTs per side and N, {side: history tokens of all agents})."""
+        p = self.plan
+        hist: dict = {}
+        raw = {side: {} for side in sides}
+        made = 0
+        for n in counts:
+            for side in sides:  # setup, not timed: each new agent's history
+                start = time.perf_counter()
+                with ThreadPoolExecutor(p.setup_clients) as pool:
+                    list(pool.map(lambda i, side=side: self._setup_agent(side, tag, i, hist), range(made, n)))
+                self.log(f"many agents: {n - made} histories of ~{p.history} tokens on "
+                         f"{self.servers[side].spec.name} in {time.perf_counter() - start:.0f} s")
+            made = n
+            for side in sides:
+                raw[side][n] = []
+                for i in range(n):
+                    hist.setdefault((side, i, "tokens"), hist[side, i, "setup_tokens"])
+            if not follow_ups:
+                continue
+            for i in range(n):  # round-robin follow-ups, timed
+                order = self.order() if len(sides) == 2 else sides
+                for side in order:
+                    msgs = hist[side, i] + [{"role": "user", "content": FOLLOW_UP}]
+                    turn = self.send(side, f"{tag}-{i}", msgs, p.follow_max_tokens)
+                    hist[side, i] = msgs + [{"role": "assistant", "content": turn.text}]
+                    hist[side, i, "tokens"] = (turn.prompt_tokens or 0) + turn.completion_tokens
+                    raw[side][n].append({"ttft": turn.ttft, "prompt_tokens": turn.prompt_tokens,
+                                         "cached_tokens": turn.cached_tokens})
+            self.log(f"many agents N = {n}: p50 TTFT " + ", ".join(
+                f"{self.servers[s].spec.name} {report.median(r['ttft'] for r in raw[s][n]) * 1000:.0f} ms"
+                for s in sides))
+        tokens = {side: sum(hist.get((side, i, "tokens"), 0) for i in range(made)) for side in sides}
+        return raw, tokens
+
+    def _setup_agent(self, side: str, tag: str, i: int, hist: dict) -> None:
+        msgs = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Agent {i}, read these notes:\n"
+                 f"{self.texts.passage(self.plan.history - 30, tag, i)}\n\nReply with one word."}]
+        turn = self.send(side, f"{tag}-{i}", msgs, self.plan.setup_max_tokens)
+        hist[side, i] = msgs + [{"role": "assistant", "content": turn.text}]
+        hist[side, i, "setup_tokens"] = (turn.prompt_tokens or 0) + turn.completion_tokens
+
+    def concurrency(self) -> dict:
+        p = self.plan
+        raw = {OURS: {c: [] for c in p.clients}, PEER: {c: [] for c in p.clients}}
+        for rep in range(p.repeats):
+            for c in p.clients:
+                for side in self.order():
+                    row = self._concurrent_round(side, c, rep)
+                    raw[side][c].append(row)
+                self.log(f"concurrency round {rep + 1}/{p.repeats}, {c} client(s): system tok/s "
+                         + ", ".join(f"{s} {raw[s][c][-1]['system_tps']:.1f}" for s in raw))
+        return raw
+
+    def _concurrent_round(self, side: str, c: int, rep: int) -> dict:
+        p = self.plan
+        texts = [f"{self.texts.passage(p.context - 30, 'cc', side, c, rep, j)}\n\n{RETELL}" for j in range(c)]
+        barrier = threading.Barrier(c)
+        s = self.servers[side]
+
+        def one(j):
+            msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": texts[j]}]
+            with httpx.Client(timeout=TIMEOUT) as client:
+                barrier.wait()
+                return chat(client, s.url, f"cc-{c}-{rep}-{j}", msgs, p.tokens, s.spec.body_model)
+
+        with ThreadPoolExecutor(c) as pool:
+            turns = list(pool.map(one, range(c)))
+        start, end = min(t.start for t in turns), max(t.end for t in turns)
+        return {
+            "system_tps": sum(t.completion_tokens for t in turns) / (end - start),
+            "per_stream_tps": statistics.median(t.decode_tps for t in turns),
+            "ttft": statistics.median(t.ttft for t in turns),
+            "tokens": sum(t.completion_tokens for t in turns),
+        }
+
+
+def disk_usage(root: Path) -> tuple[int, int]:
+    """(bytes, tokens) of the agents' cache files under ``root`` (safetensors headers)."""
+    size = tokens = 0
+    for f in root.rglob("*.safetensors"):
+        try:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                meta = json.loads(fh.read(n)).get("__metadata__", {})
+            tokens += int(meta.get("token_count", 0))
+            size += f.stat().st_size
+        except (OSError, ValueError):
+            continue
+    return size, tokens
+
+
+def machine() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    versions = {}
+    for pkg in ("mlx", "mlx-lm", "semantic"):
+        try:
+            versions[pkg] = version(pkg)
+        except PackageNotFoundError:
+            versions[pkg] = None
+    from runtime import blas
+
+    status = blas.status()
+    return {"system": f"{platform.system()} {platform.machine()}", "cpu": cpu, "cores": os.cpu_count(),
+            "memory_gib": mem, "python": platform.python_version(), **versions, "blas": status.name,
+            "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+WORKLOADS = ("multi-turn", "restart", "many-agents", "concurrency", "memory")
+
+
+def measure(args: argparse.Namespace, plan: Plan, log: Log, workdir: Path) -> dict:
+    want = set(WORKLOADS)
+    if getattr(args, "only", None):
+        want = {w.strip() for w in args.only.split(",")}
+        if unknown := want - set(WORKLOADS):
+            from runtime.errors import SemanticError
+
+            raise SemanticError(f"--only: unknown workload(s) {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
+        if "memory" in want:
+            want.add("many-agents")  # memory is measured after the many-agents workload
+    log(f"preparing the peer's model directory (the float32 weights we compute with) for {args.model}")
+    model_dir = peer_dir(args.model, workdir / "peer-model")
+    texts = Texts(Path(model_dir) / "tokenizer.json")
+    ours_cache = workdir / "semantic-cache"
+    stand_in = model_dir if getattr(args, "stand_in", False) else None
+    specs = {OURS: ours_spec(args.model, ours_cache, stand_in=stand_in),
+             PEER: peer_spec(model_dir, workdir / "peer")}
+    servers = {side: Server(spec, workdir / f"{side}.log") for side, spec in specs.items()}
+    raw: dict = {}
+    extra: dict = {}
+    bench = None
+    try:
+        for side, s in servers.items():
+            log(f"starting {s.spec.name}")
+            s.start()
+        bench = Bench(servers, plan, texts, log)
+        for side in servers:
+            bench.warm_up(side)
+        log("both servers are up and warm")
+        memory: dict = {}
+        if "multi-turn" in want:
+            t = time.perf_counter()
+            raw["multi_turn"] = bench.multi_turn()
+            extra["multi_turn_s"] = time.perf_counter() - t
+        if "restart" in want:
+            t = time.perf_counter()
+            raw["restart"] = bench.restart()
+            extra["restart_s"] = time.perf_counter() - t
+        if "many-agents" in want:
+            t = time.perf_counter()
+            before = {side: s.memory() for side, s in servers.items()}
+            raw["many_agents"], tokens = bench.many_agents([OURS, PEER], plan.agents)
+            after = {side: s.memory() for side, s in servers.items()}
+            extra["many_agents_s"] = time.perf_counter() - t
+            memory = {side: {"before": before[side], "after": after[side], "history_tokens": tokens[side],
+                             "agents": max(plan.agents)} for side in servers}
+        if "concurrency" in want:
+            t = time.perf_counter()
+            raw["concurrency"] = bench.concurrency()
+            extra["concurrency_s"] = time.perf_counter() - t
+        for s in servers.values():
+            s.stop()
+        if memory:
+            disk, disk_tokens = disk_usage(ours_cache)
+            memory[OURS].update(disk_bytes=disk, disk_tokens=disk_tokens)
+        if "memory" in want:
+            t = time.perf_counter()
+            kv4 = Server(peer_spec(model_dir, workdir / "peer-kv4", kv_bits=4), workdir / "peer_kv4.log")
+            log(f"memory: starting {kv4.spec.name} for a {plan.kv4_agents}-agent run")
+            kv4.start()
+            servers["peer_kv4"] = kv4
+            bench.servers = servers
+            bench.warm_up("peer_kv4")
+            before = kv4.memory()
+            kv4_raw, kv4_tokens = bench.many_agents(["peer_kv4"], (plan.kv4_agents,), tag="kv",
+                                                    follow_ups=plan.kv4_follow_ups)
+            memory["peer_kv4"] = {"before": before, "after": kv4.memory(),
+                                  "history_tokens": kv4_tokens["peer_kv4"], "agents": plan.kv4_agents}
+            if plan.kv4_follow_ups:
+                extra["peer_kv4_follow_up_p50_ms"] = round(
+                    report.median(r["ttft"] for r in kv4_raw["peer_kv4"][plan.kv4_agents]) * 1000, 1)
+            extra["memory_kv4_s"] = time.perf_counter() - t
+        if memory:
+            raw["memory"] = memory
+    finally:
+        if bench is not None:
+            bench.close()
+        for s in servers.values():
+            s.stop()
+    extra["start_s"] = {side: [round(x, 2) for x in s.starts] for side, s in servers.items()}
+    extra["servers"] = {side: {"name": s.spec.name, **s.spec.settings} for side, s in servers.items()}
+    return {"raw": raw, "extra": extra}
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = Plan.quick() if args.quick else Plan.full()
+    log = Log()
+    out = Path(args.out)
+    date = datetime.now(timezone.utc)
+    only = getattr(args, "only", None)
+    command = ("semantic bench compare" + (f" --model {args.model}" if args.model != "smollm2" else "")
+               + (" --quick" if args.quick else "") + (f" --only {only}" if only else "")
+               + (" --json" if args.json else ""))
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    began = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory(prefix="semantic-bench-compare-") as tmp:
+            info = machine()
+            result = measure(args, plan, log, Path(tmp))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    summary = report.summarize(result["raw"])
+    goals = report.targets(summary)
+    extra = result["extra"]
+    lru = extra["servers"][PEER].get("prompt_cache_size")
+    info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    doc = {
+        "benchmark": "semantic bench compare",
+        "date": date.isoformat(timespec="seconds"),
+        "command": command,
+        "quick": bool(args.quick),
+        "model": args.model,
+        "machine": info,
+        "servers": extra["servers"],
+        "plan": asdict(plan),
+        "workloads": summary,
+        "targets": goals,
+        "notes": {
+            "ratio": "ours / peer of the figure: below 1 is better for times and bytes, above 1 for tokens/s",
+            "peer_prompt_cache_size": lru,
+            "peer_kv4_follow_up_p50_ms": extra.get("peer_kv4_follow_up_p50_ms"),
+            "server_start_s": extra["start_s"],
+            "workload_s": {k[:-2]: round(v, 1) for k, v in extra.items() if k.endswith("_s") and
+                           isinstance(v, float)},
+            "stand_in": bool(getattr(args, "stand_in", False)),
+        },
+        "elapsed_s": round(time.perf_counter() - began, 1),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps(doc, indent=1) + "\n")
+    table = report.markdown_table(summary, goals)
+    (out / "compare.md").write_text(
+        f"`{command}` -- {doc['date'][:10]}, {info['cpu']}, {info['cores']} cores, "
+        f"{info['memory_gib']} GiB; {doc['elapsed_s'] / 60:.1f} minutes.\n\n{table}")
+    from .plots import write_plots
+
+    labels = {OURS: extra["servers"][OURS]["name"]}
+    plots = write_plots(summary, out, labels, lru)
+    doc["files"] = [p.name for p in [out / "compare.json", out / "compare.md", *plots]]
+    log(f"wrote {', '.join(doc['files'])} to {out}")
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    print(table)
+    for name, g in goals.items():
+        print(f"{g['what']}: ours/peer {g['ratio']} (goal {g['goal']}): {'met' if g['met'] else 'MISSED'}")
+    return 0

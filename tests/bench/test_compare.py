@@ -1,0 +1,226 @@
+"""The pure parts of ``semantic bench compare``: statistics, ratios, targets,
+the Markdown table, the JSON shape, the plots, the SSE client -- no servers."""
+
+import json
+import os
+
+import httpx
+import pytest
+
+from bench import report
+from bench.client import chat
+from bench.compare import Plan, Texts, disk_usage
+from bench.servers import process_memory
+
+
+def raw_fixture():
+    """Raw measurements as the workloads record them (seconds)."""
+    turns = range(1, 7)
+    return {
+        "multi_turn": {
+            "semantic": {t: [(0.5, 2.0), (0.6, 2.1), (0.4, 1.9)] for t in turns},
+            "peer": {t: [(0.5, 2.0), (0.55, 2.2), (0.5, 2.0)] for t in turns},
+        },
+        "many_agents": {
+            "semantic": {n: [{"ttft": 0.3 + i / 1000, "prompt_tokens": 500, "cached_tokens": 480} for i in range(n)]
+                         for n in (4, 16, 64)},
+            "peer": {n: [{"ttft": (0.3 if n == 4 else 4.0) + i / 1000, "prompt_tokens": 500,
+                          "cached_tokens": 480 if n == 4 else 0} for i in range(n)] for n in (4, 16, 64)},
+        },
+        "restart": {
+            "semantic": {"turn3": [0.5, 0.5, 0.6], "turn4": [0.6, 0.7, 0.5], "turn4_cached": [600, 600, 600],
+                         "restart_s": [9.0]},
+            "peer": {"turn3": [0.5, 0.4, 0.5], "turn4": [5.0, 6.0, 5.5], "turn4_cached": [0, 0, 0], "restart_s": [3.0]},
+        },
+        "concurrency": {
+            side: {c: [{"system_tps": f * c ** 0.5, "per_stream_tps": f / c ** 0.3, "ttft": c * 1.0, "tokens": 32 * c}] * 3
+                   for c in (1, 2, 4, 8)}
+            for side, f in (("semantic", 9.0), ("peer", 10.0))
+        },
+        "memory": {
+            "semantic": {"before": {"rss_bytes": 700 << 20}, "after": {"rss_bytes": 800 << 20, "hwm_bytes": 900 << 20},
+                         "history_tokens": 32000, "agents": 64, "disk_bytes": 200 << 20, "disk_tokens": 32000},
+            "peer": {"before": {"rss_bytes": 700 << 20}, "after": {"rss_bytes": 1200 << 20, "hwm_bytes": 1300 << 20},
+                     "history_tokens": 32000, "agents": 64},
+            "peer_kv4": {"before": {"rss_bytes": 700 << 20}, "after": {"rss_bytes": 760 << 20, "hwm_bytes": 800 << 20},
+                         "history_tokens": 8000, "agents": 16},
+        },
+    }
+
+
+def test_statistics():
+    assert report.median([3, 1, 2]) == 2
+    assert report.median([None, 4, 2]) == 3
+    assert report.median([]) is None
+    assert report.percentile(list(range(1, 101)), 95) == pytest.approx(95.05)
+    assert report.percentile([7], 95) == 7
+    assert report.percentile([1, 2], 50) == 1.5
+    assert report.ratio(1, 4) == 0.25
+    assert report.ratio(1, 0) is None and report.ratio(None, 1) is None
+
+
+def test_summary_has_ours_peer_and_ratio_per_workload():
+    summary = report.summarize(raw_fixture())
+    assert set(summary) == {"multi_turn", "many_agents", "restart", "concurrency", "memory"}
+    for name, w in summary.items():
+        assert {"semantic", "peer", "ratio"} <= w.keys(), name
+    ma = summary["many_agents"]
+    assert ma["ratio"]["p50_ttft"][64] < 0.1
+    assert ma["semantic"]["cache_hit_rate"][64] == 1.0 and ma["peer"]["cache_hit_rate"][64] == 0.0
+    assert ma["ratio"]["p50_ttft"][4] == pytest.approx(1.0, abs=0.01)
+    mt = summary["multi_turn"]
+    assert mt["runs"] == 3 and mt["turns"] == 6
+    assert mt["semantic"]["ttft_ms"][2] == 500.0
+    assert mt["semantic"]["turns_2_on_ttft_ms"] == pytest.approx(2500.0)
+    assert summary["restart"]["ratio"]["turn4_ttft"] == pytest.approx(0.6 / 5.5, abs=1e-3)
+    assert summary["concurrency"]["ratio"]["system_tps"][4] == pytest.approx(0.9)
+    mem = summary["memory"]
+    assert mem["semantic"]["bytes_per_history_token"] == pytest.approx((100 << 20) / 32000, abs=0.1)
+    assert mem["semantic"]["disk_bytes_per_token"] == pytest.approx((200 << 20) / 32000, abs=0.1)
+    assert mem["ratio"]["rss"] == pytest.approx(800 / 1200, abs=1e-3)
+    # The whole document is plain JSON.
+    json.loads(json.dumps(summary))
+
+
+def test_targets_met_and_missed():
+    goals = report.targets(report.summarize(raw_fixture()))
+    assert set(goals) == set(report.TARGETS)
+    assert goals["many_agents_p50"]["met"] and goals["many_agents_p50"]["N"] == 64
+    assert goals["restart_turn4"]["met"]
+    assert goals["concurrency_4"]["met"]  # 0.9 >= 0.8
+    raw = raw_fixture()
+    raw["restart"]["semantic"]["turn4"] = [2.0, 2.0, 2.0]
+    assert report.targets(report.summarize(raw))["restart_turn4"]["met"] is False
+
+
+def test_markdown_table_has_a_row_per_figure_and_the_verdicts():
+    summary = report.summarize(raw_fixture())
+    table = report.markdown_table(summary, report.targets(summary))
+    lines = table.strip().splitlines()
+    assert lines[0].startswith("| workload | figure | semantic | mlx_lm.server | ours / peer | target |")
+    assert all(line.count("|") == 7 for line in lines)
+    assert "N = 64: p50 TTFT" in table and "**met**" in table
+    assert "turn 4 TTFT (after the restart)" in table
+    assert "better" in table
+
+
+def test_plots_one_png_per_workload(tmp_path):
+    from bench.plots import write_plots
+
+    summary = report.summarize(raw_fixture())
+    # JSON round trip: plots work from the written document (string keys) too.
+    written = write_plots(json.loads(json.dumps(summary)), tmp_path, lru=10)
+    assert [p.name for p in written] == [
+        "compare-multi-turn.png", "compare-many-agents.png", "compare-restart.png",
+        "compare-concurrency.png", "compare-memory.png",
+    ]
+    for p in written:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+def test_plans_fit_the_issue():
+    full, quick = Plan.full(), Plan.quick()
+    assert full.agents == (4, 16, 64) and full.clients == (1, 2, 4, 8) and full.turns == 6
+    assert full.context == 1024 and full.tokens == 128 and full.runs >= 3 and full.repeats >= 3
+    assert quick.runs >= 3 and quick.repeats >= 3 and 4 in quick.clients
+    assert quick.kv4_agents > 10  # beyond the peer's LRU, so its RSS is at its plateau
+
+
+def test_texts_are_stable_and_about_the_size_asked():
+    texts = Texts(None)
+    a = texts.passage(200, "x", 1)
+    assert a == texts.passage(200, "x", 1) and a != texts.passage(200, "x", 2)
+    assert 200 <= texts.count(a) <= 230
+
+
+def sse(*events, keepalive=True):
+    body = b": keepalive 1/2\n\n" if keepalive else b""
+    for e in events:
+        body += b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n"
+    return body
+
+
+def test_client_times_first_content_chunk_and_reads_usage():
+    chunks = [
+        {"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"delta": {"content": "Hel"}}]},
+        {"choices": [{"delta": {"content": "lo"}, "finish_reason": "stop"}]},
+        {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 2,
+                                  "prompt_tokens_details": {"cached_tokens": 9}}},
+        b"[DONE]",
+    ]
+    seen = {}
+
+    def handler(request):
+        seen["agent"] = request.headers["x-agent-id"]
+        seen["body"] = json.loads(request.content)
+        return httpx.Response(200, content=sse(*chunks), headers={"content-type": "text/event-stream"})
+
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        turn = chat(client, "http://x", "agent-7", [{"role": "user", "content": "hi"}], 5)
+    assert turn.text == "Hello" and turn.completion_tokens == 2
+    assert turn.prompt_tokens == 12 and turn.cached_tokens == 9
+    assert 0 <= turn.ttft <= turn.e2e
+    assert seen["agent"] == "agent-7"
+    assert seen["body"]["temperature"] == 0.0 and seen["body"]["stream"] is True and "model" not in seen["body"]
+
+
+def test_client_raises_on_http_and_stream_errors():
+    def handler(request):
+        if "bad" in request.headers["x-agent-id"]:
+            return httpx.Response(400, json={"error": "nope"})
+        return httpx.Response(200, content=sse({"error": {"message": "boom"}}))
+
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        with pytest.raises(RuntimeError, match="HTTP 400"):
+            chat(client, "http://x", "bad", [], 1)
+        with pytest.raises(RuntimeError, match="boom"):
+            chat(client, "http://x", "good", [], 1)
+
+
+def test_disk_usage_reads_token_counts_from_headers(tmp_path):
+    header = json.dumps({"__metadata__": {"token_count": "300"}}).encode()
+    (tmp_path / "m").mkdir()
+    for name in ("a", "b"):
+        (tmp_path / "m" / f"{name}.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 100)
+    (tmp_path / "m" / "junk.safetensors").write_bytes(b"\xff" * 4)
+    size, tokens = disk_usage(tmp_path)
+    assert tokens == 600 and size == 2 * (8 + len(header) + 100)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="Linux /proc")
+def test_process_memory_of_this_process():
+    mem = process_memory(os.getpid())
+    assert mem["rss_bytes"] > 1 << 20 and mem["hwm_bytes"] >= mem["rss_bytes"] and mem["processes"] >= 1
+    assert process_memory(2**22 + 12345) == {}
+
+
+def test_server_starts_on_a_free_port_and_stops_its_process_group(tmp_path):
+    """A stand-in server (Python's http.server) through the same start/stop code."""
+    import signal
+    import sys
+
+    from bench.servers import Server, ServerSpec
+
+    spec = ServerSpec("http.server", [sys.executable, "-m", "http.server", "{port}", "--bind", "127.0.0.1"], "/",
+                      stop_signal=signal.SIGTERM)
+    server = Server(spec, tmp_path / "server.log")
+    server.start(timeout=30)
+    try:
+        assert httpx.get(server.url + "/").status_code == 200
+        pid = server.pid
+        if os.path.exists("/proc/self/status"):
+            assert server.memory()["rss_bytes"] > 0
+    finally:
+        server.stop()
+    assert server.pid is None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_table_and_targets_from_the_written_json_match_the_live_ones():
+    summary = report.summarize(raw_fixture())
+    written = json.loads(json.dumps(summary))  # keys "4", "16", "64"
+    assert report.targets(written) == report.targets(summary)
+    assert report.markdown_table(written, report.targets(written)) == report.markdown_table(summary, report.targets(summary))
+    assert "turn 4 TTFT without a restart" in report.markdown_table(summary)
