@@ -32,7 +32,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 
 from . import _validate as v
 from ._aio import closing
-from .schema import ChatRequest, ChatResult, RequestError, StreamItem, TextDelta, Usage, load_json
+from .schema import ChatRequest, ChatResult, RequestError, StreamItem, Usage, cancelled, load_json, stream_text
 from .sse import encode
 
 __all__ = ["error_json", "message_events", "message_json", "parse_request"]
@@ -255,10 +255,6 @@ def _tools(data: dict) -> tuple[tuple[dict, ...] | None, str]:
 # --- responses ----------------------------------------------------------------
 
 
-def _cancelled() -> RequestError:
-    return RequestError(503, "the turn was cancelled before it finished; try again")
-
-
 def new_message_id() -> str:
     return "msg_" + secrets.token_hex(12)
 
@@ -278,7 +274,7 @@ def message_json(result: ChatResult, *, model: str, message_id: str | None = Non
     Raises ``RequestError`` (503) for a cancelled turn, which has no message.
     """
     if result.stop_reason == "cancelled":
-        raise _cancelled()
+        raise cancelled()
     return {
         "id": message_id or new_message_id(),
         "type": "message",
@@ -318,23 +314,13 @@ async def message_events(items: AsyncIterable[StreamItem], *, model: str, usage:
     yield _event({"type": "message_start", "message": start})
     yield _event({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
     yield _event({"type": "ping"})
-    parts: list[str] = []
     try:
-        async with closing(items) as stream:  # closed once the result is in
-            async for item in stream:
-                if isinstance(item, TextDelta):
-                    if item.text:
-                        parts.append(item.text)
-                        yield _delta(item.text)
-                    continue
-                result = item
-                break
-            else:
-                raise AssertionError("the item stream ended without a ChatResult")
-        if result.stop_reason == "cancelled":
-            raise _cancelled()
-        sent = "".join(parts)
-        assert result.text.startswith(sent), "streamed text must be a prefix of the result's text"
+        async with closing(stream_text(items)) as pieces:
+            async for piece in pieces:
+                if isinstance(piece, str):
+                    yield _delta(piece)
+                else:
+                    result = piece
     except RequestError as err:
         yield _event(error_json(err))
         return
@@ -342,8 +328,6 @@ async def message_events(items: AsyncIterable[StreamItem], *, model: str, usage:
         log.exception("a /v1/messages stream failed")
         yield _event(error_json(RequestError(500, "the server failed while generating; see its log")))
         return
-    if rest := result.text[len(sent):]:
-        yield _delta(rest)
     yield _event({"type": "content_block_stop", "index": 0})
     for i, call in enumerate(result.tool_calls, start=1):
         yield _event({"type": "content_block_start", "index": i, "content_block": {**_tool_block(call), "input": {}}})

@@ -36,7 +36,7 @@ from runtime.errors import SemanticError
 
 from . import agents, anthropic, openai
 from ._aio import closing
-from .chat import Prepared, chat_result, prepare, run_turn, sampling, turn_error
+from .chat import Prepared, prepare, run_turn, sampling, turn_error
 from .identity import ConversationIndex
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .schema import ChatResult, RequestError, StreamItem, Usage

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 
 from . import _validate as v
 from ._aio import closing
-from .schema import ChatRequest, ChatResult, RequestError, StreamItem, TextDelta, Usage, load_json
+from .schema import ChatRequest, ChatResult, RequestError, StreamItem, Usage, cancelled, load_json, stream_text
 from .sse import encode
 
 __all__ = ["completion_chunks", "completion_json", "error_json", "parse_request"]
@@ -229,10 +229,6 @@ def new_completion_id() -> str:
     return "chatcmpl-" + secrets.token_hex(12)
 
 
-def _cancelled() -> RequestError:
-    return RequestError(503, "the turn was cancelled before it finished; try again")
-
-
 def _usage(usage: Usage) -> dict:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.output_tokens,
             "total_tokens": usage.prompt_tokens + usage.output_tokens,
@@ -251,7 +247,7 @@ def completion_json(result: ChatResult, *, model: str, completion_id: str | None
     Raises ``RequestError`` (503) for a cancelled turn, which has no completion.
     """
     if result.stop_reason == "cancelled":
-        raise _cancelled()
+        raise cancelled()
     message = {"role": "assistant", "content": result.text or (None if result.tool_calls else ""),
                "refusal": None}
     if result.tool_calls:
@@ -293,23 +289,13 @@ async def completion_chunks(items: AsyncIterable[StreamItem], *, model: str, inc
         return encode(body | {"usage": None} if include_usage else body)
 
     yield chunk({"role": "assistant", "content": ""})
-    parts: list[str] = []
     try:
-        async with closing(items) as stream:  # closed once the result is in
-            async for item in stream:
-                if isinstance(item, TextDelta):
-                    if item.text:
-                        parts.append(item.text)
-                        yield chunk({"content": item.text})
-                    continue
-                result = item
-                break
-            else:
-                raise AssertionError("the item stream ended without a ChatResult")
-        if result.stop_reason == "cancelled":
-            raise _cancelled()
-        sent = "".join(parts)
-        assert result.text.startswith(sent), "streamed text must be a prefix of the result's text"
+        async with closing(stream_text(items)) as pieces:
+            async for piece in pieces:
+                if isinstance(piece, str):
+                    yield chunk({"content": piece})
+                else:
+                    result = piece
     except RequestError as err:
         yield encode(error_json(err))
         yield _DONE
@@ -319,8 +305,6 @@ async def completion_chunks(items: AsyncIterable[StreamItem], *, model: str, inc
         yield encode(error_json(RequestError(500, "the server failed while generating; see its log")))
         yield _DONE
         return
-    if rest := result.text[len(sent):]:
-        yield chunk({"content": rest})
     for i, call in enumerate(_tool_calls(result)):
         yield chunk({"tool_calls": [{"index": i, **call}]})
     yield chunk({}, _FINISH[result.stop_reason])

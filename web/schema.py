@@ -23,9 +23,11 @@ templates ``tojson`` them), and a tool message names the call it answers:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
+
+from ._aio import closing
 
 __all__ = [
     "ChatRequest",
@@ -37,7 +39,9 @@ __all__ = [
     "TextDelta",
     "ToolCall",
     "Usage",
+    "cancelled",
     "load_json",
+    "stream_text",
 ]
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -172,3 +176,33 @@ class TextDelta:
 # The deltas joined are a prefix of the result's text; the stream builders send
 # the rest (text held back while a tool call might have been starting).
 StreamItem = TextDelta | ChatResult
+
+
+def cancelled() -> RequestError:
+    """What a client gets for a turn cancelled under it (the server shutting down)."""
+    return RequestError(503, "the turn was cancelled before it finished; try again")
+
+
+async def stream_text(items: AsyncIterable[StreamItem]) -> AsyncIterator[str | ChatResult]:
+    """A turn's text as it streams (non-empty pieces, then what the result holds
+    beyond them), then its ``ChatResult``.  ``items`` is closed before the rest
+    of the text comes; a cancelled result raises ``cancelled()``."""
+    parts: list[str] = []
+    async with closing(items) as stream:  # closed once the result is in
+        async for item in stream:
+            if isinstance(item, TextDelta):
+                if item.text:
+                    parts.append(item.text)
+                    yield item.text
+                continue
+            result = item
+            break
+        else:
+            raise AssertionError("the item stream ended without a ChatResult")
+    if result.stop_reason == "cancelled":
+        raise cancelled()
+    sent = "".join(parts)
+    assert result.text.startswith(sent), "streamed text must be a prefix of the result's text"
+    if rest := result.text[len(sent):]:
+        yield rest
+    yield result

@@ -174,7 +174,7 @@ def test_cancel_while_prefilling_returns_a_consistent_partial_cache():
 def test_round_robin_prefill_lets_a_short_prompt_finish_first():
     model, tok = tiny_model("llama"), ByteTokenizer()
     engine = Engine(model, tok, max_chunk=32, min_chunk=32)
-    long = engine.add(list(range(1, 300)), SamplingParams(max_tokens=2))
+    engine.add(list(range(1, 300)), SamplingParams(max_tokens=2))  # the long one, first in line
     short = engine.add([5, 6, 7], SamplingParams(max_tokens=2))
     first = []
     while not first:
