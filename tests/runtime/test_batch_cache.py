@@ -16,6 +16,10 @@ from runtime.batch_cache import (
     DequantizingBatchKVCache,
     DequantizingKVCache,
     SequenceQuantizedKVCache,
+    _dequantize,
+    _quantize,
+    _quantize_unpack,
+    _unpack,
     extend_caches,
     extract_cache,
     filter_caches,
@@ -273,6 +277,39 @@ def test_scales_are_16_bit_and_attention_takes_them_as_they_are():
     batch = merge_caches(seqs)
     logits = model(mx.array([[6], [7]]), cache=batch)
     assert logits.dtype == mx.bfloat16 and batch[0].keys[1].dtype == mx.bfloat16
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_unpack_is_bit_exact_against_mx_dequantize(bits, group_size, dtype):
+    x = (mx.random.normal((2, 3, 17, 128), key=mx.random.key(bits + group_size)) * 3).astype(dtype)
+    q = _quantize(x, group_size, bits)
+    assert mx.array_equal(_unpack(q, group_size, bits, dtype), _dequantize(q, group_size, bits, dtype)).item()
+    *q2, unpacked = _quantize_unpack(x, group_size, bits)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(q, q2))
+    assert mx.array_equal(unpacked, _dequantize(q, group_size, bits, dtype)).item()
+
+
+def test_dequantizing_batch_working_copy_is_exactly_its_q4_rows():
+    """Step by step, across growth, filter and extend, the float copy attention reads
+    equals a fresh dequantization of the Q4 rows of record."""
+    cache = _filled(DequantizingBatchKVCache([0, 5]), 250, 0, B=2)
+
+    def check():
+        fetched = cache.update_and_fetch(*mx.random.normal((2, cache.batch_size, 2, 1, 64)))
+        for f, q in zip(fetched, (cache.keys, cache.values)):
+            ref = _dequantize(tuple(x[..., : cache._idx, :] for x in q), 64, 4, mx.float32)
+            assert f.shape[2] == cache._idx and mx.array_equal(f, ref).item()
+
+    for _ in range(8):  # crosses the 256-position growth
+        check()
+    assert cache.keys[0].shape[2] == 512
+    cache.filter([1])
+    check()
+    cache.extend(_filled(DequantizingBatchKVCache([0]), 30, 1))
+    for _ in range(3):
+        check()
 
 
 def test_nbytes_against_fp16():
