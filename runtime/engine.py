@@ -7,7 +7,9 @@ The GPU actor drives it step by step and is its only caller (one thread):
   per-sequence Q4 cache that covers a prefix of them;
 * ``prefill_step`` runs one chunk of one pending prefill (round-robin, so a
   long prompt cannot starve short ones); a sequence whose prefill completes
-  samples its first token and joins the decode batch;
+  samples its first token and joins the decode batch -- or, after a long
+  final chunk, joins it with its last prompt token still to feed, and the next
+  decode step samples its first token;
 * ``step_once`` feeds every decoding sequence its last token and samples the
   next: exactly one new token per sequence;
 * ``cancel`` drops a sequence wherever it is.
@@ -15,9 +17,9 @@ The GPU actor drives it step by step and is its only caller (one thread):
 Every call returns ``Delta``s; the last delta of a sequence carries
 ``Finished`` with its extracted Q4 cache and the exact token ids it covers.
 
-Prefill always runs one sequence alone (B=1) with a chunk size that depends
+Prefill chunks run one sequence alone (B=1) with a chunk size that depends
 only on that sequence, so a sequence computes the same prefill whatever else
-is in the batch; only decoding is batched.
+is in the batch; decode steps (and a long prompt's last token) are batched.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from .sampling import Sampler, SamplingParams
 __all__ = ["Engine", "Delta", "Finished", "SamplingParams"]
 
 STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
-_LAST_ALONE = 64  # a final chunk longer than this leaves its last token to a step of its own
+_LAST_IN_CHUNK = 64  # a final chunk longer than this leaves its last token to the decode batch
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,12 @@ class _Sequence:
     @property
     def pending(self) -> list[int]:
         return self.prompt[len(self.fed):]
+
+    @property
+    def next_input(self) -> int:
+        """What the next decode step feeds: the last prompt token (it joined the
+        batch with it pending), else the last token sampled."""
+        return self.prompt[len(self.fed)] if len(self.fed) < len(self.prompt) else self.output[-1]
 
 
 class Engine:
@@ -188,16 +196,22 @@ class Engine:
             return []
         seq = self._prefilling[0]
         n = self._chunk_size(len(seq.fed))
-        if len(seq.pending) <= n and len(seq.pending) > _LAST_ALONE:
-            # Logits are needed for the last token only, but the model computes
-            # them for the whole chunk (vocab x hidden per token): feed it alone.
+        ride = _LAST_IN_CHUNK < len(seq.pending) <= n
+        if ride:
+            # Only the last token's logits are needed, but a chunk computes them for
+            # every position (vocab x hidden a token): the last prompt token rides
+            # the next decode step instead, beside the other sequences' tokens.
             n = len(seq.pending) - 1
         chunk = seq.pending[:n]
         logits = self.model(mx.array(chunk)[None], cache=seq.view)
         seq.fed += chunk
         if seq.pending:
             mx.eval([c.state for c in seq.cache])
-            self._prefilling.rotate(-1)  # round-robin among pending prefills
+            if ride:
+                self._prefilling.popleft()
+                self._join(seq)
+            else:
+                self._prefilling.rotate(-1)  # round-robin among pending prefills
             return []
         self._prefilling.popleft()
         token = seq.sampler(logits[0, -1])
@@ -213,9 +227,10 @@ class Engine:
         if not self._decoding:
             return []
         rows = self._decoding
-        for seq in rows:
-            seq.fed.append(seq.output[-1])
-        inputs = mx.array([[seq.output[-1]] for seq in rows])
+        fed = [seq.next_input for seq in rows]
+        for seq, token in zip(rows, fed):
+            seq.fed.append(token)
+        inputs = mx.array(fed)[:, None]
         logits = self.model(inputs, cache=self._batch)[:, -1, :]
         tokens = mx.stack([seq.sampler(logits[i]) for i, seq in enumerate(rows)])
         mx.eval(tokens, [c.state for c in self._batch])

@@ -58,7 +58,7 @@ def prefix_cache(engine: Engine, prefix: list[int]) -> list:
 
 def prompts(n: int, seed: int) -> list[list[int]]:
     rng = mx.random.key(seed)
-    lengths = [41, 7, 23, 60, 13][:n]
+    lengths = [100, 7, 23, 90, 13][:n]  # A and D end in a long chunk: their last token rides a decode step
     return [mx.random.randint(1, VOCAB, (L,), key=mx.random.split(rng, n)[i]).tolist() for i, L in enumerate(lengths)]
 
 
@@ -96,6 +96,26 @@ def busy_batch_equals_alone(model, tokenizer, steps: int = 12):
     assert e.output_tokens == expected["E"][: len(e.output_tokens)]
     assert done[ids["B"]].reason == "length" and len(done[ids["B"]].output_tokens) == 3
     assert done[ids["C"]].reused_tokens == 15 and done[ids["C"]].prefilled_tokens == len(C) - 15
+
+
+@pytest.mark.parametrize("arch", TINY_CONFIGS)
+def test_a_long_prompts_last_token_rides_the_next_decode_step(arch):
+    model, tok = tiny_model(arch), ByteTokenizer()
+    (prompt,) = prompts(1, seed=3)
+    sampling = SamplingParams(max_tokens=5)
+    engine = Engine(model, tok)
+    sid = engine.add(prompt, sampling)
+    assert engine.prefill_step() == [] and (engine.prefilling, engine.decoding) == (0, 1)
+    (first,) = engine.step_once()
+    assert first.seq_id == sid and len(first.tokens) == 1
+    finished = drain(engine)[sid]
+    assert finished.prompt_tokens == finished.prefilled_tokens == len(prompt)
+    assert finished.cache_tokens == tuple(prompt) + finished.output_tokens[:-1]
+    assert all(c.offset == len(finished.cache_tokens) for c in finished.cache if not hasattr(c, "max_size"))
+    # The same tokens as with 32-token chunks, whose last chunk computes the first token itself.
+    small = Engine(model, tok, max_chunk=32, min_chunk=32)
+    sid = small.add(prompt, sampling)
+    assert drain(small)[sid].output_tokens == finished.output_tokens
 
 
 @pytest.mark.parametrize("arch", TINY_CONFIGS)
