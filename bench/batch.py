@@ -42,7 +42,7 @@ def ours(loaded, ctxs, batch_sizes, steps, repeats) -> tuple[dict, dict, float]:
     for ctx in ctxs:  # prefill each context once
         sid = engine.add(ctx, SamplingParams(max_tokens=1))
         while not engine.idle:
-            for d in engine.prefill_step():
+            for d in engine.prefill_step() + engine.step_once():
                 if d.finished and d.seq_id == sid:
                     prefilled.append(d.finished)
     full = [i for i, k in enumerate(loaded.spec.layers) if k.kind == "full"]
@@ -133,6 +133,7 @@ def prefill_peak(loaded, tokens: int, chunks=(128, 512, None)) -> dict:
         engine.add(prompt, SamplingParams(max_tokens=1))
         while not engine.idle:
             engine.prefill_step()
+            engine.step_once()  # a long prompt's last token rides a decode step
         out[chunk or tokens] = mx.get_peak_memory() - base
     return out
 
