@@ -131,9 +131,8 @@ def prefill_peak(loaded, tokens: int, chunks=(128, 512, None)) -> dict:
         base = mx.get_active_memory()
         mx.reset_peak_memory()
         engine.add(prompt, SamplingParams(max_tokens=1))
-        while not engine.idle:
+        while engine.prefilling:  # the prefill only: its last token is left to a decode step
             engine.prefill_step()
-            engine.step_once()  # a long prompt's last token rides a decode step
         out[chunk or tokens] = mx.get_peak_memory() - base
     return out
 
