@@ -38,20 +38,31 @@ def _finish(fig, path: Path, title: str) -> Path:
     return path
 
 
-def plot_multi_turn(s: dict, labels: dict, path: Path) -> Path:
+def _two_panels(s: dict, labels: dict, path: Path, panels: tuple, xlabel: str, title: str,
+                integer_xticks: bool = False) -> Path:
+    """Ours against the peer as lines, one panel per (key, y-axis label)."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, what in ((axes[0], "ttft_ms", "time to first token"), (axes[1], "e2e_ms", "end-to-end")):
+    for ax, (key, ylabel) in zip(axes, panels):
         for side in (OURS, PEER):
-            turns = _keys(s[side][key])
-            ax.plot(turns, [_get(s[side][key], t) for t in turns], marker="o", label=labels[side],
+            xs = _keys(s[side][key])
+            ax.plot(xs, [_get(s[side][key], x) for x in xs], marker="o", label=labels[side],
                     color=COLORS[side])
-        ax.set_xlabel("turn (each adds ~200 tokens)")
-        ax.set_ylabel(f"{what} (ms, median of {s.get('runs')} runs)")
+        if integer_xticks:
+            ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend()
-    return _finish(fig, path, "Multi-turn: one agent, one turn after another")
+    return _finish(fig, path, title)
+
+
+def plot_multi_turn(s: dict, labels: dict, path: Path) -> Path:
+    runs = f"median of {s.get('runs')} runs"
+    return _two_panels(s, labels, path, (("ttft_ms", f"time to first token (ms, {runs})"),
+                                         ("e2e_ms", f"end-to-end (ms, {runs})")),
+                       "turn (each adds ~200 tokens)", "Multi-turn: one agent, one turn after another")
 
 
 def plot_many_agents(s: dict, labels: dict, path: Path, lru: int | None = None) -> Path:
@@ -100,19 +111,9 @@ def plot_restart(s: dict, labels: dict, path: Path) -> Path:
 
 
 def plot_concurrency(s: dict, labels: dict, path: Path) -> Path:
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, what in ((axes[0], "system_tps", "system throughput"), (axes[1], "per_stream_tps", "per stream")):
-        for side in (OURS, PEER):
-            cs = _keys(s[side][key])
-            ax.plot(cs, [_get(s[side][key], c) for c in cs], marker="o", label=labels[side], color=COLORS[side])
-        ax.set_xticks(cs, [str(c) for c in cs])
-        ax.set_xlabel("clients at once")
-        ax.set_ylabel(f"{what} (generated tokens/s)")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    return _finish(fig, path, "Concurrency: clients sending at once")
+    return _two_panels(s, labels, path, (("system_tps", "system throughput (generated tokens/s)"),
+                                         ("per_stream_tps", "per stream (generated tokens/s)")),
+                       "clients at once", "Concurrency: clients sending at once", integer_xticks=True)
 
 
 def plot_memory(s: dict, labels: dict, path: Path) -> Path:

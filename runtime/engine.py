@@ -10,8 +10,9 @@ The GPU actor drives it step by step and is its only caller (one thread):
   samples its first token and joins the decode batch -- or, after a long
   final chunk, joins it with its last prompt token still to feed, and the next
   decode step samples its first token;
-* ``step_once`` feeds every decoding sequence its last token and samples the
-  next: exactly one new token per sequence;
+* ``step_once`` feeds every decoding sequence its next input (the token it
+  sampled last, or the prompt token it joined with) and samples the next:
+  exactly one new token per sequence;
 * ``cancel`` drops a sequence wherever it is.
 
 Every call returns ``Delta``s; the last delta of a sequence carries

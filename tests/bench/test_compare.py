@@ -18,8 +18,11 @@ def raw_fixture():
     turns = range(1, 7)
     return {
         "multi_turn": {
-            "semantic": {t: [(0.5, 2.0), (0.6, 2.1), (0.4, 1.9)] for t in turns},
-            "peer": {t: [(0.5, 2.0), (0.55, 2.2), (0.5, 2.0)] for t in turns},
+            # (ttft, e2e, cached tokens, prompt tokens, tokens out)
+            "semantic": {t: [(0.5, 2.0, 400, 600, 31), (0.6, 2.1, 400, 600, 31), (0.4, 1.9, 400, 600, 31)]
+                         for t in turns},
+            "peer": {t: [(0.5, 2.0, 400, 600, 16), (0.55, 2.2, 400, 600, 16), (0.5, 2.0, 400, 600, 16)]
+                     for t in turns},
         },
         "many_agents": {
             "semantic": {n: [{"ttft": 0.3 + i / 1000, "prompt_tokens": 500, "cached_tokens": 480} for i in range(n)]
@@ -72,6 +75,11 @@ def test_summary_has_ours_peer_and_ratio_per_workload():
     assert mt["runs"] == 3 and mt["turns"] == 6
     assert mt["semantic"]["ttft_ms"][2] == 500.0
     assert mt["semantic"]["turns_2_on_ttft_ms"] == pytest.approx(2500.0)
+    # Same end-to-end, but the peer's replies were half as long: it decodes at half the speed.
+    assert mt["semantic"]["tokens_out"][2] == 31 and mt["peer"]["tokens_out"][2] == 16
+    assert mt["semantic"]["turns_2_on_decode_ms_per_token"] == pytest.approx(50.0)
+    assert mt["ratio"]["turns_2_on_decode_per_token"] == pytest.approx(0.5)
+    assert mt["semantic"]["cached_share"][2] == pytest.approx(0.667, abs=1e-3)
     assert summary["restart"]["ratio"]["turn4_ttft"] == pytest.approx(0.6 / 5.5, abs=1e-3)
     assert summary["concurrency"]["ratio"]["system_tps"][4] == pytest.approx(0.9)
     mem = summary["memory"]
