@@ -6,8 +6,9 @@ Both servers run on loopback with the same model, weights, precision and BLAS
 streaming OpenAI chat completions, the same prompts and max tokens, requests
 alternating A B A B (the order swaps from one step to the next).  Workloads:
 
-* **multi-turn** -- one agent, 6 turns of ~200 new tokens each: TTFT and
-  end-to-end per turn (median over runs, each run a fresh agent);
+* **multi-turn** -- one agent, 6 turns of ~200 new tokens each: TTFT,
+  end-to-end, tokens out and decode time per token (median over runs, each
+  run a fresh agent);
 * **restart** -- turns 1-3, both servers restarted, turn 4: its TTFT;
 * **many agents** -- N agents (4, 16, 64), each a history of ``history``
   tokens, then one follow-up each, round-robin: p50/p95 TTFT.  Agents are
