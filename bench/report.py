@@ -294,6 +294,7 @@ def markdown_table(summary: dict, goals: dict | None = None, peer_name: str = "m
 
     if mt := summary.get("multi_turn"):
         o, p, r = mt[OURS], mt[PEER], mt["ratio"]
+
         def out_tokens(side, t):
             n = side.get("tokens_out", {}).get(t)
             return "" if n is None else f" ({_fmt(n)} tokens)"
