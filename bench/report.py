@@ -46,7 +46,7 @@ def _ms(seconds) -> float | None:
 
 
 def summarize_multi_turn(raw: dict) -> dict:
-    """raw[server][turn] = [(ttft_s, e2e_s[, cached_tokens, prompt_tokens, completion_tokens]), ...] over runs.
+    """raw[server][turn] = [(ttft_s, e2e_s, cached_tokens, prompt_tokens, completion_tokens), ...] over runs.
 
     Greedy replies of the two servers can differ in length (their caches differ in
     precision), so end-to-end times are not a like-for-like speed figure; the decode
@@ -61,12 +61,11 @@ def summarize_multi_turn(raw: dict) -> dict:
         out[side] = {
             "ttft_ms": ttft,
             "e2e_ms": e2e,
-            "tokens_out": {int(t): median(x[4] for x in raw[side][t] if len(x) >= 5) for t in turns},
+            "tokens_out": {int(t): median(x[4] for x in raw[side][t]) for t in turns},
             "turns_2_on_ttft_ms": round(sum(ttft[t] for t in later), 1),
             "turns_2_on_e2e_ms": round(sum(e2e[t] for t in later), 1),
             "turns_2_on_decode_ms_per_token": _ms(median(
-                (x[1] - x[0]) / (x[4] - 1) for t in turns if int(t) >= 2 for x in raw[side][t]
-                if len(x) >= 5 and x[4] > 1)),
+                (x[1] - x[0]) / (x[4] - 1) for t in turns if int(t) >= 2 for x in raw[side][t] if x[4] > 1)),
             "cached_share": {int(t): _share(raw[side][t]) for t in turns},
         }
         out["runs"] = min(len(v) for v in raw[side].values())
@@ -85,7 +84,7 @@ def summarize_multi_turn(raw: dict) -> dict:
 
 def _share(rows) -> float | None:
     """Median share of the prompt the server reported as cached."""
-    shares = [x[2] / x[3] for x in rows if len(x) >= 4 and x[2] is not None and x[3]]
+    shares = [x[2] / x[3] for x in rows if x[2] is not None and x[3]]
     return round(median(shares), 3) if shares else None
 
 
