@@ -18,9 +18,11 @@ The GPU actor drives it step by step and is its only caller (one thread):
 Every call returns ``Delta``s; the last delta of a sequence carries
 ``Finished`` with its extracted Q4 cache and the exact token ids it covers.
 
-Prefill chunks run one sequence alone (B=1) with a chunk size that depends
-only on that sequence, so a sequence computes the same prefill whatever else
-is in the batch; decode steps (and a long prompt's last token) are batched.
+Batch invariance: prefill chunks run one sequence alone with a chunk size that
+depends only on that sequence; a decode step runs the decoding sequences in
+forwards of exactly ``decode_rows`` token slots (padded), attention per
+sequence over its own cache (``runtime.batch_cache``). So a sequence's logits
+are bitwise the same whatever else runs, wherever it sits in the batch.
 """
 
 from __future__ import annotations
@@ -33,14 +35,7 @@ from typing import Sequence as Seq
 import mlx.core as mx
 import mlx.nn as nn
 
-from .batch_cache import (
-    extend_caches,
-    extract_cache,
-    filter_caches,
-    make_sequence_cache,
-    merge_caches,
-    prefill_view,
-)
+from .batch_cache import BatchQuantizedKVCache, attention_view, cache_arrays, make_sequence_cache, rowwise
 from .sampling import Sampler, SamplingParams
 
 __all__ = ["Engine", "Delta", "Finished", "SamplingParams"]
@@ -77,8 +72,8 @@ class _Sequence:
     sampling: SamplingParams
     sampler: Sampler
     detokenizer: object
-    cache: list  # per-layer caches while prefilling; None once in the batch
-    view: list  # the same caches as the prefill sees them (float attention)
+    cache: list  # per-layer caches of record (what a finished sequence hands back)
+    view: list  # the same caches as attention sees them (``attention_view``)
     fed: list[int]  # token ids whose K/V are in the cache
     reused: int
     output: list[int] = field(default_factory=list)
@@ -111,8 +106,11 @@ class Engine:
         min_chunk: int = 32,
         attention_budget: int = 128 << 20,
         float_attention: bool | None = None,
+        decode_rows: int = 8,
     ):
-        self.model = model
+        if decode_rows < 1:
+            raise ValueError("decode_rows must be at least 1")
+        self.model = rowwise(model)
         self.tokenizer = tokenizer
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size
@@ -121,12 +119,14 @@ class Engine:
         self.attention_budget = attention_budget
         # MLX's CPU quantized matmul is slow: attend over a dequantized working copy there.
         self.float_attention = mx.default_device() == mx.cpu if float_attention is None else float_attention
+        # Every decode forward has exactly this many token slots, so each matmul has one
+        # shape whatever the batch (BLAS picks kernels by shape, and kernels sum differently).
+        self.decode_rows = decode_rows
         self._n_heads = _query_heads(model)
         self._eos = set(tokenizer.eos_token_ids)
         self._ids = itertools.count()
         self._prefilling: deque[_Sequence] = deque()
-        self._decoding: list[_Sequence] = []  # row order of ``_batch``
-        self._batch: list | None = None
+        self._decoding: list[_Sequence] = []
 
     # -- queries ---------------------------------------------------------
 
@@ -184,7 +184,7 @@ class Engine:
             sampler=Sampler(sampling),
             detokenizer=self.tokenizer.detokenizer,
             cache=cache,
-            view=prefill_view(cache),
+            view=attention_view(cache, self.float_attention),
             fed=prompt[:cached_tokens],
             reused=cached_tokens,
         )
@@ -207,40 +207,43 @@ class Engine:
         logits = self.model(mx.array(chunk)[None], cache=seq.view)
         seq.fed += chunk
         if seq.pending:
-            mx.eval([c.state for c in seq.cache])
+            mx.eval(cache_arrays(seq.view))
             if ride:
                 self._prefilling.popleft()
-                self._join(seq)
+                self._decoding.append(seq)
             else:
                 self._prefilling.rotate(-1)  # round-robin among pending prefills
             return []
         self._prefilling.popleft()
         token = seq.sampler(logits[0, -1])
-        mx.eval(token, [c.state for c in seq.cache])
+        mx.eval(token, cache_arrays(seq.view))
         new, text, reason = self._accept(seq, token.item())
         if reason is not None:
-            return [Delta(seq.id, new, text, self._finished(seq, reason, seq.cache))]
-        self._join(seq)
+            return [Delta(seq.id, new, text, self._finished(seq, reason))]
+        self._decoding.append(seq)
         return [Delta(seq.id, new, text)]
 
     def step_once(self) -> list[Delta]:
         """One new token for every decoding sequence; [] when none is decoding."""
         if not self._decoding:
             return []
-        rows = self._decoding
-        fed = [seq.next_input for seq in rows]
-        for seq, token in zip(rows, fed):
-            seq.fed.append(token)
-        inputs = mx.array(fed)[:, None]
-        logits = self.model(inputs, cache=self._batch)[:, -1, :]
-        tokens = mx.stack([seq.sampler(logits[i]) for i, seq in enumerate(rows)])
-        mx.eval(tokens, [c.state for c in self._batch])
+        rows, n = self._decoding, self.decode_rows
+        tokens = []
+        for tile in (rows[i : i + n] for i in range(0, len(rows), n)):
+            fed = [seq.next_input for seq in tile]
+            for seq, token in zip(tile, fed):
+                seq.fed.append(token)
+            inputs = mx.array(fed + [0] * (n - len(tile)))[None]  # padding slots feed token 0
+            batch = [BatchQuantizedKVCache(layer, [1] * len(tile)) for layer in zip(*(s.view for s in tile))]
+            logits = self.model(inputs, cache=batch)[0]
+            tokens += [seq.sampler(logits[i]) for i, seq in enumerate(tile)]
+        tokens = mx.stack(tokens)
+        mx.eval(tokens, [cache_arrays(seq.view) for seq in rows])
         results = [self._accept(seq, t) for seq, t in zip(rows, tokens.tolist())]
-        done = [i for i, (_, _, reason) in enumerate(results) if reason is not None]
-        caches = dict(zip(done, self._remove_rows(done)))
+        self._decoding = [seq for seq, (_, _, reason) in zip(rows, results) if reason is None]
         return [
-            Delta(seq.id, new, text, None if reason is None else self._finished(seq, reason, caches[i]))
-            for i, (seq, (new, text, reason)) in enumerate(zip(rows, results))
+            Delta(seq.id, new, text, None if reason is None else self._finished(seq, reason))
+            for seq, (new, text, reason) in zip(rows, results)
         ]
 
     def cancel(self, seq_id: int) -> Delta | None:
@@ -249,14 +252,11 @@ class Engine:
         The returned cache is consistent: it covers exactly ``cache_tokens``
         (the prompt so far, plus the tokens fed back while decoding).
         """
-        for seq in self._prefilling:
-            if seq.id == seq_id:
-                self._prefilling.remove(seq)
-                return Delta(seq.id, (), "", self._finished(seq, CANCELLED, seq.cache))
-        for row, seq in enumerate(self._decoding):
-            if seq.id == seq_id:
-                (cache,) = self._remove_rows([row])
-                return Delta(seq.id, (), "", self._finished(seq, CANCELLED, cache))
+        for queue in (self._prefilling, self._decoding):
+            for seq in queue:
+                if seq.id == seq_id:
+                    queue.remove(seq)
+                    return Delta(seq.id, (), "", self._finished(seq, CANCELLED))
         return None
 
     # -- internals -------------------------------------------------------
@@ -266,28 +266,6 @@ class Engine:
         per_token = self._n_heads * (context + self.max_chunk) * 4
         fit = self.attention_budget // max(per_token, 1)
         return int(min(self.max_chunk, max(self.min_chunk, fit)))
-
-    def _join(self, seq: _Sequence) -> None:
-        single = merge_caches([seq.cache], self.float_attention)
-        seq.cache = seq.view = None
-        if self._batch is None:
-            self._batch = single
-        else:
-            extend_caches(self._batch, single)
-        self._decoding.append(seq)
-
-    def _remove_rows(self, rows: list[int]) -> list[list]:
-        """Take rows out of the decode batch; return their extracted caches."""
-        if not rows:
-            return []
-        caches = [extract_cache(self._batch, row) for row in rows]
-        keep = [i for i in range(len(self._decoding)) if i not in rows]
-        self._decoding = [self._decoding[i] for i in keep]
-        if keep:
-            filter_caches(self._batch, keep)
-        else:
-            self._batch = None
-        return caches
 
     def _accept(self, seq: _Sequence, token: int) -> tuple[tuple[int, ...], str, str | None]:
         """Record a sampled token: (new token ids, text to show, finish reason or None)."""
@@ -323,10 +301,11 @@ class Engine:
         seq.shown = max(seq.shown, end)
         return text, hit
 
-    def _finished(self, seq: _Sequence, reason: str, cache: list) -> Finished:
+    def _finished(self, seq: _Sequence, reason: str) -> Finished:
+        mx.eval(cache_arrays(seq.cache))
         return Finished(
             reason=reason,
-            cache=cache,
+            cache=seq.cache,
             cache_tokens=tuple(seq.fed),
             output_tokens=tuple(seq.output),
             text=seq.text,

@@ -1,5 +1,6 @@
-"""Batched quantized KV caches against the same sequences decoded alone, on tiny
-random-weight models of every supported architecture."""
+"""Batched quantized KV caches: per-sequence caches batched around attention, tested
+bit for bit against the same sequences alone, on tiny random-weight models of
+every supported architecture."""
 
 import runtime  # noqa: F401  (fast BLAS before mlx)
 
@@ -7,276 +8,153 @@ import random
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 
 from runtime.batch_cache import (
     BatchQuantizedKVCache,
-    BatchSlidingKVCache,
-    DequantizingBatchKVCache,
     DequantizingKVCache,
     SequenceQuantizedKVCache,
     _dequantize,
     _quantize,
     _quantize_unpack,
     _unpack,
-    extend_caches,
-    extract_cache,
-    filter_caches,
-    make_batch_cache,
+    attention_view,
     make_sequence_cache,
-    merge_caches,
+    rowwise,
 )
-from tests.tiny import VOCAB, tiny_model
+from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
-ARCHS = ["llama", "qwen2", "gemma3_text", "gpt_oss"]
-STEPS = 12
-CHUNK_STEP, EXTRA = 10, [7, 11]  # one step feeds 3 tokens a row, after the sliding rings have rotated
+SLOTS = 8  # every forward below has this many token slots
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(VOCAB) for _ in range(n)]
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
 
 
-def _last(logits: mx.array) -> tuple[mx.array, mx.array]:
-    """Greedy tokens and the last-position logits they came from."""
-    logits = logits[:, -1]
-    return mx.argmax(logits, axis=-1), logits
+def _forward(model, segments: list[list[int]], views: list[list]) -> list[mx.array]:
+    """One forward of SLOTS slots holding each sequence's tokens; each one's last logits."""
+    tokens = [t for s in segments for t in s]
+    inputs = mx.array(tokens + [0] * (SLOTS - len(tokens)))[None]
+    batch = [BatchQuantizedKVCache(layer, [len(s) for s in segments]) for layer in zip(*views)]
+    logits = model(inputs, cache=batch)[0]
+    ends = [sum(map(len, segments[: i + 1])) - 1 for i in range(len(segments))]
+    return [logits[e] for e in ends]
 
 
-def _prefill(model, prompt, chunk, bits=4):
-    """Prompt alone into a fresh sequence cache, then a follow-up chunk; returns the
-    cache and the first greedy token."""
-    cache = make_sequence_cache(model, bits=bits)
-    model(mx.array([prompt]), cache=cache)
-    return cache, _last(model(mx.array([chunk]), cache=cache))[0]
+def _prefilled(model, prompt: list[int], float_attention: bool, bits: int = 4) -> list:
+    view = attention_view(make_sequence_cache(model, bits=bits), float_attention)
+    model(mx.array([prompt]), cache=view)
+    return view
 
 
-def _inputs(step: int, token: mx.array) -> mx.array:
-    """What each row feeds at a global step: its last token, plus two more at CHUNK_STEP."""
-    if step != CHUNK_STEP:
-        return token[:, None]
-    return mx.concatenate([token[:, None], mx.broadcast_to(mx.array(EXTRA), (token.shape[0], 2))], axis=1)
-
-
-def _decode_alone(model, cache, token, steps) -> tuple[list[int], list[mx.array]]:
-    tokens, logits = [], []
-    for step in steps:
-        tokens.append(token.item())
-        token, out = _last(model(_inputs(step, token), cache=cache))
-        logits.append(out[0])
-    return tokens, logits
-
-
-def _close(a: list[mx.array], b: list[mx.array]) -> bool:
-    # Batched and single matmuls round differently (and Q4 can amplify that); a wrong
-    # mask or a lost token moves logits by 0.05-7 on these models.
-    return all(mx.abs(x - y).max().item() < 1e-2 for x, y in zip(a, b, strict=True))
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_batched_decode_matches_alone(arch):
-    model = tiny_model(arch)
+@pytest.mark.parametrize(
+    "arch, float_attention",
+    [(a, f) for a in TINY_CONFIGS for f in (True, False) if f or a != "gpt_oss"],  # sinks need the float copy
+)
+def test_each_sequence_in_a_forward_computes_as_alone(arch, float_attention):
+    """Sequences that join, leave and feed several tokens at once (after the sliding
+    rings wrapped) give the same logits, bit for bit, as each one alone in a forward
+    of the same width -- wherever it sits among the slots."""
+    model = rowwise(tiny_model(arch))
     rng = random.Random(0)
-    # Lengths straddle the sliding window (16); the row that joins is longer than the batch.
-    prompts = [_tokens(rng, n) for n in (5, 23, 1, 40, 50)]
-    chunks = [_tokens(rng, 3) for _ in prompts]
-    # Rows 0-3 start at step 0, row 4 joins at step 6.
-    expected = [_decode_alone(model, *_prefill(model, p, c), range(6 if i == 4 else 0, STEPS))
-                for i, (p, c) in enumerate(zip(prompts, chunks))]
+    prompts = [_tokens(rng, n) for n in (5, 23, 1, 40)]  # straddle the window of 16
+    feeds = [[_tokens(rng, 3 if step == 9 else 1) for step in range(12)] for _ in prompts]
 
-    # Rows 0-3 were prefilled alone; their follow-up chunks go in as one N=3 batch step.
-    seqs = []
-    for p in prompts[:4]:
-        seqs.append(make_sequence_cache(model))
-        model(mx.array([p]), cache=seqs[-1])
-    batch = merge_caches(seqs)
-    token = _last(model(mx.array(chunks[:4]), cache=batch))[0]
-    rows = [0, 1, 2, 3]  # prompt index of each batch row
-    got = {r: ([], []) for r in range(5)}  # tokens, logits
-    for step in range(STEPS):
-        if step == 4:  # the longest row finished early: the others' shared padding goes
-            keep = [i for i, r in enumerate(rows) if r != 3]
-            filter_caches(batch, keep)
-            rows, token = [rows[i] for i in keep], token[mx.array(keep)]
-        if step == 6:  # prompt 4 joins while the others decode
-            cache, first = _prefill(model, prompts[4], chunks[4])
-            extend_caches(batch, merge_caches([cache]))
-            rows, token = rows + [4], mx.concatenate([token, first])
-        if step == 8:  # row 1 leaves and carries on alone
-            i = rows.index(1)
-            extracted = _decode_alone(model, extract_cache(batch, i), token[i : i + 1], range(8, STEPS))
-        if step == CHUNK_STEP:  # the sliding rings have wrapped; short rows still have padding
-            assert all(c.rotated for c in batch if isinstance(c, BatchSlidingKVCache))
-        t, logits = _last(model(_inputs(step, token), cache=batch))
-        for i, r in enumerate(rows):
-            got[r][0].append(token[i].item())
-            got[r][1].append(logits[i])
-        token = t
+    def run(members: dict[int, range]) -> dict[int, list[mx.array]]:
+        views = {i: _prefilled(model, prompts[i], float_attention) for i in members}
+        got = {i: [] for i in members}
+        for step in range(12):
+            live = [i for i in sorted(members, reverse=step % 2 == 1) if step in members[i]]  # order flips
+            if live:
+                logits = _forward(model, [feeds[i][step] for i in live], [views[i] for i in live])
+                for i, out in zip(live, logits):
+                    got[i].append(out)
+        return got
 
-    for r in range(5):
-        n = len(got[r][0])
-        assert got[r][0] == expected[r][0][:n], f"row {r} tokens"
-        assert _close(got[r][1], expected[r][1][:n]), f"row {r} logits"
-    assert len(got[3][0]) == 4 and len(got[4][0]) == len(expected[4][0]) == STEPS - 6
-    assert got[1][0][:8] + extracted[0] == expected[1][0]
-    assert _close(got[1][1][:8] + extracted[1], expected[1][1])
+    schedule = {0: range(0, 12), 1: range(0, 8), 2: range(4, 12), 3: range(0, 12)}
+    together = run(schedule)
+    for i, steps in schedule.items():
+        alone = run({i: steps})[i]
+        assert len(alone) == len(together[i]) == len(steps)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(alone, together[i])), f"sequence {i}"
 
 
-def test_eight_bit_batch_matches_alone():
-    model = tiny_model("llama")
+def test_eight_bit_sequences_batch_alike():
+    model = rowwise(tiny_model("llama"))
     rng = random.Random(1)
-    prompts, chunks = [_tokens(rng, n) for n in (7, 30)], [_tokens(rng, 2) for _ in range(2)]
-    expected = [_decode_alone(model, *_prefill(model, p, c, bits=8), range(6))[0] for p, c in zip(prompts, chunks)]
-    seqs = [_prefill(model, p, c, bits=8) for p, c in zip(prompts, chunks)]
-    batch = merge_caches([c for c, _ in seqs])
-    assert all(c.bits == 8 for c in batch)
-    token, got = mx.concatenate([t for _, t in seqs]), [[], []]
-    for _ in range(6):
-        for g, t in zip(got, token.tolist()):
-            g.append(t)
-        token = _last(model(token[:, None], cache=batch))[0]
-    assert got == expected
+    prompts = [_tokens(rng, n) for n in (7, 30)]
+    views = [_prefilled(model, p, True, bits=8) for p in prompts]
+    assert all(c.kv_bits == 8 for v in views for c in v)
+    together = _forward(model, [[3], [4]], views)
+    alone = [_forward(model, [[t]], [_prefilled(model, p, True, bits=8)])[0] for p, t in zip(prompts, (3, 4))]
+    assert all(mx.array_equal(a, b).item() for a, b in zip(alone, together))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
-def test_left_padded_batch_prefill(arch):
-    # New prompts prefilled together in an empty left-padded batch, as the engine may do.
-    model = tiny_model(arch)
-    rng = random.Random(2)
-    prompts = [_tokens(rng, n) for n in (9, 20, 4)]
-    T = max(map(len, prompts))
-    batch = make_batch_cache(model, left_padding=[T - len(p) for p in prompts])
-    padded = mx.array([[0] * (T - len(p)) + p for p in prompts])
-    token, logits = _last(model(padded, cache=batch))
-    for i, p in enumerate(prompts):
-        alone, alone_logits = _last(model(mx.array([p]), cache=make_sequence_cache(model)))
-        assert alone.item() == token[i].item() and _close([alone_logits[0]], [logits[i]])
-        assert extract_cache(batch, i)[-1].offset == len(p)
+def test_rowwise_keeps_the_model_as_it_was():
+    model = tiny_model("gpt_oss")
+    names = [k for k, _ in tree_flatten(model.parameters())]
+    cache = make_sequence_cache(model)
+    before = model(mx.array([[1, 2, 3]]), cache=cache)
+    rowwise(rowwise(model))
+    attn = model.layers[0].self_attn
+    assert [k for k, _ in tree_flatten(model.parameters())] == names
+    assert type(attn).__name__ == "AttentionBlock" and "sinks" in attn
+    after = model(mx.array([[1, 2, 3]]), cache=make_sequence_cache(model))  # other caches: as before
+    assert mx.array_equal(before, after).item()
 
 
-def _filled(cache, n: int, seed: int, B: int = 1, H: int = 2, D: int = 64):
+def test_batch_arguments():
+    with pytest.raises(ValueError, match="positive slot count"):
+        BatchQuantizedKVCache([SequenceQuantizedKVCache()], [0])
+    with pytest.raises(ValueError, match="positive slot count"):
+        BatchQuantizedKVCache([], [])
+    batch = BatchQuantizedKVCache([SequenceQuantizedKVCache()] * 2, [4, 5])
+    with pytest.raises(ValueError, match="9 slots of sequences in a forward of 8"):
+        batch.attend(lambda x, mask, cache: x, mx.zeros((1, 8, 4)))
+    out = BatchQuantizedKVCache([SequenceQuantizedKVCache()] * 2, [2, 3]).attend(lambda x, m, c: x + 1, mx.zeros((1, 8, 4)))
+    assert out.tolist()[0] == [[1.0] * 4] * 5 + [[0.0] * 4] * 3  # padding slots: zeros
+
+
+def _filled(cache, n: int, seed: int, H: int = 2, D: int = 64):
     """``cache`` after ``n`` random float32 tokens."""
     if n:
-        mx.random.seed(seed)
-        k, v = mx.random.normal((2, B, H, n, D))
+        k, v = mx.random.normal((2, 1, H, n, D), key=mx.random.key(seed))
         cache.update_and_fetch(k, v)
     return cache
 
 
-def _triples(cache: QuantizedKVCache):
-    return [x[..., : cache.offset, :] for x in (*cache.keys, *cache.values)]
-
-
-def test_merge_extract_round_trip_is_bit_exact_without_dequantizing(monkeypatch):
-    singles = [_filled(SequenceQuantizedKVCache(), n, s) for s, n in enumerate((5, 300, 0, 1))]
-    mx.eval([c.keys for c in singles if c.keys is not None])
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("merge/extract must not (de)quantize")
-
-    monkeypatch.setattr(mx, "dequantize", forbidden)
-    monkeypatch.setattr(mx, "quantize", forbidden)
-    batch = BatchQuantizedKVCache.merge(singles + [None])
-    assert batch.left_padding.tolist() == [295, 0, 300, 299, 300]
-    assert batch.offset.tolist() == [5, 300, 0, 1, 0]
-    for i, c in enumerate(singles):
-        row = batch.extract(i)
-        assert isinstance(row, QuantizedKVCache) and row.offset == c.offset
-        if c.offset:
-            assert all(mx.array_equal(a, b).item() for a, b in zip(_triples(row), _triples(c)))
-            assert row.keys[0].shape[2] == c.offset  # exactly the row's tokens, no capacity
-            assert row.keys[1].dtype == mx.float16
-    assert batch.extract(4).offset == 0
-    again = BatchQuantizedKVCache.from_state(batch.state)
-    assert again.bits == 4 and mx.array_equal(again.extract(1).keys[0], singles[1].keys[0][..., :300, :]).item()
-
-    wrapped = DequantizingBatchKVCache.merge([DequantizingKVCache(quantized=c) for c in singles])
-    row = wrapped.extract(1)
-    assert isinstance(row, DequantizingKVCache) and not hasattr(row, "bits")
-    assert all(mx.array_equal(a, b).item() for a, b in zip(_triples(row.quantized), _triples(singles[1])))
-
-
-def test_merge_takes_plain_mlx_lm_caches():
-    # mlx-lm's own QuantizedKVCache keeps float32 scales for a float32 model; merging casts them.
-    plain = _filled(QuantizedKVCache(group_size=64, bits=4), 7, 0)
-    row = BatchQuantizedKVCache.merge([plain, None]).extract(0)
-    assert mx.array_equal(row.keys[0], plain.keys[0][..., :7, :]).item()
-    assert mx.array_equal(row.keys[1], plain.keys[1][..., :7, :].astype(mx.float16)).item()
-    with pytest.raises(ValueError, match="bits"):
-        BatchQuantizedKVCache.merge([plain, _filled(QuantizedKVCache(bits=8), 3, 1)])
-
-
-def test_mask_padding_and_causal_chunk():
-    batch = BatchQuantizedKVCache.merge([_filled(SequenceQuantizedKVCache(), n, n) for n in (3, 1, 4)])
-    assert batch.left_padding.tolist() == [1, 3, 0] and batch.offset.tolist() == [3, 1, 4]
-    one = batch.make_mask(1)
-    assert one.shape == (3, 1, 1, 5)
-    assert one[:, 0, 0].tolist() == [
-        [False, True, True, True, True],
-        [False, False, False, True, True],
-        [True, True, True, True, True],
-    ]
-    chunk = batch.make_mask(2)  # two new tokens at positions 4 and 5
-    assert chunk.shape == (3, 1, 2, 6)
-    assert chunk[1, 0].tolist() == [
-        [False, False, False, True, True, False],
-        [False, False, False, True, True, True],
-    ]
-    assert chunk[2, 0].tolist() == [[True] * 5 + [False], [True] * 6]
-    windowed = batch.make_mask(1, window_size=2)
-    assert windowed[2, 0, 0].tolist() == [False, False, False, True, True]
-
-
-def test_filter_drops_shared_padding_and_extend_right_aligns():
-    batch = BatchQuantizedKVCache.merge([_filled(SequenceQuantizedKVCache(), n, n) for n in (3, 1, 4)])
-    batch.filter([1, 0])
-    assert batch.left_padding.tolist() == [2, 0] and batch.offset.tolist() == [1, 3] and batch.size() == 3
-    other = BatchQuantizedKVCache.merge([_filled(SequenceQuantizedKVCache(), 6, 9)])
-    batch.extend(other)
-    assert batch.left_padding.tolist() == [5, 3, 0] and batch.offset.tolist() == [1, 3, 6] and batch.size() == 6
-    assert batch.extract(2).offset == 6
-    with pytest.raises(ValueError):
-        batch.extend(BatchQuantizedKVCache([0], bits=8))
-    empty = BatchQuantizedKVCache([0, 0])
-    empty.extend(BatchQuantizedKVCache([0]))
-    assert empty.empty() and empty.offset.tolist() == [0, 0, 0]
-
-
 def test_growth_in_steps_and_trim():
-    cache = BatchQuantizedKVCache([0, 2])
-    _filled(cache, 3, 0, B=2)
-    assert cache.keys[0].shape[2] == 256 and cache.size() == 3 and cache.offset.tolist() == [3, 1]
-    _filled(cache, 253, 1, B=2)
+    cache = _filled(SequenceQuantizedKVCache(), 3, 0)
+    assert cache.keys[0].shape[2] == 256 and cache.size() == 3
+    _filled(cache, 253, 1)
     assert cache.keys[0].shape[2] == 256  # exactly full, no growth yet
-    _filled(cache, 1, 2, B=2)
+    _filled(cache, 1, 2)
     assert cache.keys[0].shape[2] == 512 and cache.size() == 257
-    assert cache.trim(7) == 7 and cache.size() == 250 and cache.offset.tolist() == [250, 248]
-    k, _ = cache.update_and_fetch(*mx.random.normal((2, 2, 2, 1, 64)))
-    assert k[0].shape[2] == 251 and cache.offset.tolist() == [251, 249]
+    assert cache.trim(7) == 7 and cache.size() == 250
+    k, _ = cache.update_and_fetch(*mx.random.normal((2, 1, 2, 1, 64)))
+    assert k[0].shape[2] == 251
     assert cache.is_trimmable() and cache.trim(1000) == 251 and cache.size() == 0
 
 
 def test_scales_are_16_bit_and_attention_takes_them_as_they_are():
     # float32 model: float16 scales; the quantized SDPA mixes them with float32 queries.
-    cache = _filled(BatchQuantizedKVCache([0, 0]), 49, 0, B=2)
-    k, v = cache.update_and_fetch(*mx.random.normal((2, 2, 2, 1, 64)))
+    cache = _filled(SequenceQuantizedKVCache(), 49, 0)
+    k, v = cache.update_and_fetch(*mx.random.normal((2, 1, 2, 1, 64)))
     assert k[1].dtype == v[2].dtype == mx.float16
-    q = mx.random.normal((2, 4, 1, 64))
+    q = mx.random.normal((1, 4, 1, 64))
     out = quantized_scaled_dot_product_attention(mx.array(q), k, v, scale=0.125, mask=None, bits=4)
     dq = [mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=64, bits=4) for w, s, b in (k, v)]
     ref = mx.fast.scaled_dot_product_attention(q, *dq, scale=0.125)
     assert out.dtype == mx.float32 and mx.allclose(out, ref, atol=1e-5).item()
 
     # bfloat16 model: bfloat16 scales, so nothing promotes the model to float32.
-    model = tiny_model("llama")
+    model = rowwise(tiny_model("llama"))
     model.set_dtype(mx.bfloat16)
-    seqs = [make_sequence_cache(model) for _ in range(2)]
-    for c, p in zip(seqs, ([1, 2, 3], [4, 5])):
-        model(mx.array([p]), cache=c)
-    batch = merge_caches(seqs)
-    logits = model(mx.array([[6], [7]]), cache=batch)
-    assert logits.dtype == mx.bfloat16 and batch[0].keys[1].dtype == mx.bfloat16
+    views = [_prefilled(model, p, False) for p in ([1, 2, 3], [4, 5])]
+    (logits, _) = _forward(model, [[6], [7]], views)
+    assert logits.dtype == mx.bfloat16 and views[0][0].keys[1].dtype == mx.bfloat16
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -291,78 +169,74 @@ def test_unpack_is_bit_exact_against_mx_dequantize(bits, group_size, dtype):
     assert mx.array_equal(unpacked, _dequantize(q, group_size, bits, dtype)).item()
 
 
-def test_dequantizing_batch_working_copy_is_exactly_its_q4_rows():
-    """Step by step, across growth, filter and extend, the float copy attention reads
-    equals a fresh dequantization of the Q4 rows of record."""
-    cache = _filled(DequantizingBatchKVCache([0, 5]), 250, 0, B=2)
+def test_float_working_copy_is_exactly_its_q4_record():
+    """Step by step, across growth and trim, from an existing record, the floats
+    attention reads equal a fresh dequantization of the Q4 record."""
+    record = _filled(SequenceQuantizedKVCache(), 250, 0)
+    view = DequantizingKVCache(quantized=record)
 
-    def check():
-        fetched = cache.update_and_fetch(*mx.random.normal((2, cache.batch_size, 2, 1, 64)))
-        for f, q in zip(fetched, (cache.keys, cache.values)):
-            ref = _dequantize(tuple(x[..., : cache._idx, :] for x in q), 64, 4, mx.float32)
-            assert f.shape[2] == cache._idx and mx.array_equal(f, ref).item()
+    def check(n: int = 1):
+        fetched = view.update_and_fetch(*mx.random.normal((2, 1, 2, n, 64)))
+        for f, q in zip(fetched, (record.keys, record.values)):
+            ref = _dequantize(tuple(x[..., : record.offset, :] for x in q), 64, 4, mx.float32)
+            assert f.shape[2] == record.offset and mx.array_equal(f, ref).item()
 
     for _ in range(8):  # crosses the 256-position growth
         check()
-    assert cache.keys[0].shape[2] == 512
-    cache.filter([1])
-    check()
-    cache.extend(_filled(DequantizingBatchKVCache([0]), 30, 1))
-    for _ in range(3):
-        check()
+    assert record.keys[0].shape[2] == 512 and view._float[0].shape[2] == 512
+    view.trim(5)
+    check(3)
+    assert DequantizingKVCache(quantized=record).offset == record.offset
 
 
 def test_nbytes_against_fp16():
-    B, H, T, D = 2, 2, 256, 64
-    fp16 = 2 * B * H * T * D * 2
+    H, T, D = 2, 256, 64
+    fp16 = 2 * H * T * D * 2
     for bits, ratio in ((4, (0.5 + 4 / 64) / 2), (8, (1 + 4 / 64) / 2)):
-        cache = BatchQuantizedKVCache([0] * B, bits=bits)
-        _filled(cache, T, 0, B=B)
-        assert cache.keys[0].shape == (B, H, T, D * bits // 32)
+        cache = _filled(SequenceQuantizedKVCache(bits=bits), T, 0)
+        assert cache.keys[0].shape == (1, H, T, D * bits // 32)
         assert cache.nbytes / fp16 == pytest.approx(ratio)
+        assert DequantizingKVCache(quantized=cache).nbytes == cache.nbytes  # the copy is not the record
     assert (0.5 + 4 / 64) / 2 <= 0.30
-    for empty in (BatchQuantizedKVCache([0]), SequenceQuantizedKVCache(), DequantizingKVCache()):
+    for empty in (SequenceQuantizedKVCache(), DequantizingKVCache()):
         assert empty.nbytes == 0
     with pytest.raises(ValueError, match="bits"):
-        BatchQuantizedKVCache([0], bits=3)
+        SequenceQuantizedKVCache(bits=3)
     with pytest.raises(ValueError, match="group size"):
         SequenceQuantizedKVCache(group_size=48)
 
 
 def test_cache_kinds_per_architecture():
     llama, gemma, oss = (tiny_model(a) for a in ("llama", "gemma3_text", "gpt_oss"))
-    assert all(type(c) is BatchQuantizedKVCache for c in make_batch_cache(llama, None))
-    assert [type(c) for c in make_batch_cache(gemma, None)] == [BatchSlidingKVCache, BatchQuantizedKVCache] * 2
-    assert [type(c) for c in make_batch_cache(oss, None)] == [BatchSlidingKVCache, DequantizingBatchKVCache]
+    assert all(type(c) is SequenceQuantizedKVCache for c in make_sequence_cache(llama))
+    assert [type(c) for c in make_sequence_cache(gemma)] == [RotatingKVCache, SequenceQuantizedKVCache] * 2
     assert [type(c) for c in make_sequence_cache(oss)] == [RotatingKVCache, DequantizingKVCache]
-    assert not hasattr(DequantizingBatchKVCache([0]), "bits") and BatchQuantizedKVCache([0]).bits == 4
+    # The views: float copies on the CPU path; sinks always; sliding layers as they are.
+    assert [type(c) for c in attention_view(make_sequence_cache(gemma), False)] == [
+        RotatingKVCache, SequenceQuantizedKVCache] * 2
+    assert [type(c) for c in attention_view(make_sequence_cache(gemma), True)] == [
+        RotatingKVCache, DequantizingKVCache] * 2
+    assert [type(c) for c in attention_view(make_sequence_cache(oss), False)] == [RotatingKVCache, DequantizingKVCache]
+    assert not hasattr(DequantizingKVCache(), "bits") and SequenceQuantizedKVCache().bits == 4
     # Why the dequantizing kind exists: mlx-lm refuses sinks with a quantized cache.
-    cache = [RotatingKVCache(16), QuantizedKVCache(bits=4)]
     with pytest.raises(ValueError, match="sinks"):
-        oss(mx.array([[1, 2, 3]]), cache=cache)
-    with pytest.raises(ValueError, match="merge"):
-        merge_caches([make_sequence_cache(llama), make_sequence_cache(oss)[::-1]])
+        oss(mx.array([[1, 2, 3]]), cache=[RotatingKVCache(16), QuantizedKVCache(bits=4)])
 
 
-def test_sliding_chunk_after_rotation_sees_every_token():
-    # mlx-lm's BatchRotatingKVCache.make_mask hides row 1's position 0 from this chunk.
-    W = 16
-
-    def positions(*rows):  # keys whose value is their token position
-        return mx.array(rows, dtype=mx.float32)[:, None, :, None]
-
-    singles = []
-    for n in (16, 3):
-        singles.append(RotatingKVCache(W))
-        singles[-1].update_and_fetch(positions(list(range(n))), positions(list(range(n))))
-    batch = merge_caches([[c] for c in singles])[0]
-    batch.update_and_fetch(positions([16], [3]), positions([16], [3]))
-    assert batch.rotated
-    mask = batch.make_mask(2, window_size=W)
-    keys, _ = batch.update_and_fetch(positions([17, 18], [4, 5]), positions([17, 18], [4, 5]))
-
-    def seen(row, q):
-        return sorted(int(k) for k, m in zip(keys[row, 0, :, 0].tolist(), mask[row, 0, q].tolist()) if m)
-
-    assert seen(0, 0) == list(range(2, 18)) and seen(0, 1) == list(range(3, 19))
-    assert seen(1, 0) == list(range(5)) and seen(1, 1) == list(range(6))
+def test_fixed_shape_matmul_rows_do_not_depend_on_their_neighbours(smollm2):
+    """The one property of the BLAS that batch invariance assumes, checked for every
+    weight shape of the embedded model on this machine: in a matmul of fixed shape
+    (a decode forward's slots x a weight), a row comes out the same wherever it sits
+    and whatever the other rows hold. (Shapes are what BLAS picks kernels by: other
+    slot counts, M = 1 among them, give other bits.)"""
+    weights = {p.shape: p for _, p in tree_flatten(smollm2.model.parameters()) if p.ndim == 2}
+    failures = []
+    for shape, w in weights.items():
+        x = mx.random.normal((SLOTS, shape[-1]), key=mx.random.key(shape[0]))
+        together = x @ w.T
+        for row in range(SLOTS):
+            alone = mx.zeros_like(x)
+            alone[0] = x[row]
+            if not mx.array_equal((alone @ w.T)[0], together[row]).item():
+                failures.append(f"{shape} row {row}")
+    assert not failures, "this BLAS computes a row by its position or neighbours: " + ", ".join(failures)

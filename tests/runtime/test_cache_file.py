@@ -23,7 +23,7 @@ import pytest
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 from safetensors import safe_open
 
-from runtime.batch_cache import DequantizingKVCache, copy_cache, prefill_view
+from runtime.batch_cache import DequantizingKVCache, attention_view, copy_cache
 from runtime.cache_file import (
     CacheFileError,
     CacheRecord,
@@ -91,7 +91,7 @@ def test_round_trip_is_bit_identical_and_continues_the_same(arch, tmp_path):
     decoded = finished(model, tok, prompt, 6)  # extracted from the decode batch, ring unrolled
     stepped = copy_cache(prefilled[0])
     for t in (11, 12, 13):  # single tokens rotate a ring in place: its index lands mid-buffer
-        model(mx.array([[t]]), cache=prefill_view(stepped))
+        model(mx.array([[t]]), cache=attention_view(stepped, True))
     mx.eval([c.state for c in stepped])
     cases = {"prefilled": prefilled, "decoded": decoded, "stepped": (stepped, prefilled[1] + [11, 12, 13])}
     if arch in ("gemma3_text", "gpt_oss"):

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Batch invariance under every OpenBLAS kernel set this CPU can run, as on other
+# machines of the same kind: each OPENBLAS_CORETYPE in turn runs the invariance
+# tests. A developer's check (CI leaves the BLAS as the machine sets it).
+#
+#   scripts/every-blas-kernel.sh [pytest args]   (default: the invariance tests)
+set -u
+cd "$(dirname "$0")/.."
+tests=("$@")
+[ ${#tests[@]} -gt 0 ] || tests=(tests/runtime/test_invariance.py
+  tests/runtime/test_batch_cache.py::test_fixed_shape_matmul_rows_do_not_depend_on_their_neighbours
+  tests/runtime/test_batch_cache.py::test_each_sequence_in_a_forward_computes_as_alone)
+corename='import ctypes, runtime; from runtime import blas; f = ctypes.CDLL(blas.status().library).openblas_get_corename; f.restype = ctypes.c_char_p; print(f().decode())'
+status=0
+for core in Prescott Core2 Nehalem Sandybridge Haswell Zen SkylakeX Cooperlake SapphireRapids; do
+  ran=$(OPENBLAS_CORETYPE=$core .venv/bin/python -c "$corename" 2>/dev/null) || ran="?"
+  result=$(OPENBLAS_CORETYPE=$core .venv/bin/pytest -q -p no:cacheprovider "${tests[@]}" 2>&1 | tail -1)
+  printf '%-15s kernel %-12s %s\n' "$core" "$ran" "$result"
+  case $result in *failed*|*error*) status=1 ;; esac
+done
+exit $status
