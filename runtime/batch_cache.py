@@ -18,16 +18,10 @@ neighbours, on any machine. Two things make them depend in a padded batch:
 
 So a forward is one row of a *fixed* number of token slots (the engine's
 ``decode_rows`` for decode), and each layer gets a ``BatchQuantizedKVCache``:
-the caches of the sequences in the forward and how many consecutive slots each
-owns. ``rowwise`` makes each attention module run once per sequence, over that
-sequence's own cache and slots: the same call with the same shapes as when the
-sequence is alone. Everything else (embeddings, norms, MLPs, the logits) runs
-over all slots at once, with M fixed; slots after the last sequence are padding,
-computed and ignored. What remains assumed of the BLAS is that a matmul of
-fixed shape computes each row the same wherever it sits in the matrix, whatever
-the other rows hold (`tests/runtime/test_invariance.py` checks it for every
-weight of the model on the machine it runs on; `semantic bench invariance`
-checks it under every OpenBLAS kernel the CPU can run).
+the caches of the sequences in the forward, one slot each. ``runtime.rowwise``
+makes attention run per sequence over its own cache, with the same shapes as
+when the sequence is alone; everything else runs over all slots at once, with
+M fixed.
 
 Per-sequence caches:
 
@@ -51,8 +45,7 @@ promote the attention output, and so the whole model, to float32).
 from __future__ import annotations
 
 import copy
-import functools
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -76,7 +69,6 @@ __all__ = [
     "cache_arrays",
     "copy_cache",
     "make_sequence_cache",
-    "rowwise",
 ]
 
 Triple = tuple[mx.array, mx.array, mx.array]  # (packed uint32 weights, scales, biases)
@@ -241,74 +233,27 @@ class DequantizingKVCache(_BaseCache):
 
 
 class BatchQuantizedKVCache:
-    """One layer's caches of the sequences in a forward, batched around attention.
+    """One layer's caches of the sequences decoded together in a forward.
 
-    The forward's input is one row of token slots; sequence ``i`` owns the next
-    ``lengths[i]`` slots, in order, and attends over ``caches[i]`` alone. Three
-    agents, one decode token each, in a forward of 4 slots:
+    The forward's input is one row of a fixed number of token slots; slot ``i``
+    holds the next token of the sequence whose cache is ``caches[i]``, and slots
+    after the last sequence are padding. Three agents in a forward of 4 slots:
 
         slot      0  1  2  3
-        owner     a  b  c  .      lengths [1, 1, 1]; slot 3 is padding
+        cache     a  b  c  .      slot 3 is padding: computed, then ignored
 
-    Attention modules made ``rowwise`` call ``attend``; the model's own mask is
-    not used (``make_mask`` gives None): each sequence's cache makes its own.
+    Attention modules made ``runtime.rowwise.rowwise`` attend per sequence when
+    given this cache; the model's own mask is not used (``make_mask`` gives
+    None): each sequence's cache makes its own.
     """
 
-    def __init__(self, caches: Sequence, lengths: Sequence[int]):
-        if len(caches) != len(lengths) or not caches or min(lengths) < 1:
-            raise ValueError("a batch needs one cache and a positive slot count per sequence")
+    def __init__(self, caches: Sequence):
+        if not caches:
+            raise ValueError("a batch needs at least one sequence")
         self.caches = list(caches)
-        self.lengths = list(lengths)
 
     def make_mask(self, *args, **kwargs):
         return None
-
-    def attend(self, attention: Callable, x: mx.array) -> mx.array:
-        """``attention(x, mask, cache)`` once per sequence over its own slots of ``x``
-        (1, slots, D); zeros for the padding slots."""
-        outs, start = [], 0
-        for cache, n in zip(self.caches, self.lengths):
-            mask = cache.make_mask(n, return_array=False, window_size=None)
-            outs.append(attention(x[:, start : start + n], mask, cache))
-            start += n
-        if start > x.shape[1]:
-            raise ValueError(f"{start} slots of sequences in a forward of {x.shape[1]}")
-        if start < x.shape[1]:
-            outs.append(mx.zeros((1, x.shape[1] - start, outs[0].shape[-1]), dtype=outs[0].dtype))
-        return mx.concatenate(outs, axis=1)
-
-
-class _Rowwise:
-    """Marks attention classes that ``rowwise`` derived."""
-
-
-@functools.cache
-def _rowwise_class(cls: type) -> type:
-    def __call__(self, x, mask=None, cache=None):
-        if isinstance(cache, BatchQuantizedKVCache):
-            return cache.attend(functools.partial(cls.__call__, self), x)
-        return cls.__call__(self, x, mask, cache)
-
-    return type(cls.__name__, (_Rowwise, cls), {"__call__": __call__, "__module__": cls.__module__})
-
-
-def rowwise(model: nn.Module) -> nn.Module:
-    """Let every attention module of ``model`` run per sequence when it is given a
-    ``BatchQuantizedKVCache``; with any other cache it runs as before.
-
-    In place and idempotent. Each module becomes an instance of a subclass of
-    its own mlx-lm class whose ``__call__`` splits the slots and calls the
-    original once per sequence: parameters, names and attributes are unchanged,
-    and mlx-lm itself is not modified. Raises ``ValueError`` for a layer with no
-    ``self_attn``.
-    """
-    for i, layer in enumerate(model.layers):
-        attn = layer.get("self_attn") if isinstance(layer, dict) else None
-        if not isinstance(attn, nn.Module):
-            raise ValueError(f"layer {i} ({type(layer).__name__}) has no self_attn module to batch around")
-        if not isinstance(attn, _Rowwise):
-            attn.__class__ = _rowwise_class(type(attn))
-    return model
 
 
 # Per-model helpers: lists of per-layer caches, in layer order.

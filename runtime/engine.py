@@ -35,7 +35,8 @@ from typing import Sequence as Seq
 import mlx.core as mx
 import mlx.nn as nn
 
-from .batch_cache import BatchQuantizedKVCache, attention_view, cache_arrays, make_sequence_cache, rowwise
+from .batch_cache import BatchQuantizedKVCache, attention_view, cache_arrays, make_sequence_cache
+from .rowwise import rowwise
 from .sampling import Sampler, SamplingParams
 
 __all__ = ["Engine", "Delta", "Finished", "SamplingParams"]
@@ -234,7 +235,7 @@ class Engine:
             for seq, token in zip(tile, fed):
                 seq.fed.append(token)
             inputs = mx.array(fed + [0] * (n - len(tile)))[None]  # padding slots feed token 0
-            batch = [BatchQuantizedKVCache(layer, [1] * len(tile)) for layer in zip(*(s.view for s in tile))]
+            batch = [BatchQuantizedKVCache(layer) for layer in zip(*(s.view for s in tile))]
             logits = self.model(inputs, cache=batch)[0]
             tokens += [seq.sampler(logits[i]) for i, seq in enumerate(tile)]
         tokens = mx.stack(tokens)

@@ -22,8 +22,9 @@ from runtime.batch_cache import (
     _unpack,
     attention_view,
     make_sequence_cache,
-    rowwise,
+
 )
+from runtime.rowwise import _per_sequence, _rowwise_class, rowwise
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
 SLOTS = 8  # every forward below has this many token slots
@@ -33,14 +34,13 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1, VOCAB) for _ in range(n)]
 
 
-def _forward(model, segments: list[list[int]], views: list[list]) -> list[mx.array]:
-    """One forward of SLOTS slots holding each sequence's tokens; each one's last logits."""
-    tokens = [t for s in segments for t in s]
+def _forward(model, tokens: list[int], views: list[list]) -> list[mx.array]:
+    """One decode forward of SLOTS slots: sequence i feeds ``tokens[i]``; each one's logits."""
+    tokens = tokens[:SLOTS]
     inputs = mx.array(tokens + [0] * (SLOTS - len(tokens)))[None]
-    batch = [BatchQuantizedKVCache(layer, [len(s) for s in segments]) for layer in zip(*views)]
+    batch = [BatchQuantizedKVCache(layer) for layer in zip(*views)]
     logits = model(inputs, cache=batch)[0]
-    ends = [sum(map(len, segments[: i + 1])) - 1 for i in range(len(segments))]
-    return [logits[e] for e in ends]
+    return [logits[i] for i in range(len(tokens))]
 
 
 def _prefilled(model, prompt: list[int], float_attention: bool, bits: int = 4) -> list:
@@ -54,13 +54,13 @@ def _prefilled(model, prompt: list[int], float_attention: bool, bits: int = 4) -
     [(a, f) for a in TINY_CONFIGS for f in (True, False) if f or a != "gpt_oss"],  # sinks need the float copy
 )
 def test_each_sequence_in_a_forward_computes_as_alone(arch, float_attention):
-    """Sequences that join, leave and feed several tokens at once (after the sliding
-    rings wrapped) give the same logits, bit for bit, as each one alone in a forward
-    of the same width -- wherever it sits among the slots."""
+    """Sequences that join and leave (past the sliding windows) give the same
+    logits, bit for bit, as each one alone in a forward of the same width --
+    wherever it sits among the slots."""
     model = rowwise(tiny_model(arch))
     rng = random.Random(0)
     prompts = [_tokens(rng, n) for n in (5, 23, 1, 40)]  # straddle the window of 16
-    feeds = [[_tokens(rng, 3 if step == 9 else 1) for step in range(12)] for _ in prompts]
+    feeds = [_tokens(rng, 12) for _ in prompts]
 
     def run(members: dict[int, range]) -> dict[int, list[mx.array]]:
         views = {i: _prefilled(model, prompts[i], float_attention) for i in members}
@@ -68,8 +68,7 @@ def test_each_sequence_in_a_forward_computes_as_alone(arch, float_attention):
         for step in range(12):
             live = [i for i in sorted(members, reverse=step % 2 == 1) if step in members[i]]  # order flips
             if live:
-                logits = _forward(model, [feeds[i][step] for i in live], [views[i] for i in live])
-                for i, out in zip(live, logits):
+                for i, out in zip(live, _forward(model, [feeds[i][step] for i in live], [views[i] for i in live])):
                     got[i].append(out)
         return got
 
@@ -81,14 +80,30 @@ def test_each_sequence_in_a_forward_computes_as_alone(arch, float_attention):
         assert all(mx.array_equal(a, b).item() for a, b in zip(alone, together[i])), f"sequence {i}"
 
 
+@pytest.mark.parametrize("arch", TINY_CONFIGS)
+def test_standard_attention_path_computes_what_the_module_computes(arch):
+    """The batched path for standard layouts against each mlx-lm module's own call
+    on one sequence (same math, other op shapes: float tolerance), and against the
+    module run per sequence on its slot."""
+    model = tiny_model(arch)
+    rng = random.Random(3)
+    prompts = [_tokens(rng, n) for n in (30, 9, 17)]
+    plain = [_prefilled(model, p, True) for p in prompts]
+    own = [model(mx.array([[7]]), cache=v)[0, -1] for v in plain]  # mlx-lm's own attention, alone
+    rowwise(model)
+    assert type(model.layers[0].self_attn).__mro__[2].__module__.startswith("mlx_lm.models.")
+    batched = _forward(model, [7, 7, 7], [_prefilled(model, p, True) for p in prompts])
+    assert all(mx.allclose(a, b, atol=1e-4).item() for a, b in zip(own, batched))
+
+
 def test_eight_bit_sequences_batch_alike():
     model = rowwise(tiny_model("llama"))
     rng = random.Random(1)
     prompts = [_tokens(rng, n) for n in (7, 30)]
     views = [_prefilled(model, p, True, bits=8) for p in prompts]
     assert all(c.kv_bits == 8 for v in views for c in v)
-    together = _forward(model, [[3], [4]], views)
-    alone = [_forward(model, [[t]], [_prefilled(model, p, True, bits=8)])[0] for p, t in zip(prompts, (3, 4))]
+    together = _forward(model, [3, 4], views)
+    alone = [_forward(model, [t], [_prefilled(model, p, True, bits=8)])[0] for p, t in zip(prompts, (3, 4))]
     assert all(mx.array_equal(a, b).item() for a, b in zip(alone, together))
 
 
@@ -105,15 +120,28 @@ def test_rowwise_keeps_the_model_as_it_was():
     assert mx.array_equal(before, after).item()
 
 
+def test_other_attention_classes_run_per_sequence():
+    """A class outside the standard list takes the module per sequence: the same
+    logits as alone, and close to the standard path."""
+    model = rowwise(tiny_model("llama"))
+    views = [[_prefilled(model, p, True) for p in ([1, 2, 3], [4, 5])] for _ in range(3)]
+    fast = _forward(model, [6, 7], views[0])
+    for layer in model.layers:  # as if mlx-lm's class were unknown to the fast path
+        layer.self_attn.__class__ = _rowwise_class(type("Custom", (type(layer.self_attn).__mro__[2],), {}))
+    slow = _forward(model, [6, 7], views[1])
+    alone = _forward(model, [7], views[2][1:])
+    assert mx.array_equal(slow[1], alone[0]).item()
+    assert all(mx.allclose(a, b, atol=1e-4).item() for a, b in zip(fast, slow))
+
+
 def test_batch_arguments():
-    with pytest.raises(ValueError, match="positive slot count"):
-        BatchQuantizedKVCache([SequenceQuantizedKVCache()], [0])
-    with pytest.raises(ValueError, match="positive slot count"):
-        BatchQuantizedKVCache([], [])
-    batch = BatchQuantizedKVCache([SequenceQuantizedKVCache()] * 2, [4, 5])
-    with pytest.raises(ValueError, match="9 slots of sequences in a forward of 8"):
-        batch.attend(lambda x, mask, cache: x, mx.zeros((1, 8, 4)))
-    out = BatchQuantizedKVCache([SequenceQuantizedKVCache()] * 2, [2, 3]).attend(lambda x, m, c: x + 1, mx.zeros((1, 8, 4)))
+    with pytest.raises(ValueError, match="at least one sequence"):
+        BatchQuantizedKVCache([])
+    model = rowwise(tiny_model("llama"))
+    with pytest.raises(ValueError, match="9 sequences in a forward of 8 slots"):
+        _forward(model, [1] * 8, [_prefilled(model, [2, 3], True) for _ in range(9)])
+    batch = BatchQuantizedKVCache([SequenceQuantizedKVCache()] * 5)
+    out = _per_sequence(lambda x, mask, cache: x + 1, mx.zeros((1, 8, 4)), batch)
     assert out.tolist()[0] == [[1.0] * 4] * 5 + [[0.0] * 4] * 3  # padding slots: zeros
 
 
@@ -153,7 +181,7 @@ def test_scales_are_16_bit_and_attention_takes_them_as_they_are():
     model = rowwise(tiny_model("llama"))
     model.set_dtype(mx.bfloat16)
     views = [_prefilled(model, p, False) for p in ([1, 2, 3], [4, 5])]
-    (logits, _) = _forward(model, [[6], [7]], views)
+    (logits, _) = _forward(model, [6, 7], views)
     assert logits.dtype == mx.bfloat16 and views[0][0].keys[1].dtype == mx.bfloat16
 
 

@@ -1,0 +1,125 @@
+"""Attention per sequence inside a batched forward: the other half of batch
+invariance (``runtime.batch_cache`` explains the whole).
+
+``rowwise(model)`` lets every attention module of an mlx-lm model, when its
+cache is a ``BatchQuantizedKVCache``, attend for each sequence over that
+sequence's own cache, with the shapes it has when the sequence is alone. Two
+ways, with the same result by construction:
+
+* **standard layout** (Llama, Qwen 2/3, Gemma 3, GPT-OSS): projections, q/k
+  norms and RoPE (per-slot positions) run over all slots at once -- fixed
+  shapes, so BLAS picks one kernel -- and only the cache write and the SDPA
+  run per sequence;
+* **other attention classes**: the module itself runs once per sequence, on
+  its own slot.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import scaled_dot_product_attention
+
+from .batch_cache import BatchQuantizedKVCache
+
+__all__ = ["rowwise"]
+
+# mlx-lm attention classes whose __call__ is o_proj(SDPA(rope(norm(q_proj x)),
+# rope(norm(k_proj x)), v_proj x)) with norms optional and sinks optional;
+# tests check the fast path against each module's own call.
+_STANDARD = {
+    ("mlx_lm.models.llama", "Attention"),
+    ("mlx_lm.models.qwen2", "Attention"),
+    ("mlx_lm.models.qwen3", "Attention"),
+    ("mlx_lm.models.gemma3_text", "Attention"),
+    ("mlx_lm.models.gpt_oss", "AttentionBlock"),
+}
+
+
+def rowwise(model: nn.Module) -> nn.Module:
+    """Let every attention module of ``model`` attend per sequence when given a
+    ``BatchQuantizedKVCache``; with any other cache it runs as before.
+
+    In place and idempotent. Each module becomes an instance of a subclass of
+    its own mlx-lm class: parameters, names and attributes are unchanged, and
+    mlx-lm itself is not modified. Raises ``ValueError`` for a layer with no
+    ``self_attn``.
+    """
+    for i, layer in enumerate(model.layers):
+        attn = layer.get("self_attn") if isinstance(layer, dict) else None
+        if not isinstance(attn, nn.Module):
+            raise ValueError(f"layer {i} ({type(layer).__name__}) has no self_attn module to batch around")
+        if not isinstance(attn, _Rowwise):
+            attn.__class__ = _rowwise_class(type(attn))
+    return model
+
+
+class _Rowwise:
+    """Marks attention classes that ``rowwise`` derived."""
+
+
+@functools.cache
+def _rowwise_class(cls: type) -> type:
+    standard = (cls.__module__, cls.__name__) in _STANDARD
+
+    def __call__(self, x, mask=None, cache=None):
+        if not isinstance(cache, BatchQuantizedKVCache):
+            return cls.__call__(self, x, mask, cache)
+        if len(cache.caches) > x.shape[1]:
+            raise ValueError(f"{len(cache.caches)} sequences in a forward of {x.shape[1]} slots")
+        if standard:
+            return _standard(self, x, cache)
+        return _per_sequence(functools.partial(cls.__call__, self), x, cache)
+
+    return type(cls.__name__, (_Rowwise, cls), {"__call__": __call__, "__module__": cls.__module__})
+
+
+def _per_sequence(attention: Callable, x: mx.array, batch: BatchQuantizedKVCache) -> mx.array:
+    """``attention(x, mask, cache)`` once per sequence on its own slot of ``x``
+    (1, slots, D); zeros for the padding slots."""
+    outs = [attention(x[:, i : i + 1], _mask(c), c) for i, c in enumerate(batch.caches)]
+    return _pad_slots(mx.concatenate(outs, axis=1), x.shape[1], axis=1)
+
+
+def _standard(attn: nn.Module, x: mx.array, batch: BatchQuantizedKVCache) -> mx.array:
+    """A standard-layout attention module over every slot: the slots become the
+    batch (slots, heads, 1, head_dim) for everything but the cache write and the
+    SDPA, which run per sequence."""
+    _, slots, _ = x.shape
+    heads = getattr(attn, "n_heads", None) or attn.num_attention_heads
+    kv_heads = getattr(attn, "n_kv_heads", None) or attn.num_key_value_heads
+    q = attn.q_proj(x).reshape(slots, 1, heads, -1)
+    k = attn.k_proj(x).reshape(slots, 1, kv_heads, -1)
+    v = attn.v_proj(x).reshape(slots, 1, kv_heads, -1)
+    if "q_norm" in attn:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+    caches = batch.caches
+    offset = mx.array([c.offset for c in caches] + [0] * (slots - len(caches)))
+    q, k = attn.rope(q, offset=offset), attn.rope(k, offset=offset)
+    scale = getattr(attn, "scale", None) or attn.sm_scale
+    sinks = attn.get("sinks")
+    outs = []
+    for i, c in enumerate(caches):
+        keys, values = c.update_and_fetch(k[i : i + 1], v[i : i + 1])
+        outs.append(scaled_dot_product_attention(q[i : i + 1], keys, values, c, scale=scale, mask=_mask(c), sinks=sinks))
+    out = _pad_slots(mx.concatenate(outs), slots, axis=0)  # (slots, heads, 1, head_dim)
+    return attn.o_proj(out.transpose(2, 0, 1, 3).reshape(1, slots, -1))
+
+
+def _mask(cache):
+    """What the model would pass for one new token over ``cache`` alone."""
+    return cache.make_mask(1, return_array=False, window_size=None)
+
+
+def _pad_slots(out: mx.array, slots: int, axis: int) -> mx.array:
+    """``out`` followed by zeros up to ``slots`` along ``axis``: the padding slots."""
+    n = out.shape[axis]
+    if n == slots:
+        return out
+    shape = list(out.shape)
+    shape[axis] = slots - n
+    return mx.concatenate([out, mx.zeros(shape, out.dtype)], axis=axis)
