@@ -145,3 +145,36 @@ def test_after_a_restart_the_next_turn_reads_its_cache_from_disk(smollm2, tmp_pa
     assert warm_ttft * 3 < cold_ttft
     assert "Traceback" not in log.read_text()
     assert os.path.isdir(tmp_path / "cache" / "histories")
+
+
+@pytest.mark.anyio
+async def test_six_agents_at_once_reply_as_they_do_one_at_a_time(smollm2, tmp_path):
+    """Batching never changes an answer, over HTTP: six agents with their own system
+    prompts, three greedy turns each through the agent API -- first one agent at a
+    time, then all six at once on a fresh server -- give the same 18 replies."""
+    people = ["a pirate", "a chef", "a gardener", "a pilot", "a librarian", "a farmer"]
+
+    async def converse(http, url, i: int) -> list[str]:
+        who = f"agent-{i}"
+        r = await http.post(f"{url}/v1/agents", json={"id": who, "system": f"You are {people[i]}. Answer briefly."})
+        assert r.status_code == 201, r.text
+        replies = []
+        for q in QUESTIONS:
+            r = await http.post(f"{url}/v1/agents/{who}/messages", json={"content": q, "max_tokens": 16})
+            assert r.status_code == 200, r.text
+            replies.append(r.json()["content"])
+        return replies
+
+    async with httpx.AsyncClient(timeout=300) as http:
+        async with live_server(tmp_path / "alone", model=smollm2) as url:
+            alone = [await converse(http, url, i) for i in range(len(people))]
+        together: dict[int, list[str]] = {}
+        async with live_server(tmp_path / "together", model=smollm2) as url:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(people)):
+                    async def one(i=i):
+                        together[i] = await converse(http, url, i)
+                    tg.start_soon(one)
+    differ = [(i, t) for i in range(len(people)) for t in range(len(QUESTIONS)) if alone[i][t] != together[i][t]]
+    assert not differ, f"{len(differ)} of 18 replies differ: " + "; ".join(
+        f"agent {i} turn {t + 1}: {alone[i][t]!r} alone, {together[i][t]!r} together" for i, t in differ)
