@@ -16,7 +16,7 @@ The GPU actor drives it step by step and is its only caller (one thread):
 * ``cancel`` drops a sequence wherever it is.
 
 Every call returns ``Delta``s; the last delta of a sequence carries
-``Finished`` with its extracted Q4 cache and the exact token ids it covers.
+``Finished`` with its Q4 cache and the exact token ids it covers.
 
 Batch invariance: prefill chunks run one sequence alone with a chunk size that
 depends only on that sequence; a decode step runs the decoding sequences in
@@ -94,7 +94,11 @@ class _Sequence:
 
 
 class Engine:
-    """Continuous batching over per-sequence Q4 caches.  Not thread-safe: one owner."""
+    """Continuous batching over per-sequence Q4 caches.  Not thread-safe: one owner.
+
+    ``decode_rows``: token slots of every decode forward (more sequences take
+    more forwards).  ``model`` is made ``rowwise`` in place.
+    """
 
     def __init__(
         self,
