@@ -46,7 +46,8 @@ def ours(loaded, ctxs, batch_sizes, steps, repeats) -> tuple[dict, dict, float]:
                 if d.finished and d.seq_id == sid:
                     prefilled.append(d.finished)
     full = [i for i, k in enumerate(loaded.spec.layers) if k.kind == "full"]
-    q4 = sum(x[..., : c.offset, :].nbytes for c in (prefilled[0].cache[i] for i in full) for x in (*c.keys, *c.values))
+    live = [prefilled[0].cache[i] for i in full]  # buffers grow in steps: count only the cached tokens
+    q4 = sum(x[..., : c.offset, :].nbytes for c in live for x in (*c.keys, *c.values))
     fp16 = len(prefilled[0].cache_tokens) * loaded.spec.bytes_per_token(None)
     results, per_stream = {}, {}
     for B in batch_sizes:

@@ -92,14 +92,8 @@ def _quantize(x: mx.array, group_size: int, bits: int) -> Triple:
     return w, scales.astype(dt), biases.astype(dt)
 
 
-def _dequantize(q: Triple, group_size: int, bits: int, dtype: mx.Dtype) -> mx.array:
-    w, scales, biases = q
-    # Casting scales first: mx.dequantize(float16 scales, dtype=float32) is 3-9x slower on CPU.
-    return mx.dequantize(w, scales.astype(dtype), biases.astype(dtype), group_size=group_size, bits=bits)
-
-
 def _unpack(q: Triple, group_size: int, bits: int, dtype: mx.Dtype) -> mx.array:
-    """``_dequantize`` as plain elementwise ops, bit for bit the same on the CPU
+    """``mx.dequantize`` as plain elementwise ops, bit for bit the same on the CPU
     (tests check it).  ``mx.dequantize`` costs ~0.15 ms a call on the CPU
     whatever the size, which for one decoded token per layer is most of a step."""
     w, scales, biases = q
@@ -187,19 +181,20 @@ class DequantizingKVCache(_BaseCache):
 
     def update_and_fetch(self, keys, values):
         q, prev = self.quantized, self.quantized.offset
-        if self._float is None and prev:
-            live = lambda t: _unpack(tuple(x[..., :prev, :] for x in t), q.group_size, q.bits, keys.dtype)
-            self._float = (live(q.keys), live(q.values))
         *qk, new_k = _quantize_unpack(keys, q.group_size, q.bits)
         *qv, new_v = _quantize_unpack(values, q.group_size, q.bits)
         q.append(tuple(qk), tuple(qv))
         capacity = q.keys[0].shape[2]
-        fk, fv = self._float or (None, None)
-        if fk is None or fk.shape[2] != capacity:
-            fk, fv = _grown(fk, prev, capacity, new_k), _grown(fv, prev, capacity, new_v)
-        fk[..., prev : q.offset, :] = new_k
-        fv[..., prev : q.offset, :] = new_v
-        self._float = (fk, fv)
+        if self._float is None:  # first use: the whole record at once
+            self._float = tuple(_unpack(t, q.group_size, q.bits, keys.dtype) for t in (q.keys, q.values))
+        else:
+            fk, fv = self._float
+            if fk.shape[2] != capacity:  # the record grew
+                fk, fv = _grown(fk, prev, capacity, new_k), _grown(fv, prev, capacity, new_v)
+            fk[..., prev : q.offset, :] = new_k
+            fv[..., prev : q.offset, :] = new_v
+            self._float = (fk, fv)
+        fk, fv = self._float
         return fk[..., : q.offset, :], fv[..., : q.offset, :]
 
     def make_mask(self, *args, **kwargs):

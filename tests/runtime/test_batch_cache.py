@@ -16,7 +16,6 @@ from runtime.batch_cache import (
     BatchQuantizedKVCache,
     DequantizingKVCache,
     SequenceQuantizedKVCache,
-    _dequantize,
     _quantize,
     _quantize_unpack,
     _unpack,
@@ -28,6 +27,12 @@ from runtime.rowwise import _per_sequence, _rowwise_class, rowwise
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
 SLOTS = 8  # every forward below has this many token slots
+
+
+def _dequantize(q, group_size: int, bits: int, dtype: mx.Dtype) -> mx.array:
+    """The reference: ``mx.dequantize`` of a (weights, scales, biases) triple."""
+    w, scales, biases = q
+    return mx.dequantize(w, scales.astype(dtype), biases.astype(dtype), group_size=group_size, bits=bits)
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
