@@ -58,7 +58,7 @@ from runtime.agent_cache import AgentCaches, AgentMemory, OutOfMemory
 from runtime.batch_cache import copy_cache
 from runtime.cache_file import CacheRecord, encode
 from runtime.engine import Delta as EngineDelta
-from runtime.engine import Finished
+from runtime.engine import LENGTH, Finished
 from runtime.errors import SemanticError
 from runtime.models import LoadedModel
 
@@ -172,6 +172,7 @@ class GpuActor:
             "turns": len(w.turns),
             "waiting": len(w.waiting),
             "loaded": w.registry.loaded is not None,
+            "preemptions": w.preemptions,
         }
 
     def submit(self, command: GpuCommand) -> None:
@@ -305,6 +306,7 @@ class _Turn:
     admitted: float | None = None
     first_token: float | None = None
     cancel_lag: int | None = None
+    preempted: Finished | None = None  # out of the engine to free memory (its cache dropped here)
 
 
 @dataclass(frozen=True)
@@ -337,6 +339,7 @@ class _Worker:
         self.pushed: dict[str, _Pushed] = {}
         self.versions = itertools.count(1)
         self.steps = 0
+        self.preemptions = 0
 
     # -- life ----------------------------------------------------------------
 
@@ -398,8 +401,41 @@ class _Worker:
     def _step(self) -> None:
         engine = self.registry.engine
         self._route(engine.prefill_step())
+        self._reserve_next_tokens()
         self._route(engine.step_once())
         self.steps += 1
+
+    def _reserve_next_tokens(self) -> None:
+        """Reserve each decoding turn's next token (a new block every 256).  When
+        the rest of the budget is held by turns in progress, the newest turn is
+        preempted (its cache becomes an idle one that can go to disk; it resumes
+        first when room returns); a turn alone that still cannot grow ends there
+        (reason ``length``)."""
+        caches, engine = self.registry.caches, self.registry.engine
+        for seq_id, tokens in engine.decode_lengths().items():
+            while (t := self.by_seq.get(seq_id)) is not None:
+                try:
+                    caches.grow(t.cmd.agent_id, tokens)
+                    break
+                except OutOfMemory:
+                    if len(self.turns) == 1:
+                        log.warning("turn %d of %s stops at %d tokens: the KV budget holds no more",
+                                    t.cmd.turn_id, t.cmd.agent_id, tokens - 1)
+                        self._route([engine.cancel(seq_id, LENGTH)])
+                    else:
+                        self._preempt(max(self.turns.values(), key=lambda u: u.admitted))
+
+    def _preempt(self, t: _Turn) -> None:
+        finished = self.registry.engine.preempt(t.seq_id)
+        del self.turns[t.cmd.turn_id], self.by_seq[t.seq_id]
+        reg = self.registry
+        memory = turns.end(reg.caches, reg.loaded.tokenizer, t.turn, finished)
+        self._push(memory)  # written behind, so that demoting it is cheap
+        t.preempted = replace(finished, cache=[])  # what it covered; the cache itself is the agent's now
+        self.preemptions += 1
+        self.waiting.appendleft(t)
+        log.info("turn %d of %s preempted at %d tokens to free KV memory", t.cmd.turn_id, t.cmd.agent_id,
+                 len(finished.cache_tokens))
 
     # -- commands ----------------------------------------------------------------
 
@@ -453,7 +489,8 @@ class _Worker:
                 self.swap = None
             return
         if self.swap is not None:
-            if self.turns:
+            if self.turns or any(t.preempted for t in self.waiting):
+                self._admit_waiting(preempted_only=True)
                 return  # draining: new turns wait for the new model
             self._swap()
         if self.waiting and self.registry.loaded is None:
@@ -463,14 +500,18 @@ class _Worker:
                 while self.waiting:
                     self._fail(self.waiting.popleft(), e)
                 return
-        while self.waiting:
-            t = self.waiting[0]
-            if not self._begin(t):
+        self._admit_waiting()
+
+    def _admit_waiting(self, preempted_only: bool = False) -> None:
+        while self.waiting and (not preempted_only or self.waiting[0].preempted):
+            if not self._begin(self.waiting[0]):
                 return  # no room yet: it waits for a turn to end (first come, first served)
             self.waiting.popleft()
 
     def _begin(self, t: _Turn) -> bool:
         """Admit a turn into the engine.  False: no room now; a failure replies and counts as done."""
+        if t.preempted is not None:
+            return self._resume(t)
         cmd, reg = t.cmd, self.registry
         caches, tokenizer = reg.caches, reg.loaded.tokenizer
         assert not caches.busy(cmd.agent_id), "two turns of one agent at once: the agent actor serialises them"
@@ -478,8 +519,7 @@ class _Worker:
             messages = [m.as_dict() for m in cmd.messages]
             text = turns.render(tokenizer, messages, cmd.tools)
             prefix = turns.system_prefix(tokenizer, messages, text)
-            turn = turns.begin(caches, tokenizer, cmd.agent_id, text, cmd.sampling.max_tokens, prefix,
-                               use_cache=cmd.use_cache, context_length=reg.context_length)
+            turn = turns.begin(caches, tokenizer, cmd.agent_id, text, prefix, use_cache=cmd.use_cache)
         except OutOfMemory as e:
             if self.turns:
                 return False
@@ -510,11 +550,40 @@ class _Worker:
         self.by_seq[t.seq_id] = t
         return True
 
+    def _resume(self, t: _Turn) -> bool:
+        """Put a preempted turn back into the engine with its cache (hot, or read
+        back from disk; recomputed if it was lost)."""
+        caches, agent, covered = self.registry.caches, t.cmd.agent_id, list(t.preempted.cache_tokens)
+        memory = None
+        try:
+            memory = caches.checkout(agent)
+            caches.grow(agent, len(covered) + 1)
+        except OutOfMemory as e:
+            caches.putback(agent, memory)
+            if self.turns:
+                return False
+            self._drop_preempted(t)
+            self._fail(t, e)
+            return True
+        if memory is not None and memory.tokens != covered:
+            log.warning("the cache of %s changed while its turn was preempted; recomputing it", agent)
+            memory = None
+        self.registry.engine.resume(t.seq_id, memory and memory.cache, len(covered) if memory else 0)
+        t.preempted = None
+        self.turns[t.cmd.turn_id] = t
+        self.by_seq[t.seq_id] = t
+        return True
+
+    def _drop_preempted(self, t: _Turn) -> None:
+        if self.registry.engine is not None:
+            self.registry.engine.discard(t.seq_id)
+
     def _cancel(self, cmd: CancelTurn) -> None:
         for t in self.waiting:
             if t.cmd.turn_id == cmd.turn_id:
                 self.waiting.remove(t)
-                self._reply(t.cmd.reply, TurnEnded(cmd.turn_id, _result(t, None, "cancelled")))
+                self._drop_preempted(t)
+                self._reply(t.cmd.reply, TurnEnded(cmd.turn_id, _result(t, t.preempted, "cancelled")))
                 return
         t = self.turns.get(cmd.turn_id)
         if t is None or self.registry.engine is None:
@@ -546,8 +615,8 @@ class _Worker:
             self._fail(t, TurnError(f"the turn's cache could not be stored: {e!r}"))
             return
         self._push(memory)
+        self._report_hot()  # first: whoever sees the turn end sees its cache hot
         self._reply(t.cmd.reply, TurnEnded(t.cmd.turn_id, _result(t, finished, finished.reason)))
-        self._report_hot()
 
     def _fail(self, t: _Turn, error: SemanticError) -> None:
         self._reply(t.cmd.reply, TurnFailed(t.cmd.turn_id, error))
@@ -620,10 +689,10 @@ class _Worker:
         caches = self.registry.caches
         if caches is None:
             return
-        for agent_id in agent_ids:
-            memory = caches.peek(agent_id)
-            if memory is not None and not memory.dirty:
-                caches.demote(agent_id)
+        idle = {o.owner: o for o in caches.idle_owners()}
+        for owner in agent_ids:
+            if owner in idle and not idle[owner].dirty:
+                caches.demote(owner)
         self._report_hot()
 
     def _report_hot(self) -> None:
@@ -636,8 +705,9 @@ class _Worker:
         })
         if self.eviction is None:
             return
-        agents = tuple(
-            HotAgent(m.agent_id, caches.budget.bytes_of(m.agent_id), not m.dirty) for m in caches.hot_memories()
+        agents = tuple(  # shared prefixes too: never dirty (no file), so dropping one is free
+            HotAgent(o.owner, caches.budget.bytes_of(o.owner), not o.dirty)
+            for o in caches.idle_owners()
         )
         self.actor._post(self.eviction, HotSet(caches.budget.budget_bytes, caches.hot_bytes, agents))
 
@@ -702,7 +772,11 @@ class _Worker:
                 self._route([delta])
         closed = RuntimeClosed("the runtime shut down before this turn started")
         while self.waiting:
-            self._fail(self.waiting.popleft(), closed)
+            t = self.waiting.popleft()
+            if t.preempted is not None:  # it started: it ends cancelled, its cache kept
+                self._reply(t.cmd.reply, TurnEnded(t.cmd.turn_id, _result(t, t.preempted, "cancelled")))
+            else:
+                self._fail(t, closed)
         if self.swap is not None:
             self._reply(self.swap.reply, Failed(closed))
             self.swap = None

@@ -170,9 +170,10 @@ class CacheWritten:
 
 @dataclass(frozen=True)
 class Demote:
-    """Move these agents' caches to disk if they are hot, idle and clean (written)."""
+    """Move these agents' caches to disk if they are hot, idle and clean (written);
+    drop these shared prefixes."""
 
-    agent_ids: tuple[str, ...]
+    agent_ids: tuple[str | tuple, ...]
 
 
 @dataclass(frozen=True)
@@ -324,7 +325,7 @@ PersistCommand = Union[CacheBytes, HistoryBytes, Forget, Flush, Stop]
 
 @dataclass(frozen=True)
 class HotAgent:
-    agent_id: str
+    agent_id: str | tuple  # an agent, or a shared prefix's owner ("prefix", n)
     bytes: int
     clean: bool  # its latest version is on disk: demoting it is free
 

@@ -43,26 +43,6 @@ class HotCaches(AgentCaches):
         else:
             self.write_through(memory)
 
-    def peek(self, agent_id: str) -> AgentMemory | None:
-        """The agent's hot (checked-in) cache, without touching its recency."""
-        return self._hot.get(agent_id)
-
-    def hot_memories(self) -> list[AgentMemory]:
-        """Checked-in hot caches, least recently used first."""
-        return list(self._hot.values())
-
-    def busy(self, agent_id: str) -> bool:
-        return agent_id in self._busy
-
-    def drop_all(self) -> None:
-        """Forget every hot cache and shared prefix (their memory goes with them).
-        Call only when none is dirty and no turn holds one."""
-        assert not self._busy, "drop_all() with turns in progress: their caches would be lost"
-        for agent_id in list(self._hot):
-            del self._hot[agent_id]
-            self._release(agent_id)
-        self._prefixes.clear()
-
 
 class ModelRegistry:
     """The loaded model, its ``Engine`` and its ``HotCaches`` (GPU thread only)."""
@@ -81,10 +61,10 @@ class ModelRegistry:
         Raises ``ModelError``; on failure nothing is loaded."""
         assert self.loaded is None, "load() over a loaded model: unload() first"
         loaded = model if isinstance(model, LoadedModel) else load(model, progress=False)
-        base = open_caches(loaded, self.cache_root, self.budget_bytes)
+        engine = Engine(loaded.model, loaded.tokenizer, **self.engine_options)
+        base = open_caches(loaded, self.cache_root, self.budget_bytes, working_copy=engine.float_attention)
         caches = HotCaches(base.store, base.model_id, base.spec, base.budget)
-        self.loaded, self.caches, self.name = loaded, caches, loaded.name
-        self.engine = Engine(loaded.model, loaded.tokenizer, **self.engine_options)
+        self.loaded, self.caches, self.name, self.engine = loaded, caches, loaded.name, engine
         log.info("model %s loaded; KV budget %.0f MiB", loaded.name, caches.budget.budget_bytes / 2**20)
 
     def unload(self) -> None:

@@ -5,13 +5,16 @@ read-only prefixes.
 One owner calls it (the actor that owns the hot set, or a test): nothing here
 locks.  Every hot cache holds a reservation in a ``KVBudget``; a cache is
 admitted -- loaded from disk, or grown by a turn -- only after its blocks are
-reserved, demoting the least recently used others until they fit.  A request
-that cannot fit even with everything else demoted fails with ``OutOfMemory``
-instead of running the machine out of memory.
+reserved, freeing the least recently used idle owners until they fit: agents
+are demoted to disk, shared prefixes are dropped (they only ever fill free
+room, and the next cold agent with that system prompt registers it again).
+A request that cannot fit even with every idle owner freed fails with
+``OutOfMemory``, naming what holds the memory.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -22,7 +25,7 @@ from .cache_file import CacheFileError, CacheRecord, CacheStore, read_meta
 from .errors import SemanticError
 from .model_spec import ModelCacheSpec
 
-__all__ = ["AgentMemory", "AgentCaches", "OutOfMemory", "HOT", "WARM", "open_caches"]
+__all__ = ["AgentMemory", "AgentCaches", "OutOfMemory", "SharedPrefix", "HOT", "WARM", "open_caches"]
 
 HOT, WARM = "hot", "warm"
 
@@ -44,15 +47,23 @@ class AgentMemory:
     dirty: bool = True  # newer than its file on disk
 
     @property
+    def owner(self) -> str:  # its budget owner
+        return self.agent_id
+
+    @property
     def trimmable(self) -> bool:
         return all(c.is_trimmable() for c in self.cache)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class SharedPrefix:
+    owner: tuple[str, int]  # its budget owner, ("prefix", n): never an agent id
     tokens: list[int]
     text: str
     cache: list  # read-only: users get copies
+    updated: float = field(default_factory=time.time)  # last registered or used
+    uses: int = 0  # agents that started from it
+    dirty = False  # it has no file: dropping it loses nothing the next cold agent cannot redo
 
 
 class AgentCaches:
@@ -65,8 +76,10 @@ class AgentCaches:
         self.budget = budget
         self._hot: OrderedDict[str, AgentMemory] = OrderedDict()  # least recently used first
         self._busy: set[str] = set()  # checked out for a turn: never demoted
-        self._prefixes: dict[str, SharedPrefix] = {}
-        self.demotions = 0
+        self._prefixes: OrderedDict[str, SharedPrefix] = OrderedDict()  # by text, least recently used first
+        self._prefix_ids = itertools.count()
+        self.demotions = 0  # agents demoted to disk
+        self.prefix_drops = 0  # shared prefixes dropped to make room
 
     # -- queries
 
@@ -77,6 +90,17 @@ class AgentCaches:
 
     def hot_agents(self) -> list[str]:
         return list(self._hot)
+
+    def peek(self, agent_id: str) -> AgentMemory | None:
+        """The agent's hot (checked-in) cache, without touching its recency."""
+        return self._hot.get(agent_id)
+
+    def hot_memories(self) -> list[AgentMemory]:
+        """Checked-in hot caches, least recently used first."""
+        return list(self._hot.values())
+
+    def busy(self, agent_id: str) -> bool:
+        return agent_id in self._busy
 
     @property
     def hot_bytes(self) -> int:
@@ -109,9 +133,10 @@ class AgentCaches:
         return AgentMemory(agent_id, record.tokens, record.text, record.cache, record.created, record.updated, False)
 
     def grow(self, agent_id: str, tokens: int) -> None:
-        """Reserve room for a checked-out cache to grow to ``tokens`` (demoting others)."""
+        """Reserve room for a running turn's cache to grow to ``tokens``, with its
+        float working copy if the engine keeps one (freeing idle owners)."""
         assert agent_id in self._busy, "grow() is for a checked-out cache"
-        self._admit(agent_id, tokens)
+        self._admit(agent_id, tokens, running=True)
 
     def checkin(self, memory: AgentMemory) -> None:
         """Return an agent's cache after its turn; it becomes the most recently used."""
@@ -121,19 +146,44 @@ class AgentCaches:
         memory.updated = time.time()
         self._hot[memory.agent_id] = memory
 
+    def putback(self, agent_id: str, memory: AgentMemory | None) -> None:
+        """Undo a checkout that did not run: the agent keeps the cache it had (if any)."""
+        if memory is None:
+            self.abandon(agent_id)
+        else:
+            self._busy.discard(agent_id)
+            self._release(agent_id)
+            self._admit(agent_id, len(memory.tokens))  # it held this much before: it fits
+            self._hot[agent_id] = memory  # its ``updated`` is unchanged: it was not used
+
     def abandon(self, agent_id: str) -> None:
         """A turn failed without a cache to return: forget the hot copy (disk keeps the last good one)."""
         self._busy.discard(agent_id)
         self._release(agent_id)
 
+    def idle_owners(self) -> list[AgentMemory | SharedPrefix]:
+        """Hot caches no turn holds, and shared prefixes: least recently used first
+        (what admission frees first)."""
+        return sorted([*self._hot.values(), *self._prefixes.values()], key=lambda o: o.updated)
+
+    def prefixes(self) -> list[SharedPrefix]:
+        return list(self._prefixes.values())
+
     # -- tiers
 
-    def demote(self, agent_id: str) -> None:
-        """Hot -> warm: write it if dirty, free its blocks."""
-        memory = self._hot.pop(agent_id)
+    def demote(self, owner) -> None:
+        """Free an idle owner's blocks: an agent goes hot -> warm (written if
+        dirty); a shared prefix is dropped."""
+        if isinstance(owner, tuple):
+            prefix = next(p for p in self._prefixes.values() if p.owner == owner)
+            del self._prefixes[prefix.text]
+            self._release(owner)
+            self.prefix_drops += 1
+            return
+        memory = self._hot.pop(owner)
         if memory.dirty:
             self.write(memory)
-        self._release(agent_id)
+        self._release(owner)
         self.demotions += 1
 
     def write(self, memory: AgentMemory) -> None:
@@ -151,6 +201,15 @@ class AgentCaches:
             self.write(memory)
         return len(dirty)
 
+    def drop_all(self) -> None:
+        """Forget every hot cache and shared prefix (their memory goes with them).
+        Call only when none is dirty and no turn holds one."""
+        assert not self._busy, "drop_all() with turns in progress: their caches would be lost"
+        for owner in [*self._hot, *(p.owner for p in self._prefixes.values())]:
+            self._release(owner)
+        self._hot.clear()
+        self._prefixes.clear()
+
     def delete(self, agent_id: str) -> None:
         if agent_id in self._hot:
             del self._hot[agent_id]
@@ -161,20 +220,22 @@ class AgentCaches:
         if owner in self.budget:
             self.budget.release(owner)
 
-    def _admit(self, agent_id: str, tokens: int) -> None:
-        if not self.budget.fits(tokens):
+    def _admit(self, agent_id: str, tokens: int, running: bool = False) -> None:
+        need = _mib(self.budget.bytes_for(tokens, running))
+        if not self.budget.fits(tokens, running):
             raise OutOfMemory(
-                f"{tokens} tokens of KV cache need {self.budget.bytes_for(tokens) / 2**20:.0f} MiB; "
-                f"the budget is {self.budget.budget_bytes / 2**20:.0f} MiB"
+                f"{tokens} tokens of KV cache need {need}; the whole KV budget is {_mib(self.budget.budget_bytes)}"
             )
-        while not self.budget.reserve(agent_id, tokens):
-            victims = [a for a in self._hot if a != agent_id]
+        while not self.budget.reserve(agent_id, tokens, running):
+            victims = [o for o in self.idle_owners() if o is not self._hot.get(agent_id)]
             if not victims:
+                held = ", ".join(f"{a} {_mib(self.budget.bytes_of(a))}" for a in self._busy if a in self.budget)
                 raise OutOfMemory(
-                    f"no room for {tokens} tokens of KV cache: the rest of the budget is held by "
-                    f"{len(self._busy)} turn(s) in progress; retry when they finish"
+                    f"no room for {tokens} tokens of KV cache ({need}) for {agent_id}: the KV budget of "
+                    f"{_mib(self.budget.budget_bytes)} is held by {len(self._busy)} turn(s) in progress "
+                    f"({held}); retry when they finish"
                 )
-            self.demote(victims[0])
+            self.demote(victims[0].owner)
 
     # -- shared prefixes (e.g. a system prompt many agents start with)
 
@@ -189,8 +250,9 @@ class AgentCaches:
     def share_prefix(self, text: str, tokens: list[int], cache: list) -> bool:
         """Register the first ``len(tokens)`` tokens of ``cache`` (a copy) as a shared prefix.
 
-        Returns False when the cache cannot be cut there (a wrapped sliding window)
-        or the prefix does not fit the budget.
+        It only takes free room (it never demotes anyone) and is the first
+        thing freed when room is needed.  Returns False when the cache cannot
+        be cut there (a wrapped sliding window) or there is no free room.
         """
         if text in self._prefixes:
             return True
@@ -200,21 +262,30 @@ class AgentCaches:
             return False
         for c in copy:
             c.trim(extra)
-        owner = f"prefix:{len(self._prefixes)}"
-        if not self.budget.fits(len(tokens)) or not self.budget.reserve(owner, len(tokens)):
+        owner = ("prefix", next(self._prefix_ids))
+        if not self.budget.reserve(owner, len(tokens)):
             return False
-        self._prefixes[text] = SharedPrefix(list(tokens), text, copy)
+        self._prefixes[text] = SharedPrefix(owner, list(tokens), text, copy)
         return True
 
     def from_prefix(self, agent_id: str, prefix: SharedPrefix) -> AgentMemory:
         """A new agent's memory that starts as a copy of a shared prefix."""
+        prefix.updated, prefix.uses = time.time(), prefix.uses + 1
+        self._prefixes.move_to_end(prefix.text)
         return AgentMemory(agent_id, list(prefix.tokens), prefix.text, copy_cache(prefix.cache))
 
 
-def open_caches(loaded, root=None, budget_bytes: int | None = None) -> AgentCaches:
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def open_caches(loaded, root=None, budget_bytes: int | None = None, working_copy: bool = False) -> AgentCaches:
     """The agent caches of a loaded model (``runtime.models.LoadedModel``) under
     ``root`` (default: the user's cache directory), in ``budget_bytes`` of hot
-    memory (default: device memory less the weights less headroom)."""
+    memory (default: device memory less the weights less headroom).
+    ``working_copy``: running turns attend through a float copy of their full
+    layers (``Engine.float_attention``), which their reservations include;
+    sink models always do."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -225,5 +296,6 @@ def open_caches(loaded, root=None, budget_bytes: int | None = None) -> AgentCach
         weights = sum(p.nbytes for _, p in tree_flatten(loaded.model.parameters()))
         memory = mx.device_info().get("max_recommended_working_set_size") or describe()["memory_bytes"]
         budget_bytes = default_budget(loaded.spec, weights, memory, sliding_dtype_bytes=loaded.dtype.size)
-    budget = KVBudget(loaded.spec, budget_bytes, sliding_dtype_bytes=loaded.dtype.size)
+    working = loaded.dtype.size if working_copy or loaded.spec.attention_sinks else 0
+    budget = KVBudget(loaded.spec, budget_bytes, sliding_dtype_bytes=loaded.dtype.size, working_dtype_bytes=working)
     return AgentCaches(CacheStore(root or agents_dir()), loaded.name, loaded.spec, budget)

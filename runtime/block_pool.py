@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from .errors import SemanticError
 from .model_spec import FULL, SLIDING, LayerKind, ModelCacheSpec, kv_bytes_per_token  # LayerKind: docstring example
 
+WORKING = "working"  # the layer group of running sequences' float working copies
+
 __all__ = [
     "BlockPool",
     "BlockPoolError",
@@ -257,6 +259,7 @@ class KVBudget:
         bits: int = 4,
         group_size: int = 64,
         sliding_dtype_bytes: int = 2,
+        working_dtype_bytes: int = 0,
     ):
         self.spec = spec
         self.block_tokens = block_tokens
@@ -276,12 +279,20 @@ class KVBudget:
             (SlidingWindowManager if g.kind == SLIDING else FullAttentionManager)(g, self.pool, block_tokens)
             for g in self.groups
         ]
+        # A running sequence that attends through a float working copy of its full
+        # layers (the CPU; sink models) holds that copy too, while it runs.
+        self._working = None
+        if working_dtype_bytes and spec.n_full:
+            per_token = 2 * spec.n_kv_heads * spec.head_dim * working_dtype_bytes * spec.n_full
+            group = LayerGroup(WORKING, FULL, None, spec.n_full, per_token * block_tokens)
+            self._working = FullAttentionManager(group, self.pool, block_tokens)
         self._tokens: dict[Owner, int] = {}  # reservation order = owners() order
 
     # -- owners
 
-    def reserve(self, owner: Owner, tokens: int) -> bool:
-        """Grow ``owner`` (registering it if new) to cover ``tokens`` tokens.
+    def reserve(self, owner: Owner, tokens: int, running: bool = False) -> bool:
+        """Grow ``owner`` (registering it if new) to cover ``tokens`` tokens --
+        and, when ``running``, its float working copy of them.
 
         ``True`` when it now does (a smaller ``tokens`` than held is a no-op:
         reservations never shrink; ``release`` does). ``False``, with nothing
@@ -290,22 +301,24 @@ class KVBudget:
         """
         if tokens < 0:
             raise ValueError(f"tokens must be non-negative, not {tokens}")
-        if tokens <= self._tokens.get(owner, -1):
-            return True
-        need = sum(m.missing(owner, tokens) * m.group.block_bytes for m in self._managers)
+        managers = self._managers_for(running)
+        need = sum(m.missing(owner, tokens) * m.group.block_bytes for m in managers)
         if need > self.free_bytes:
             return False
-        for m in self._managers:
+        for m in managers:
             got = m.grow(owner, tokens)
             assert got is not None, "bytes fit but ids ran out: the pool is smaller than budget // smallest block"
-        self._tokens[owner] = tokens
+        self._tokens[owner] = max(tokens, self._tokens.get(owner, 0))
         return True
+
+    def _managers_for(self, running: bool) -> list[FullAttentionManager]:
+        return self._managers + [self._working] if running and self._working else self._managers
 
     def release(self, owner: Owner) -> None:
         """Free all of ``owner``'s blocks. Raises ``BlockPoolError`` if it holds
         no reservation (released twice, or never reserved)."""
         self._check(owner)
-        for m in self._managers:
+        for m in self._managers_for(running=True):
             m.free(owner)
         del self._tokens[owner]
 
@@ -321,13 +334,16 @@ class KVBudget:
         return self._tokens[owner]
 
     def blocks_of(self, owner: Owner) -> dict[str, list[int]]:
-        """Block ids per layer group name (copies)."""
+        """Block ids per layer group name (copies); "working" while it runs with a working copy."""
         self._check(owner)
-        return {m.group.name: m.blocks_of(owner) for m in self._managers}
+        blocks = {m.group.name: m.blocks_of(owner) for m in self._managers}
+        if self._working and (working := self._working.blocks_of(owner)):
+            blocks[WORKING] = working
+        return blocks
 
     def bytes_of(self, owner: Owner) -> int:
         self._check(owner)
-        return sum(len(m.blocks_of(owner)) * m.group.block_bytes for m in self._managers)
+        return sum(len(m.blocks_of(owner)) * m.group.block_bytes for m in self._managers_for(True))
 
     def _check(self, owner: Owner) -> None:
         if owner not in self._tokens:
@@ -337,22 +353,23 @@ class KVBudget:
 
     @property
     def used_bytes(self) -> int:
-        assert self.pool.num_used == sum(m.num_blocks for m in self._managers), (
+        managers = self._managers_for(True)
+        assert self.pool.num_used == sum(m.num_blocks for m in managers), (
             "pool and managers disagree on used blocks: a manager leaked or double-counted blocks"
         )
-        return sum(m.num_blocks * m.group.block_bytes for m in self._managers)
+        return sum(m.num_blocks * m.group.block_bytes for m in managers)
 
     @property
     def free_bytes(self) -> int:
         return self.budget_bytes - self.used_bytes
 
-    def bytes_for(self, tokens: int) -> int:
-        """What an owner of ``tokens`` tokens costs."""
-        return sum(m.blocks_for(tokens) * m.group.block_bytes for m in self._managers)
+    def bytes_for(self, tokens: int, running: bool = False) -> int:
+        """What an owner of ``tokens`` tokens costs (``running``: with its working copy)."""
+        return sum(m.blocks_for(tokens) * m.group.block_bytes for m in self._managers_for(running))
 
-    def fits(self, tokens: int) -> bool:
+    def fits(self, tokens: int, running: bool = False) -> bool:
         """Could a new owner of ``tokens`` tokens fit with every other owner released?"""
-        return self.bytes_for(tokens) <= self.budget_bytes
+        return self.bytes_for(tokens, running) <= self.budget_bytes
 
 
 def default_budget(

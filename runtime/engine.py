@@ -13,7 +13,10 @@ The GPU actor drives it step by step and is its only caller (one thread):
 * ``step_once`` feeds every decoding sequence its next input (the token it
   sampled last, or the prompt token it joined with) and samples the next:
   exactly one new token per sequence;
-* ``cancel`` drops a sequence wherever it is.
+* ``cancel`` drops a sequence wherever it is;
+* ``preempt`` takes a sequence out to free its cache (the owner stores it)
+  and ``resume`` puts it back with that cache, or with none (its tokens are
+  then recomputed): it goes on as if it had never left.
 
 Every call returns ``Delta``s; the last delta of a sequence carries
 ``Finished`` with its Q4 cache and the exact token ids it covers.
@@ -41,13 +44,13 @@ from .sampling import Sampler, SamplingParams
 
 __all__ = ["Engine", "Delta", "Finished", "SamplingParams"]
 
-STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
+STOP, LENGTH, CANCELLED, PREEMPTED = "stop", "length", "cancelled", "preempted"
 _LAST_IN_CHUNK = 64  # a final chunk longer than this leaves its last token to the decode batch
 
 
 @dataclass(frozen=True)
 class Finished:
-    reason: str  # "stop" (end of turn or stop string), "length" or "cancelled"
+    reason: str  # "stop" (end of turn or stop string), "length", "cancelled" or "preempted" (``resume`` goes on)
     cache: list  # per-layer single-sequence caches, materialised
     cache_tokens: tuple[int, ...]  # exactly the token ids the cache covers
     output_tokens: tuple[int, ...]  # generated ids (end-of-turn token excluded)
@@ -77,6 +80,7 @@ class _Sequence:
     view: list  # the same caches as attention sees them (``attention_view``)
     fed: list[int]  # token ids whose K/V are in the cache
     reused: int
+    prompt_tokens: int  # the prompt as given (``resume`` may extend ``prompt`` with tokens to recompute)
     output: list[int] = field(default_factory=list)
     text: str = ""  # all generated text so far
     shown: int = 0  # length of ``text`` already handed out
@@ -132,6 +136,7 @@ class Engine:
         self._ids = itertools.count()
         self._prefilling: deque[_Sequence] = deque()
         self._decoding: list[_Sequence] = []
+        self._preempted: dict[int, _Sequence] = {}  # out of the engine, without their caches
 
     # -- queries ---------------------------------------------------------
 
@@ -146,6 +151,10 @@ class Engine:
     @property
     def idle(self) -> bool:
         return not self._prefilling and not self._decoding
+
+    def decode_lengths(self) -> dict[int, int]:
+        """Tokens each decoding sequence's cache will hold after the next decode step."""
+        return {seq.id: len(seq.fed) + 1 for seq in self._decoding}
 
     def new_cache(self) -> list:
         return make_sequence_cache(self.model, bits=self.kv_bits, group_size=self.kv_group_size)
@@ -192,6 +201,7 @@ class Engine:
             view=attention_view(cache, self.float_attention),
             fed=prompt[:cached_tokens],
             reused=cached_tokens,
+            prompt_tokens=len(prompt),
         )
         self._prefilling.append(seq)
         return seq.id
@@ -251,17 +261,55 @@ class Engine:
             for seq, (new, text, reason) in zip(rows, results)
         ]
 
-    def cancel(self, seq_id: int) -> Delta | None:
-        """Drop a sequence; its final delta says ``cancelled``.  None if unknown.
+    def cancel(self, seq_id: int, reason: str = CANCELLED) -> Delta | None:
+        """Drop a sequence; its final delta says ``reason`` (``cancelled``, or
+        ``length`` when its owner cannot let it grow).  None if unknown.
 
         The returned cache is consistent: it covers exactly ``cache_tokens``
         (the prompt so far, plus the tokens fed back while decoding).
         """
+        seq = self._take(seq_id)
+        return None if seq is None else Delta(seq.id, (), "", self._finished(seq, reason))
+
+    def preempt(self, seq_id: int) -> Finished | None:
+        """Take a running sequence out of the engine so its cache can be freed;
+        ``Finished(preempted)`` hands the cache over (it covers ``cache_tokens``).
+        The sequence keeps its sampler, detokenizer and output for ``resume``."""
+        seq = self._take(seq_id)
+        if seq is None:
+            return None
+        finished = self._finished(seq, PREEMPTED)
+        seq.cache = seq.view = None
+        self._preempted[seq.id] = seq
+        return finished
+
+    def resume(self, seq_id: int, cache: list | None = None, cached_tokens: int = 0) -> None:
+        """Put a preempted sequence back.  ``cache`` holds the K/V of the first
+        ``cached_tokens`` of its ``cache_tokens`` (the preempted cache itself,
+        perhaps through a file), or is None: the rest is prefilled again."""
+        seq = self._preempted[seq_id]
+        if cache is None:
+            cache, cached_tokens = self.new_cache(), 0
+        if not 0 <= cached_tokens <= len(seq.fed) or any(c.offset != cached_tokens for c in cache):
+            raise ValueError(f"a resumed cache must cover 0..{len(seq.fed)} of the sequence's tokens exactly")
+        del self._preempted[seq_id]
+        if len(seq.fed) >= len(seq.prompt):  # it was decoding: its next input is the last token it sampled
+            seq.prompt = seq.fed + seq.output[-1:]
+        seq.fed = seq.fed[:cached_tokens]
+        seq.cache, seq.view = cache, attention_view(cache, self.float_attention)
+        # One token left is a decode input (as before it left); more are a prefill, chunked as before.
+        (self._decoding.append if len(seq.pending) == 1 else self._prefilling.append)(seq)
+
+    def discard(self, seq_id: int) -> None:
+        """Forget a preempted sequence (its turn was cancelled while out)."""
+        self._preempted.pop(seq_id, None)
+
+    def _take(self, seq_id: int) -> _Sequence | None:
         for queue in (self._prefilling, self._decoding):
             for seq in queue:
                 if seq.id == seq_id:
                     queue.remove(seq)
-                    return Delta(seq.id, (), "", self._finished(seq, CANCELLED))
+                    return seq
         return None
 
     # -- internals -------------------------------------------------------
@@ -314,9 +362,9 @@ class Engine:
             cache_tokens=tuple(seq.fed),
             output_tokens=tuple(seq.output),
             text=seq.text,
-            prompt_tokens=len(seq.prompt),
+            prompt_tokens=seq.prompt_tokens,
             reused_tokens=seq.reused,
-            prefilled_tokens=min(len(seq.fed), len(seq.prompt)) - seq.reused,
+            prefilled_tokens=min(len(seq.fed), seq.prompt_tokens) - seq.reused,
             stop_sequence=seq.stop_hit if reason == STOP else None,
         )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from .agent_cache import AgentCaches, AgentMemory
+from .agent_cache import AgentCaches, AgentMemory, OutOfMemory
 from .engine import Engine, Finished, SamplingParams
 from .prefix import COLD, PrefixPlan, encode, plan
 
@@ -41,7 +41,7 @@ class Turn:
     agent_id: str
     prompt_text: str
     plan: PrefixPlan
-    cache: list | None  # the cache to start from, already trimmed to plan.keep
+    cache: list | None  # the cache to start from (``begin`` trims it to plan.keep)
     new_prefix: str | None = None  # a system prefix to register once this turn has run
 
     @property
@@ -54,31 +54,30 @@ def begin(
     tokenizer,
     agent_id: str,
     prompt_text: str,
-    max_tokens: int,
     prefix_text: str | None = None,
     min_share: float = 0.5,
     use_cache: bool = True,
-    context_length: int | None = None,
 ) -> Turn:
     """Check out the agent's cache and plan the prefill of ``prompt_text``.
 
-    Reserves budget for the whole turn (prompt + ``max_tokens``, but no more
-    than ``context_length`` when given: a reply stops at the end of the
-    context) before anything runs; raises ``OutOfMemory`` if that can never
-    fit.  Every ``begin`` must be followed by ``end`` or ``caches.abandon``.
+    Reserves budget for the prompt and the first reply token before anything
+    runs (raises ``OutOfMemory`` if that cannot fit); the reply's tokens are
+    reserved as they come (``AgentCaches.grow``), block by block.  Every
+    ``begin`` must be followed by ``end`` or ``caches.abandon``.
     """
     memory = caches.checkout(agent_id)
-    if not use_cache:  # every turn prefills its whole prompt (for comparisons)
-        memory = None
     try:
-        turn = _plan(caches, tokenizer, agent_id, prompt_text, memory, prefix_text, min_share, use_cache)
-        need = len(turn.prompt) + max_tokens
-        if context_length is not None:
-            need = min(need, max(context_length, len(turn.prompt)))
-        caches.grow(agent_id, need)
+        turn = _plan(caches, tokenizer, agent_id, prompt_text, memory if use_cache else None,
+                     prefix_text, min_share, use_cache)
+        caches.grow(agent_id, len(turn.prompt) + 1)
+    except OutOfMemory:
+        caches.putback(agent_id, memory)  # it waits for room: the agent keeps its cache
+        raise
     except BaseException:
         caches.abandon(agent_id)
         raise
+    for c in turn.cache or ():  # only now that it runs: the kept prefix
+        c.trim(c.offset - turn.plan.keep)
     return turn
 
 
@@ -97,12 +96,7 @@ def _plan(caches, tokenizer, agent_id, prompt_text, memory, prefix_text, min_sha
             p = plan(tokenizer, prompt_text)
         return Turn(agent_id, prompt_text, p, None, new_prefix)
     p = plan(tokenizer, prompt_text, memory.tokens, memory.text, min_share, memory.trimmable)
-    if p.kind == COLD:
-        return Turn(agent_id, prompt_text, p, None)
-    drop = len(memory.tokens) - p.keep
-    for c in memory.cache:
-        c.trim(drop)
-    return Turn(agent_id, prompt_text, p, memory.cache)
+    return Turn(agent_id, prompt_text, p, None if p.kind == COLD else memory.cache)
 
 
 def end(caches: AgentCaches, tokenizer, turn: Turn, finished: Finished) -> AgentMemory:
@@ -135,16 +129,15 @@ def run_turn(
     sampling: SamplingParams = SamplingParams(),
     use_cache: bool = True,
 ) -> TurnResult:
-    """Run one turn to completion on an otherwise idle engine."""
+    """Run one turn to completion on an otherwise idle engine (its whole reply
+    is reserved up front: nothing else runs)."""
     start = time.perf_counter()
     tokenizer = engine.tokenizer
     text = render(tokenizer, messages)
-    turn = begin(
-        caches, tokenizer, agent_id, text, sampling.max_tokens,
-        system_prefix(tokenizer, messages, text), use_cache=use_cache,
-    )
+    turn = begin(caches, tokenizer, agent_id, text, system_prefix(tokenizer, messages, text), use_cache=use_cache)
     ttft = finished = None
     try:
+        caches.grow(agent_id, len(turn.prompt) + sampling.max_tokens)  # alone: the whole reply up front
         sid = engine.add(turn.prompt, sampling, turn.cache, turn.plan.keep)
         while finished is None:
             for d in engine.prefill_step() + engine.step_once():

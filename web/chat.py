@@ -18,8 +18,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from actors import ContextTooLong, Message, Reply, RuntimeClosed, RuntimeUnhealthy, TurnCancelled, TurnError, TurnResult
+from actors import ContextTooLong, Message, Reply, RuntimeClosed, RuntimeUnhealthy, TurnCancelled, TurnResult
 from runtime.agent_cache import OutOfMemory
+from runtime.errors import SemanticError
 
 from .schema import ChatRequest, ChatResult, RequestError, StreamItem, TextDelta, Usage
 from .tools import ToolCallFilter, ToolFormat, finish_result, flatten_tool_messages, supports_tools, tool_format
@@ -94,7 +95,7 @@ async def run_turn(reply: Reply, prepared: Prepared) -> AsyncIterator[StreamItem
                 yield TextDelta(text)
     except TurnCancelled:
         pass  # the runtime shut down under it: a "cancelled" result
-    except (TurnError, RuntimeClosed, RuntimeUnhealthy) as e:
+    except SemanticError as e:  # TurnError, OutOfMemory, RuntimeClosed, ...: the turn did not run
         raise turn_error(e) from None
     finally:
         reply.close()

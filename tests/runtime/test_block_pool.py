@@ -154,6 +154,22 @@ def test_reserve_grows_and_release_frees():
     assert (kv.used_bytes, kv.pool.num_free, kv.owners()) == (0, 10, [])
 
 
+def test_a_running_owner_also_holds_its_float_working_copy():
+    """On the CPU a running sequence attends through a float32 copy of its full
+    layers: 7.1x its Q4 blocks for SmolLM2, held while it runs, freed after."""
+    working_block = 256 * 30 * 2 * 3 * 64 * 4  # float32 keys and values
+    kv = KVBudget(SMOL, GiB, working_dtype_bytes=4)
+    assert kv.bytes_for(300, running=True) == 2 * (SMOL_BLOCK + working_block)
+    assert kv.reserve("a", 300, running=True)
+    assert kv.used_bytes == kv.bytes_of("a") == 2 * (SMOL_BLOCK + working_block)
+    assert set(kv.blocks_of("a")) == {"full", "working"}
+    kv.release("a")  # the turn ends: checked back in at its size, idle
+    assert kv.reserve("a", 300) and kv.used_bytes == 2 * SMOL_BLOCK and set(kv.blocks_of("a")) == {"full"}
+    assert KVBudget(SMOL, GiB).bytes_for(300, running=True) == 2 * SMOL_BLOCK  # no working copy (Metal)
+    tight = KVBudget(SMOL, SMOL_BLOCK + working_block, working_dtype_bytes=4)
+    assert tight.fits(256, running=True) and not tight.fits(257, running=True) and tight.fits(256 * 8)
+
+
 def test_budget_for_exactly_three_owners_refuses_a_fourth():
     n = 1000  # 4 full + 2 sliding blocks each
     kv = KVBudget(GEMMA, 3 * (4 * GEMMA_FULL + 2 * GEMMA_SLIDING))

@@ -251,3 +251,61 @@ def test_bad_arguments():
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
+
+
+@pytest.mark.parametrize("arch", TINY_CONFIGS)
+@pytest.mark.parametrize("via", ["memory", "file"])
+def test_a_preempted_sequence_goes_on_as_if_it_never_left(arch, via, tmp_path):
+    """Preempted mid-decode (its cache handed out, kept in memory or saved to a
+    file and read back) and resumed later beside others: the same greedy tokens
+    as never interrupted, and its neighbours' too."""
+    from runtime import cache_file
+
+    model, tok = tiny_model(arch), ByteTokenizer()
+    A, B, C = prompts(3, seed=5)
+    greedy = SamplingParams(max_tokens=20)
+    expected = [alone(model, tok, p, greedy) for p in (A, B, C)]
+    engine = Engine(model, tok)
+    ids = [engine.add(p, greedy) for p in (A, B, C)]
+    out = {}
+
+    def act(step):
+        if step == 6:
+            out["preempted"] = engine.preempt(ids[0])
+        if step == 10:
+            f = out["preempted"]
+            cache = f.cache
+            if via == "file":
+                record = cache_file.CacheRecord("a", "tiny", "hash", list(f.cache_tokens), "", 0.0, 0.0, f.cache)
+                cache_file.save(tmp_path / "a.safetensors", record)
+                cache = cache_file.load(tmp_path / "a.safetensors", model_id="tiny", spec_hash="hash").cache
+            engine.resume(ids[0], cache, len(f.cache_tokens))
+
+    done = drain(engine, act)
+    f = out["preempted"]
+    assert f.reason == "preempted" and 0 < len(f.output_tokens) < 20
+    assert f.cache_tokens == tuple(A) + f.output_tokens[:-1]
+    assert [done[i].output_tokens for i in ids] == expected
+    assert done[ids[0]].prompt_tokens == len(A) and done[ids[0]].prefilled_tokens == len(A)
+
+
+def test_a_preempted_sequence_whose_cache_was_lost_recomputes_it():
+    """Resumed without a cache, a sequence prefills what it had fed again and goes on:
+    it finishes with all its tokens, and its cache covers them."""
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    (A,) = prompts(1, seed=6)
+    engine = Engine(model, tok)
+    sid = engine.add(A, SamplingParams(max_tokens=12))
+    out = {}
+
+    def act(step):
+        if step == 4:
+            out["f"] = engine.preempt(sid)
+            engine.resume(sid)  # nothing cached: recompute
+
+    done = drain(engine, act)[sid]
+    assert len(done.output_tokens) == 12 and done.output_tokens[:len(out["f"].output_tokens)] == out["f"].output_tokens
+    assert done.cache_tokens == tuple(A) + done.output_tokens[:-1]
+    assert all(c.offset == len(done.cache_tokens) for c in done.cache if not hasattr(c, "max_size"))
+    with pytest.raises(KeyError):
+        engine.resume(sid)  # not preempted any more

@@ -147,6 +147,24 @@ def test_a_shared_system_prompt_is_prefilled_once(smollm2, tmp_path):
     assert sum(prefilled) < prefix_tokens + 4 * 20
 
 
+def test_shared_prefixes_fill_only_free_room_and_give_it_back(smollm2, tmp_path):
+    """Agents with system prompts of their own register shared prefixes in free
+    room (left when idle agents go to disk); a turn that needs the room gets it:
+    least recently used prefixes are dropped, as idle agents are demoted."""
+    engine = Engine(smollm2.model, smollm2.tokenizer)
+    probe = caches_for(smollm2, tmp_path / "probe")
+    caches = caches_for(smollm2, tmp_path, budget_bytes=3 * probe.budget.bytes_for(256))
+    for i in range(4):
+        messages = [{"role": "system", "content": f"You are helper {i}."}, {"role": "user", "content": "Hi."}]
+        run_turn(engine, caches, f"agent-{i}", messages, SamplingParams(max_tokens=4))
+        caches.demote(f"agent-{i}")  # idle and written: the eviction actor's job
+    assert len(caches.prefixes()) == 2 and caches.hot_agents() == []  # the budget is 2/3 prefixes
+    long = [{"role": "user", "content": "Summarise: " + "the lighthouse log was quiet " * 60}]  # > 256 tokens
+    f = run_turn(engine, caches, "reader", long, SamplingParams(max_tokens=4)).finished
+    assert f.prompt_tokens > 256 and caches.prefix_drops >= 1
+    assert caches.budget.used_bytes <= caches.budget.budget_bytes
+
+
 def test_caches_survive_a_model_swap(smollm2, tmp_path):
     tok = smollm2.tokenizer
     engine = Engine(smollm2.model, tok)

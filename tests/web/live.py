@@ -45,6 +45,17 @@ def tiny_loaded() -> LoadedModel:
     return LoadedModel("tiny", Path(path), model, tokenizer, config, ModelCacheSpec.from_model(model), mx.float32)
 
 
+def kv_bytes(blocks: int, running: bool = True) -> int:
+    """Bytes of ``blocks`` 256-token blocks of a ``tiny_loaded()`` agent: a running
+    turn's (with the float working copy the engine keeps on the CPU), or an idle cache's."""
+    from runtime.block_pool import KVBudget
+
+    loaded = tiny_loaded()
+    working = loaded.dtype.size if mx.default_device() == mx.cpu else 0
+    budget = KVBudget(loaded.spec, 1 << 30, sliding_dtype_bytes=loaded.dtype.size, working_dtype_bytes=working)
+    return budget.bytes_for(256 * blocks, running)
+
+
 @asynccontextmanager
 async def live_server(cache_dir: Path, model=None, **options) -> AsyncIterator[str]:
     """Serve a fresh app for the duration; yields its base URL once the model is loaded."""
