@@ -18,18 +18,37 @@ the disk.
 * **Shutdown**: ``Stop`` writes everything pending, then ends.  A write in
   progress is never abandoned: worker threads are not cancellable, and every
   write is a temp file renamed into place.
+* **No room**: a file is written only if its filesystem keeps ``FREE_MARGIN``
+  free after it; otherwise (or when the write fails, e.g. ENOSPC) the last
+  good file stays, one log line names the agent, and a cache's ticket
+  settles with ``ok=False`` (the GPU actor keeps that cache dirty in memory
+  and hands it over again); a history is tried again after the next write
+  that succeeds.
+* **Bounded disk** (``runtime.disk``): at start, then at most once every
+  ``prune_interval_s`` after writes or when a conversation's TTL ends (an
+  idle actor sleeps until then), and at once when writes take the directory
+  over ``disk_budget``, it removes anonymous conversations unused for
+  ``conversation_ttl_s`` and then the least recently written cache files
+  down to 90% of the budget.  Pruning runs between writes, never beside one,
+  and leaves alone every file of an agent with a write pending or live in
+  the runtime (``live``), and the cache files of agents whose caches are in
+  memory (``hot``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import anyio
 
+from runtime import disk
 from runtime.cache_file import CacheStore, write_atomic
+from runtime.disk import NoRoom, history_path
 from runtime.errors import SemanticError
 
 from .messages import CacheBytes, CacheWritten, Done, Failed, Flush, Forget, HistoryBytes, PersistCommand, Stop, WriteTicket
@@ -38,24 +57,37 @@ __all__ = ["PersistenceActor", "history_path"]
 
 log = logging.getLogger("semantic.actors")
 
-
-def history_path(histories: Path, agent_id: str) -> Path:
-    """Where an agent's history lives (``agent_id`` already validated)."""
-    return histories / f"{agent_id}.json"
+PRUNE_TO = 0.9  # over the disk budget, prune down to this fraction of it (so not after every write)
 
 
 class PersistenceActor:
-    def __init__(self, store: CacheStore, histories: Path):
+    def __init__(self, store: CacheStore, histories: Path, *, disk_budget: int | None = None,
+                 conversation_ttl_s: float | None = None, prune_interval_s: float = 60.0):
         self.store = store
         self.histories = histories
+        self.disk_budget = disk_budget  # bytes the cache directory may hold (None: no cap)
+        self.conversation_ttl_s = conversation_ttl_s  # anonymous conversations unused this long go (None: never)
+        self.prune_interval_s = prune_interval_s
         self.gpu = None  # the GpuActor, told when a cache version is durable (set by the runtime)
+        # Set by the runtime: agents whose files pruning leaves alone, agents whose caches are
+        # in memory, and who to tell (on the event loop) about conversations removed whole.
+        self.live: Callable[[], Iterable[str]] = lambda: ()
+        self.hot: Callable[[], Iterable[str]] = lambda: ()
+        self.on_pruned: Callable[[list[str]], None] = lambda agent_ids: None
         self.mailbox, self._inbox = anyio.create_memory_object_stream[PersistCommand](math.inf)
         # Owned by run(): file key -> the latest bytes for it, oldest first.
         self._pending: OrderedDict[tuple, CacheBytes | HistoryBytes] = OrderedDict()
         self._superseded: dict[tuple, list[WriteTicket]] = {}
         self._flushes: list = []
+        self._unwritten: dict[str, HistoryBytes] = {}  # histories whose write failed: retried after a success
         self.writes = 0  # files written (for tests and benchmarks)
         self.coalesced = 0  # versions replaced before they were written
+        self.failed = 0  # writes refused for lack of space or failed
+        self.pruned = 0  # files removed by pruning
+        self._disk_bytes = 0  # the directory's total when last counted, plus what writes added since
+        self._last_prune = -math.inf  # anyio.current_time() of the last prune
+        self._next_prune = -math.inf  # due at start
+        self._over_anyway = False  # the last prune could not get under the budget
 
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -67,6 +99,9 @@ class PersistenceActor:
         stopping = False
         while True:
             stopping = self._take_all() or stopping
+            if self._prune_due():
+                await self._prune()
+                continue
             if self._pending:
                 await self._write_one()
                 continue
@@ -75,10 +110,11 @@ class PersistenceActor:
             self._flushes.clear()
             if stopping:
                 return
-            try:
-                stopping = self._note(await self._inbox.receive())
-            except anyio.EndOfStream:
-                stopping = True
+            with anyio.move_on_after(self._until_prune()):  # idle: wake when a conversation's TTL ends
+                try:
+                    stopping = self._note(await self._inbox.receive())
+                except anyio.EndOfStream:
+                    stopping = True
 
     def _take_all(self) -> bool:
         """Take every message already in the mailbox; True once told to stop."""
@@ -97,6 +133,7 @@ class PersistenceActor:
             key = ("cache", message.agent_id, message.model_id)
             self._queue(key, message)
         elif isinstance(message, HistoryBytes):
+            self._unwritten.pop(message.agent_id, None)
             self._queue(("history", message.agent_id), message)
         elif isinstance(message, Forget):  # in line: it must not overtake writes queued before it
             self._pending[("forget", message.agent_id, id(message))] = message
@@ -122,15 +159,24 @@ class PersistenceActor:
             await self._forget(item)
             return
         ok = True
+        what = f"cache of agent {item.agent_id!r} for {item.model_id}" if isinstance(item, CacheBytes) \
+            else f"history of agent {item.agent_id!r}"
         try:
-            if isinstance(item, CacheBytes):
-                await anyio.to_thread.run_sync(self.store.write_encoded, item.agent_id, item.model_id, item.data)
-            else:
-                await anyio.to_thread.run_sync(self._write_history, item.agent_id, item.data)
+            self._disk_bytes += await anyio.to_thread.run_sync(self._write, item)
             self.writes += 1
+            self._retry_histories()
+        except NoRoom as e:
+            ok = False
+            self.failed += 1
+            log.warning("not writing the %s: %s on the cache directory's filesystem; the last good file stays, "
+                        "the new version stays in memory", what, e.strerror)
         except OSError as e:
             ok = False
-            log.error("could not write %s of agent %s: %s", key[0], item.agent_id, e)
+            self.failed += 1
+            log.error("could not write the %s: %s; the last good file stays", what, e)
+        if not ok and isinstance(item, HistoryBytes):
+            self._unwritten[item.agent_id] = item
+        self._next_prune = min(self._next_prune, self._last_prune + self.prune_interval_s)
         if isinstance(item, CacheBytes):
             for ticket in (*self._superseded.pop(key, ()), item.ticket):
                 ticket.ok = ok
@@ -138,24 +184,99 @@ class PersistenceActor:
             if self.gpu is not None:
                 self.gpu.submit(CacheWritten(item.agent_id, item.version))
 
-    def _write_history(self, agent_id: str, data: bytes) -> None:
-        self.histories.mkdir(parents=True, exist_ok=True)
-        write_atomic(history_path(self.histories, agent_id), data)
+    def _retry_histories(self) -> None:
+        """A write succeeded, so there may be room again: queue the histories that failed."""
+        for agent_id, item in self._unwritten.items():
+            self._pending.setdefault(("history", agent_id), item)
+        self._unwritten.clear()
+
+    def _write(self, item: CacheBytes | HistoryBytes) -> int:
+        """(worker thread) Write one file if its filesystem has room; return how much the directory grew."""
+        if isinstance(item, CacheBytes):
+            path = self.store.path(item.agent_id, item.model_id)
+        else:
+            path = history_path(self.histories, item.agent_id)
+        try:
+            old = path.stat().st_size
+        except FileNotFoundError:
+            old = 0
+        disk.check_room(self.store.root, len(item.data))
+        if isinstance(item, CacheBytes):
+            self.store.write_encoded(item.agent_id, item.model_id, item.data)
+        else:
+            self.histories.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, item.data)
+        return len(item.data) - old
+
+    # -- bounded disk --
+
+    def _prune_due(self) -> bool:
+        if self.disk_budget is None and self.conversation_ttl_s is None:
+            return False
+        over = self.disk_budget is not None and self._disk_bytes > self.disk_budget and not self._over_anyway
+        return over or anyio.current_time() >= self._next_prune
+
+    def _until_prune(self) -> float:
+        if self.disk_budget is None and self.conversation_ttl_s is None:
+            return math.inf
+        return max(0.0, self._next_prune - anyio.current_time())
+
+    async def _prune(self) -> None:
+        """Apply the disk budget and the conversations' TTL (``runtime.disk.plan``)."""
+        protected = frozenset({*self.live(), *(k[1] for k in self._pending), *self._unwritten})
+        budget = self.disk_budget
+        try:
+            plan, removed = await anyio.to_thread.run_sync(self._prune_files, protected, frozenset(self.hot()))
+        except OSError as e:
+            log.error("could not prune the cache directory %s: %s", self.store.root, e)
+            plan, removed = None, []
+        now = anyio.current_time()
+        self._last_prune = now
+        self._next_prune = now + self.prune_interval_s
+        if plan is None:
+            return
+        # Until a write, only a conversation's TTL can end: wake for the first (never sooner than the interval).
+        if plan.next_expiry is None:
+            self._next_prune = math.inf
+        else:
+            self._next_prune = now + max(self.prune_interval_s, plan.next_expiry - time.time())
+        self.pruned += len(removed)
+        self._disk_bytes = plan.total - sum(f.bytes for f in removed)
+        if removed:
+            log.info("pruned %d file(s), %s, from %s (%d conversation(s) unused for too long); it holds %s now",
+                     len(removed), disk.human_bytes(sum(f.bytes for f in removed)), self.store.root,
+                     len(plan.agents_removed), disk.human_bytes(self._disk_bytes))
+        over = budget is not None and self._disk_bytes > budget
+        if over and not self._over_anyway:
+            log.warning("the cache directory %s holds %s, over its disk budget of %s: the rest is histories, "
+                        "files of agents in use and files pruning never removes", self.store.root,
+                        disk.human_bytes(self._disk_bytes), disk.human_bytes(budget))
+        self._over_anyway = over
+        if plan.agents_removed:
+            try:
+                self.on_pruned(plan.agents_removed)
+            except Exception:  # a listener's bug must not stop the writer
+                log.exception("a listener for pruned conversations failed")
+
+    def _prune_files(self, protected: frozenset[str], hot: frozenset[str]) -> tuple[disk.Plan, list[disk.DiskFile]]:
+        """(worker thread) Scan the directory, plan, remove."""
+        files, _ = disk.scan(self.store.root, self.histories)
+        budget = self.disk_budget
+        plan = disk.plan(files, budget=budget, target=None if budget is None else int(budget * PRUNE_TO),
+                         conversation_ttl=self.conversation_ttl_s, protected=protected, hot=hot)
+        return plan, disk.apply(plan)
 
     async def _forget(self, message: Forget) -> None:
         """Drop the agent's pending writes and delete its files (every model's cache, its history)."""
         agent_id = message.agent_id
+        self._unwritten.pop(agent_id, None)
         for key in [k for k in self._pending if k[1] == agent_id and k[0] != "forget"]:
             item = self._pending.pop(key)
             for ticket in (*self._superseded.pop(key, ()), *([item.ticket] if isinstance(item, CacheBytes) else ())):
                 ticket.done.set()  # ok stays False: that version will never be on disk
 
-        def delete() -> None:
-            self.store.delete(agent_id)
-            history_path(self.histories, agent_id).unlink(missing_ok=True)
-
         try:
-            await anyio.to_thread.run_sync(delete)
+            await anyio.to_thread.run_sync(disk.remove_agent, self.store, self.histories, agent_id)
         except OSError as e:
             _answer(message.reply, Failed(SemanticError(f"could not delete the files of agent {agent_id}: {e}")))
         else:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import anyio
 
+from runtime import disk
 from runtime.cache_file import CacheFileError, CacheStore, read_meta, validate_agent_id
 from runtime.engine import SamplingParams
 from runtime.models import LoadedModel
@@ -86,6 +87,7 @@ class Runtime:
         self._turn_ids = itertools.count(1)
         self._closing = False
         self._started: list[object] = []  # actors whose run() has started
+        self._prune_listeners: list = []
         self._ctx = AgentContext(gpu, persistence.mailbox, self._histories, agent_idle_s,
                                  lambda: self._closing, self._release)
 
@@ -101,6 +103,9 @@ class Runtime:
         model_idle_s: float | None = None,
         prefill_chunk: int = 256,
         eviction_watermarks: tuple[float, float] = (0.9, 0.75),
+        disk_budget: int | None = None,
+        conversation_ttl_s: float | None = None,
+        prune_interval_s: float = 60.0,
     ) -> AsyncIterator[Runtime]:
         """Open a runtime; leaving the block shuts it down (see the module docstring).
 
@@ -114,13 +119,25 @@ class Runtime:
         prompt tokens one prefill step runs, which bounds how long decoding
         streams wait for another agent's prefill.  ``eviction_watermarks``:
         (high, low) fractions of the budget for the eviction actor.
+        ``disk_budget``: bytes the cache directory may hold; the least recently
+        written cache files are removed to stay within it (None: no cap).
+        ``conversation_ttl_s``: anonymous agents (ids starting ``conv-``) unused
+        this long are removed with their history (None: never).  Both are
+        checked at start, at most every ``prune_interval_s`` after writes, and
+        at once when writes go over the budget (``runtime.disk``,
+        ``actors.persistence``).
 
         Raises ``ModelError`` when the model cannot be loaded, ``ValueError`` for
         bad settings.
         """
+        if disk_budget is not None and disk_budget <= 0:
+            raise ValueError(f"disk_budget must be > 0 bytes (None: no cap), not {disk_budget}")
+        if conversation_ttl_s is not None and conversation_ttl_s <= 0:
+            raise ValueError(f"conversation_ttl_s must be > 0 (None: never), not {conversation_ttl_s}")
         root = Path(cache_dir) if cache_dir is not None else agents_dir()
         store = await anyio.to_thread.run_sync(CacheStore, root)  # creates it; clears dead writers' temp files
-        persistence = PersistenceActor(store, root / "histories")
+        persistence = PersistenceActor(store, root / "histories", disk_budget=disk_budget,
+                                       conversation_ttl_s=conversation_ttl_s, prune_interval_s=prune_interval_s)
         eviction = EvictionActor(*eviction_watermarks)
         gpu = GpuActor(model, root, budget, persistence.mailbox, eviction.mailbox,
                        engine_options={"max_chunk": prefill_chunk}, model_idle_s=model_idle_s)
@@ -128,6 +145,8 @@ class Runtime:
         try:
             async with anyio.create_task_group() as tg:
                 rt = cls(tg, gpu, persistence, eviction, root, agent_idle_s)
+                persistence.live, persistence.on_pruned = rt._live_agents, rt._forget_pruned
+                persistence.hot = lambda: gpu.hot.agents.keys()
                 try:
                     for actor in (persistence, eviction, gpu):
                         await tg.start(_shielded, actor.run)
@@ -174,6 +193,19 @@ class Runtime:
         hot = self._gpu.hot
         return {"hot_bytes": hot.used_bytes, "budget_bytes": hot.budget_bytes,
                 "disk_bytes": self._persistence.store.disk_bytes()}
+
+    def disk(self) -> dict:
+        """The cache directory's disk budget (None: no cap), its filesystem's free
+        bytes, files removed by pruning and writes refused or failed so far.
+        Asks the filesystem: call it on a worker thread."""
+        p = self._persistence
+        return {"budget_bytes": p.disk_budget, "free_bytes": disk.free_bytes(self.cache_dir),
+                "pruned_files": p.pruned, "failed_writes": p.failed}
+
+    def on_pruned(self, callback) -> None:
+        """Call ``callback(agent_ids)`` on the event loop whenever pruning removes
+        anonymous conversations whole (their ids are free again)."""
+        self._prune_listeners.append(callback)
 
     async def agents(self, only: str | None = None) -> list[AgentInfo]:
         """Every agent that has a history (in memory or on disk), or only the one
@@ -231,6 +263,8 @@ class Runtime:
             "agent_actors": sum(s.mailbox is not None for s in self._slots.values()),
             "writes": self._persistence.writes,
             "coalesced_writes": self._persistence.coalesced,
+            "failed_writes": self._persistence.failed,
+            "pruned_files": self._persistence.pruned,
             "demotions_requested": self._eviction.requested,
         }
 
@@ -268,6 +302,22 @@ class Runtime:
     def _release(self, slot: AgentSlot) -> None:
         if self._slots.get(slot.agent_id) is slot:
             del self._slots[slot.agent_id]
+
+    def _live_agents(self) -> set[str]:
+        """Agents whose files pruning leaves alone: an actor runs for them (a turn, or
+        idle for less than ``agent_idle_s``) or a fork is creating them."""
+        return {i for i, s in self._slots.items() if s.mailbox is not None or s.reserved}
+
+    def _forget_pruned(self, agent_ids: list[str]) -> None:
+        """Pruning removed these conversations' files: drop their retired slots too, so
+        their histories leave memory and a later ``agent()`` starts them afresh."""
+        for agent_id in agent_ids:
+            slot = self._slots.get(agent_id)
+            if slot is not None and slot.mailbox is None and not slot.reserved:
+                slot.deleted, slot.history = True, ()  # old handles get AgentGone
+                del self._slots[agent_id]
+        for callback in self._prune_listeners:
+            callback(agent_ids)
 
     async def _fork(self, source: AgentSlot, target: str) -> Agent:
         validate_agent_id(target)

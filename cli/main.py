@@ -45,16 +45,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
 
-    cache = sub.add_parser("cache", help="agents' cache files on disk: ls, verify, rm, du")
+    from .serve import parse_bytes, parse_duration  # argparse only: cheap
+
+    cache = sub.add_parser("cache", help="agents' cache files on disk: ls, verify, rm, du, prune")
     cache.add_argument("--cache-dir", help="where agent caches live (default ~/.cache/semantic/agents)")
     actions = cache.add_subparsers(dest="action", required=True, metavar="ACTION")
-    p = actions.add_parser("ls", help="list cached agents: agent, model, tokens, bytes, tier, last use")
+    p = actions.add_parser("ls", help="list agents on disk: agent, model, tokens, bytes, tier, last use")
     _add_json(p, "the list")
     actions.add_parser("verify", help="check every cache file in full (exit 1 if any is bad)")
-    p = actions.add_parser("rm", help="delete an agent's cache files")
+    p = actions.add_parser("rm", help="delete an agent: its cache files and its history")
     p.add_argument("agent")
-    p.add_argument("--model", help="only this model's cache (default: every model)")
+    p.add_argument("--model", help="only this model's cache; the history stays (default: every model and the history)")
     actions.add_parser("du", help="disk use per model")
+    p = actions.add_parser("prune", help="remove old caches and conversations, or least recently used caches to fit")
+    p.add_argument("--older-than", type=parse_duration, metavar="DURATION",
+                   help="remove cache files not used for this long (e.g. 30d), and conv-* agents unused this long "
+                        "with their history")
+    p.add_argument("--to", type=parse_bytes, metavar="BYTES",
+                   help="then remove quarantined files and the least recently used caches until the directory "
+                        "holds at most this much (e.g. 10G)")
+    p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
     p = bench.add_parser("model", help="prefill and decode tokens/s of one sequence (median of runs)")

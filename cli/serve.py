@@ -10,6 +10,7 @@ import time
 from runtime.errors import SemanticError
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SECONDS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
 def parse_bytes(text: str) -> int:
@@ -20,6 +21,25 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def parse_positive_bytes(text: str) -> int:
+    """``parse_bytes``, refusing 0."""
+    n = parse_bytes(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, not {text!r}")
+    return n
+
+
+def parse_duration(text: str) -> float:
+    """``7d``, ``12h``, ``30m``, ``90s``, ``2w``, ``3600`` (seconds) -> seconds, more than 0."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|min|h|d|w)?\s*", text, re.I)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 7d, 12h or 30m)")
+    seconds = float(m.group(1)) * _SECONDS[(m.group(2) or "s").lower()]
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"must be longer than 0, not {text!r}")
+    return seconds
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve the Anthropic, OpenAI and agent HTTP APIs")
     p.add_argument("--model", default="smollm2",
@@ -28,6 +48,12 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--cache-dir", help="where agents' caches and histories live (default ~/.cache/semantic/agents)")
     p.add_argument("--budget", type=parse_bytes, help="bytes of hot KV cache, e.g. 2G (default: memory less weights)")
+    p.add_argument("--disk-budget", type=parse_positive_bytes, metavar="BYTES",
+                   help="bytes the cache directory may hold, e.g. 20G; the least recently used caches go first "
+                        "(default: half of its size plus its filesystem's free space at start-up)")
+    p.add_argument("--conversation-ttl", type=parse_duration, default=7 * 86400, metavar="DURATION",
+                   help="remove anonymous conversations (conv-* agents) unused this long, e.g. 7d, 12h, 30m "
+                        "(default 7d)")
     p.add_argument("--api-key", help="require this key (x-api-key or 'Authorization: Bearer'); default: none")
     p.add_argument("--backend", choices=("trio", "asyncio"), default="trio", help="event loop (default trio)")
     p.add_argument("--max-tokens-limit", type=int, default=64000,
@@ -38,18 +64,25 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import runtime  # noqa: F401  (fast BLAS before mlx)
+    from runtime import disk
     from runtime.models import resolve
+    from runtime.paths import agents_dir
     from web.app import ServerConfig
     from web.server import bind, run as run_server
 
+    cache_dir = args.cache_dir or agents_dir()
+    disk_budget = args.disk_budget or disk.default_budget(cache_dir)
     try:
-        config = ServerConfig(model=args.model, cache_dir=args.cache_dir, budget=args.budget, api_key=args.api_key,
-                              max_tokens_limit=args.max_tokens_limit, max_body_bytes=args.max_body_bytes)
+        config = ServerConfig(model=args.model, cache_dir=cache_dir, budget=args.budget, api_key=args.api_key,
+                              max_tokens_limit=args.max_tokens_limit, max_body_bytes=args.max_body_bytes,
+                              disk_budget=disk_budget, conversation_ttl_s=args.conversation_ttl)
     except ValueError as e:
         raise SemanticError(str(e)) from None
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    say(f"caches in {cache_dir}: disk budget {disk.human_bytes(disk_budget)}; "
+        f"anonymous conversations unused for {disk.human_duration(args.conversation_ttl)} are removed")
     say(f"preparing {args.model} ...")
     resolve(args.model, progress=True)  # the embedded model is converted once, with a progress bar
     say(f"loading {args.model} ...")

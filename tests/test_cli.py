@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -76,7 +77,8 @@ def test_generate_answers_paris():
     assert "Paris" in out.stdout
 
 
-def test_cache_commands(tmp_path):
+def real_caches(root, agents):
+    """A store under ``root`` with a real cache file (41 tokens, model 'tiny') for each agent."""
     from runtime.cache_file import CacheRecord, CacheStore
     from runtime.engine import Engine, SamplingParams
     from runtime.model_spec import ModelCacheSpec
@@ -85,12 +87,17 @@ def test_cache_commands(tmp_path):
 
     model = tiny_model("llama")
     engine = Engine(model, ByteTokenizer())
-    store = CacheStore(tmp_path)
-    for agent in ("ada", "bo"):
+    store = CacheStore(root)
+    for agent in agents:
         sid = engine.add(list(range(1, 40)), SamplingParams(max_tokens=3))
         f = drain(engine)[sid]
         spec = ModelCacheSpec.from_model(model).hash
         store.save(CacheRecord(agent, "tiny", spec, list(f.cache_tokens), "", 1.0, 2.0, f.cache))
+    return store
+
+
+def test_cache_commands(tmp_path):
+    store = real_caches(tmp_path, ("ada", "bo"))
     root = ["cache", "--cache-dir", str(tmp_path)]
 
     listed = json.loads(semantic(*root, "ls", "--json").stdout)
@@ -108,6 +115,89 @@ def test_cache_commands(tmp_path):
 
     assert semantic(*root, "rm", "ada").returncode == 0
     out = semantic(*root, "rm", "ada")
-    assert out.returncode == 2 and "no cache for agent 'ada'" in out.stderr
+    assert out.returncode == 2 and "no cache or history for agent 'ada'" in out.stderr
     out = semantic(*root, "rm", "../etc")
     assert out.returncode == 2 and "may not contain '/'" in out.stderr
+
+
+def age(path, days: float) -> None:
+    when = time.time() - days * 86400
+    os.utime(path, (when, when))
+
+
+def test_cache_ls_rm_and_prune(tmp_path):
+    store = real_caches(tmp_path, ("ada", "bo", "conv-1"))
+    histories = tmp_path / "histories"
+    histories.mkdir()
+    for agent in ("ada", "bo", "conv-1", "carol"):  # carol: a history and no cache
+        (histories / f"{agent}.json").write_text("{}")
+    for path in (store.path("bo", "tiny"), store.path("conv-1", "tiny"), histories / "conv-1.json"):
+        age(path, 10)
+    age(histories / "bo.json", 10)
+    root = ["cache", "--cache-dir", str(tmp_path)]
+
+    listed = json.loads(semantic(*root, "ls", "--json").stdout)
+    assert {(e["agent"], e["model"], e["tokens"], e["tier"]) for e in listed} == {
+        ("ada", "tiny", 41, "warm"), ("bo", "tiny", 41, "warm"), ("conv-1", "tiny", 41, "warm"),
+        ("carol", None, None, "history only")}
+    table = semantic(*root, "ls").stdout
+    carol = next(line for line in table.splitlines() if "carol" in line)
+    assert "history only" in carol and " - " in carol
+
+    out = semantic(*root, "prune")
+    assert out.returncode == 2 and "--older-than" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+    out = semantic(*root, "prune", "--older-than", "7d", "--dry-run")
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and len(lines) == 4 and "would remove 3 file(s)" in lines[-1], out.stdout
+    assert {line.split()[2] for line in lines[:3]} == {
+        f"{store.path('bo', 'tiny').parent.name}/bo.safetensors",
+        f"{store.path('bo', 'tiny').parent.name}/conv-1.safetensors", "histories/conv-1.json"}
+    assert store.path("bo", "tiny").exists() and (histories / "conv-1.json").exists()
+    out = semantic(*root, "prune", "--older-than", "7d")
+    assert out.returncode == 0 and "removed 3 file(s)" in out.stdout, out.stdout
+    assert not store.path("bo", "tiny").exists() and not store.path("conv-1", "tiny").exists()
+    assert not (histories / "conv-1.json").exists()  # an old conversation goes whole
+    assert (histories / "bo.json").exists() and store.path("ada", "tiny").exists()  # a named agent's history stays
+
+    out = semantic(*root, "rm", "ada", "--model", "tiny")
+    assert out.returncode == 0 and "removed 1 cache file(s) of ada; its history stays" in out.stdout
+    assert (histories / "ada.json").exists()
+    store = real_caches(tmp_path, ("ada",))
+    out = semantic(*root, "rm", "ada")
+    assert out.returncode == 0 and "removed 1 cache file(s) and the history of ada" in out.stdout
+    assert not (histories / "ada.json").exists() and not store.path("ada", "tiny").exists()
+    out = semantic(*root, "rm", "bo", "--model", "tiny")
+    assert out.returncode == 2 and "no cache for agent 'bo' and model 'tiny'" in out.stderr
+
+    real_caches(tmp_path, ("dee", "eve"))
+    age(store.path("dee", "tiny"), 1)
+    out = semantic(*root, "prune", "--to", "1")
+    assert out.returncode == 0 and "removed 2 file(s)" in out.stdout and "still over" in out.stdout
+    assert out.stdout.index("dee") < out.stdout.index("eve")  # least recently used first
+    assert sorted(p.name for p in histories.iterdir()) == ["bo.json", "carol.json"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--disk-budget", "0"], "argument --disk-budget: must be more than 0 bytes"),
+    (["--disk-budget", "lots"], "argument --disk-budget: not a size: 'lots'"),
+    (["--conversation-ttl", "7x"], "argument --conversation-ttl: not a duration: '7x' (try 7d, 12h or 30m)"),
+    (["--conversation-ttl", "0h"], "argument --conversation-ttl: must be longer than 0"),
+])
+def test_bad_serve_options_are_a_clear_error(args, message):
+    out = semantic("serve", "--port", "1", *args)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("semantic serve: error: ")
+
+
+def test_serve_options_parse():
+    from cli.main import parser
+
+    args = parser().parse_args(["serve", "--disk-budget", "2G", "--conversation-ttl", "12h"])
+    assert (args.disk_budget, args.conversation_ttl) == (2 << 30, 12 * 3600)
+    args = parser().parse_args(["serve", "--disk-budget", "500M", "--conversation-ttl", "30m"])
+    assert (args.disk_budget, args.conversation_ttl) == (500 << 20, 30 * 60)
+    args = parser().parse_args(["serve"])
+    assert (args.disk_budget, args.conversation_ttl) == (None, 7 * 86400)
+    args = parser().parse_args(["cache", "prune", "--older-than", "7d", "--to", "10G"])
+    assert (args.older_than, args.to) == (7 * 86400, 10 << 30)

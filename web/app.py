@@ -55,6 +55,8 @@ class ServerConfig:
     model: object = "smollm2"  # a name, or a runtime.models.LoadedModel (tests share one)
     cache_dir: Path | None = None
     budget: int | None = None  # bytes of hot KV cache (None: the runtime's default)
+    disk_budget: int | None = None  # bytes the cache directory may hold (None: no cap)
+    conversation_ttl_s: float | None = None  # anonymous conv-* agents unused this long are removed (None: never)
     api_key: str | None = None  # required as x-api-key or "Authorization: Bearer" when set
     max_tokens_limit: int = 64000  # larger max_tokens get a 400 (Claude Code asks for 32000)
     max_body_bytes: int = 32 << 20
@@ -70,6 +72,10 @@ class ServerConfig:
             raise ValueError("body_timeout_s must be > 0")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (None: no key)")
+        if self.disk_budget is not None and self.disk_budget <= 0:
+            raise ValueError("disk_budget must be more than 0 bytes (None: no cap)")
+        if self.conversation_ttl_s is not None and self.conversation_ttl_s <= 0:
+            raise ValueError("conversation_ttl_s must be more than 0 (None: never)")
 
 
 def create_app(config: ServerConfig, on_ready: Callable[[Runtime], None] | None = None) -> Starlette:
@@ -78,7 +84,8 @@ def create_app(config: ServerConfig, on_ready: Callable[[Runtime], None] | None 
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with Runtime.open(config.model, config.cache_dir, config.budget, **config.runtime_options) as rt:
+        async with Runtime.open(config.model, config.cache_dir, config.budget, disk_budget=config.disk_budget,
+                                conversation_ttl_s=config.conversation_ttl_s, **config.runtime_options) as rt:
             await server.start(rt)
             if on_ready is not None:
                 on_ready(rt)
@@ -137,9 +144,14 @@ class _Server:
     async def start(self, rt: Runtime) -> None:
         self.rt = rt
         self.index = ConversationIndex(tool_format(rt.chat_template))
+        rt.on_pruned(self._pruned)  # before the index is built: a prune may end while it is
         for info in await rt.agents():
             self.index.record(info.id, info.history)
         log.info("%d agents on disk", len(self.index))
+
+    def _pruned(self, agent_ids: list[str]) -> None:
+        for agent_id in agent_ids:  # conversations whose files the disk budget or TTL removed
+            self.index.forget(agent_id)
 
     @property
     def model(self) -> str:
@@ -321,16 +333,22 @@ class _Server:
     async def health(self, request: Request) -> Response:
         rt = self.rt
         stats = rt.stats()
-        memory = await anyio.to_thread.run_sync(rt.memory)
+        memory, disk = await anyio.to_thread.run_sync(_memory_and_disk, rt)
         body = {"status": "ok" if rt.healthy else "unhealthy", "ready": rt.healthy, "model": rt.model,
                 "context_length": rt.context_length, "memory": memory,
+                "disk": {"bytes": memory["disk_bytes"], **disk},
                 "queue_depth": stats.get("waiting", 0), "decoding": stats.get("decoding", 0),
                 "agents": len(self.index)}
         return JSONResponse(body, status_code=200 if rt.healthy else 503)
 
     async def metrics_text(self, request: Request) -> Response:
-        memory = await anyio.to_thread.run_sync(self.rt.memory)
-        return Response(self.metrics.render(self.rt.stats(), memory), media_type=CONTENT_TYPE_LATEST)
+        memory, disk = await anyio.to_thread.run_sync(_memory_and_disk, self.rt)
+        return Response(self.metrics.render(self.rt.stats(), memory, disk), media_type=CONTENT_TYPE_LATEST)
+
+
+def _memory_and_disk(rt: Runtime) -> tuple[dict, dict]:
+    """(worker thread: both ask the filesystem)"""
+    return rt.memory(), rt.disk()
 
 
 def _start_usage(first: AsyncIterator[StreamItem]) -> Usage:

@@ -14,9 +14,15 @@ tests, never share counters). Names and what they measure:
     semantic_hot_cache_bytes              gauge      KV bytes held in memory
     semantic_kv_budget_bytes              gauge      the budget they live in
     semantic_disk_cache_bytes             gauge      bytes under the cache directory
+    semantic_disk_budget_bytes            gauge      what it may hold (+Inf: no cap)
+    semantic_disk_free_bytes              gauge      free space on its filesystem
+    semantic_disk_pruned_files_total      counter    files removed by the disk budget or the TTL
+    semantic_disk_failed_writes_total     counter    writes refused for lack of space, or failed
 """
 
 from __future__ import annotations
+
+import math
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -43,6 +49,14 @@ class Metrics:
         self.hot = Gauge("semantic_hot_cache_bytes", "KV cache bytes in memory", registry=r)
         self.budget = Gauge("semantic_kv_budget_bytes", "KV cache budget", registry=r)
         self.disk = Gauge("semantic_disk_cache_bytes", "Bytes under the cache directory", registry=r)
+        self.disk_budget = Gauge("semantic_disk_budget_bytes", "Bytes the cache directory may hold", registry=r)
+        self.disk_free = Gauge("semantic_disk_free_bytes", "Free bytes on the cache directory's filesystem",
+                               registry=r)
+        self.pruned = Counter("semantic_disk_pruned_files", "Files removed by the disk budget or the TTL",
+                              registry=r)
+        self.failed_writes = Counter("semantic_disk_failed_writes", "Writes refused for lack of space, or failed",
+                                     registry=r)
+        self._totals: dict[Counter, int] = {}
         for kind in ("prefilled", "reused"):
             self.prompt.labels(kind)
         for cache in ("hot", "warm", "prefix", "miss"):
@@ -61,11 +75,22 @@ class Metrics:
         self.output.inc(result.output_tokens)
         self.turns.labels("miss" if not result.reused_tokens else tier or "prefix").inc()
 
-    def render(self, stats: dict, memory: dict) -> bytes:
-        """The exposition text, gauges sampled from ``Runtime.stats()`` and ``Runtime.memory()``."""
+    def render(self, stats: dict, memory: dict, disk: dict) -> bytes:
+        """The exposition text, sampled from ``Runtime.stats()``, ``memory()`` and ``disk()``."""
         self.batch.set(stats.get("decoding", 0))
         self.queue.set(stats.get("waiting", 0))
         self.hot.set(memory["hot_bytes"])
         self.budget.set(memory["budget_bytes"])
         self.disk.set(memory["disk_bytes"])
+        self.disk_budget.set(math.inf if disk["budget_bytes"] is None else disk["budget_bytes"])
+        self.disk_free.set(disk["free_bytes"])
+        self._catch_up(self.pruned, disk["pruned_files"])
+        self._catch_up(self.failed_writes, disk["failed_writes"])
         return generate_latest(self.registry)
+
+    def _catch_up(self, counter: Counter, total: int) -> None:
+        """Advance a counter to a total counted elsewhere (by the persistence actor)."""
+        seen = self._totals.get(counter, 0)
+        if total > seen:
+            counter.inc(total - seen)
+            self._totals[counter] = total

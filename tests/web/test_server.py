@@ -284,17 +284,40 @@ async def test_stateless_turns_find_their_agent_by_content_and_reuse_its_cache(t
 
 
 async def test_operations_routes(tmp_path):
-    async with live_server(tmp_path) as url, client(url) as http:
+    async with live_server(tmp_path, disk_budget=1 << 30) as url, client(url) as http:
         await http.post("/v1/messages", json=ASK)
         health = (await http.get("/health")).json()
         assert (health["status"], health["ready"], health["model"], health["context_length"]) == ("ok", True, "tiny", CONTEXT)
         assert set(health["memory"]) == {"hot_bytes", "budget_bytes", "disk_bytes"} and health["queue_depth"] == 0
+        disk = health["disk"]
+        assert (disk["budget_bytes"], disk["pruned_files"], disk["failed_writes"]) == (1 << 30, 0, 0)
+        assert disk["bytes"] == health["memory"]["disk_bytes"] > 0 and disk["free_bytes"] > 0
         models = (await http.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["tiny"]
         text = (await http.get("/metrics")).text
         for name in ("semantic_ttft_seconds_bucket", "semantic_decode_tokens_per_second_count",
                      'semantic_prompt_tokens_total{kind="prefilled"}', 'semantic_prompt_tokens_total{kind="reused"}',
                      'semantic_turns_total{cache="miss"} 1.0', "semantic_batch_size", "semantic_hot_cache_bytes",
-                     "semantic_kv_budget_bytes 2.68435456e+08", "semantic_disk_cache_bytes"):
+                     "semantic_kv_budget_bytes 2.68435456e+08", "semantic_disk_cache_bytes",
+                     "semantic_disk_budget_bytes 1.073741824e+09", "semantic_disk_free_bytes",
+                     "semantic_disk_pruned_files_total 0.0", "semantic_disk_failed_writes_total 0.0"):
             assert name in text, name
     assert json.loads(json.dumps(health))
+
+
+async def test_old_anonymous_conversations_are_pruned_counted_and_forgotten(tmp_path):
+    options = dict(conversation_ttl_s=1.0, runtime_options={"prune_interval_s": 0.1, "agent_idle_s": 0.2})
+    async with live_server(tmp_path, **options) as url, client(url) as http:
+        await http.post("/v1/agents", json={"id": "named", "system": "Be brief."})
+        r = await http.post("/v1/messages", json=ASK)
+        old, reply = r.headers["x-agent-id"], r.json()["content"][0]["text"]
+        assert old.startswith("conv-") and (await http.get("/health")).json()["agents"] == 2
+        with anyio.fail_after(10):  # unused for a second, and its actor retired
+            while (health := (await http.get("/health")).json())["disk"]["pruned_files"] < 2:
+                await anyio.sleep(0.05)
+        assert health["disk"]["pruned_files"] == 2 and health["agents"] == 1  # its history and cache; named stays
+        assert [a["id"] for a in (await http.get("/v1/agents")).json()["agents"]] == ["named"]
+        assert "semantic_disk_pruned_files_total 2.0" in (await http.get("/metrics")).text
+        follow_up = [ASK["messages"][0], {"role": "assistant", "content": reply}, {"role": "user", "content": "And?"}]
+        r = await http.post("/v1/messages", json={**ASK, "messages": follow_up})
+        assert r.status_code == 200 and r.headers["x-agent-id"] not in (old, "named")  # the index forgot it
