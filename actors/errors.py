@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.errors import SemanticError
+from runtime.errors import ContextTooLong, SemanticError  # ContextTooLong: raised by runtime.turns
 
 __all__ = [
     "AgentExists",
@@ -17,11 +17,6 @@ __all__ = [
 
 class TurnError(SemanticError):
     """One turn failed; the agent, its history and the runtime are unaffected."""
-
-
-class ContextTooLong(TurnError):
-    """The prompt leaves no room for a reply in the model's context window (a
-    reply that would run past the context stops at its end instead: reason ``length``)."""
 
 
 class TurnCancelled(TurnError):

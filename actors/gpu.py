@@ -54,7 +54,7 @@ import mlx.core as mx
 from anyio.from_thread import BlockingPortal
 
 from runtime import turns
-from runtime.agent_cache import AgentCaches, AgentMemory, OutOfMemory
+from runtime.agent_cache import AgentMemory, OutOfMemory
 from runtime.batch_cache import copy_cache
 from runtime.cache_file import CacheRecord, encode
 from runtime.engine import Delta as EngineDelta
@@ -113,6 +113,9 @@ class HotSnapshot:
     budget_bytes: int = 0
     used_bytes: int = 0
     agents: dict = field(default_factory=dict)  # agent id -> (tokens, bytes, last use as unix time)
+    prefix_bytes: int = 0  # held by shared prefixes
+    demotions: int = 0  # agents demoted to disk to make room
+    prefix_drops: int = 0  # shared prefixes dropped to make room
 
 
 class GpuActor:
@@ -173,6 +176,8 @@ class GpuActor:
             "waiting": len(w.waiting),
             "loaded": w.registry.loaded is not None,
             "preemptions": w.preemptions,
+            "mlx_active_bytes": mx.get_active_memory(),  # allocator counters: safe to read from any thread
+            "mlx_peak_bytes": mx.get_peak_memory(),
         }
 
     def submit(self, command: GpuCommand) -> None:
@@ -519,7 +524,11 @@ class _Worker:
             messages = [m.as_dict() for m in cmd.messages]
             text = turns.render(tokenizer, messages, cmd.tools)
             prefix = turns.system_prefix(tokenizer, messages, text)
-            turn = turns.begin(caches, tokenizer, cmd.agent_id, text, prefix, use_cache=cmd.use_cache)
+            turn = turns.begin(caches, tokenizer, cmd.agent_id, text, prefix, use_cache=cmd.use_cache,
+                               context_length=reg.context_length)
+        except ContextTooLong as e:
+            self._fail(t, e)
+            return True
         except OutOfMemory as e:
             if self.turns:
                 return False
@@ -530,13 +539,6 @@ class _Worker:
             self._fail(t, TurnError(f"the turn could not start: {e!r}"))
             return True
         limit, n = reg.context_length, len(turn.prompt)
-        if n >= limit:  # not even one token fits
-            caches.abandon(cmd.agent_id)
-            self._fail(t, ContextTooLong(
-                f"the prompt has {n} tokens, more than fit the model's {limit}-token context "
-                f"(at most {limit - 1} leave room for a reply): shorten it or start a new agent"
-            ))
-            return True
         # A reply that would run past the context stops at its end (reason "length").
         sampling = cmd.sampling if n + cmd.sampling.max_tokens <= limit else replace(cmd.sampling, max_tokens=limit - n)
         try:
@@ -564,6 +566,12 @@ class _Worker:
                 return False
             self._drop_preempted(t)
             self._fail(t, e)
+            return True
+        except Exception as e:
+            log.exception("turn %d of %s could not resume", t.cmd.turn_id, agent)
+            caches.abandon(agent)
+            self._drop_preempted(t)
+            self._fail(t, TurnError(f"the turn could not resume: {e!r}"))
             return True
         if memory is not None and memory.tokens != covered:
             log.warning("the cache of %s changed while its turn was preempted; recomputing it", agent)
@@ -663,9 +671,10 @@ class _Worker:
         if p is not None and p.memory() is memory and p.ticket.done.wait(_DURABLE_WAIT_S) and p.ticket.ok:
             memory.dirty = False
             return
-        log.warning("the cache of %s was not written in the background; writing it on the GPU thread",
-                    memory.agent_id)
-        AgentCaches.write(self.registry.caches, memory)  # the plain synchronous write
+        # The disk is full or failing (persistence said why): the memory is needed, so this
+        # version goes; the file keeps the last good one and the next turn resumes from it.
+        log.warning("the newest cache of %s could not be written; it leaves memory unwritten "
+                    "(its file keeps the last good version)", memory.agent_id)
 
     def _hand_over_dirty(self) -> int:
         """Hand every dirty hot cache not handed over yet to persistence (no waiting)."""
@@ -702,7 +711,7 @@ class _Worker:
         # Published for readers on other threads (one assignment, never mutated after).
         self.actor.hot = HotSnapshot(caches.model_id, caches.budget.budget_bytes, caches.hot_bytes, {
             m.agent_id: (len(m.tokens), caches.budget.bytes_of(m.agent_id), m.updated) for m in caches.hot_memories()
-        })
+        }, sum(caches.budget.bytes_of(p.owner) for p in caches.prefixes()), caches.demotions, caches.prefix_drops)
         if self.eviction is None:
             return
         agents = tuple(  # shared prefixes too: never dirty (no file), so dropping one is free

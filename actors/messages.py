@@ -102,6 +102,11 @@ class TurnResult:
     decode_s: float | None = None  # first token -> end
     stop_sequence: str | None = None  # the stop string that ended it (reason "stop")
 
+    @property
+    def decode_tps(self) -> float | None:
+        """Tokens per second after the first (None when fewer than two were generated)."""
+        return (self.output_tokens - 1) / self.decode_s if self.decode_s and self.output_tokens > 1 else None
+
 
 # -- generic replies ---------------------------------------------------------
 

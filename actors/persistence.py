@@ -26,8 +26,8 @@ the disk.
   that succeeds.
 * **Bounded disk** (``runtime.disk``): at start, then at most once every
   ``prune_interval_s`` after writes or when a conversation's TTL ends (an
-  idle actor sleeps until then), and at once when writes take the directory
-  over ``disk_budget``, it removes anonymous conversations unused for
+  idle actor sleeps until then), and at once when the next write would take
+  the directory over ``disk_budget`` (before it, so it never holds more), it removes anonymous conversations unused for
   ``conversation_ttl_s`` and then the least recently written cache files
   down to 90% of the budget.  Pruning runs between writes, never beside one,
   and leaves alone every file of an agent with a write pending or live in
@@ -213,8 +213,15 @@ class PersistenceActor:
     def _prune_due(self) -> bool:
         if self.disk_budget is None and self.conversation_ttl_s is None:
             return False
-        over = self.disk_budget is not None and self._disk_bytes > self.disk_budget and not self._over_anyway
-        return over or anyio.current_time() >= self._next_prune
+        return (self._over() and not self._over_anyway) or anyio.current_time() >= self._next_prune
+
+    def _incoming(self) -> int:
+        """Bytes the next write brings (checked before it, not after: the directory
+        never holds more than the budget)."""
+        return len(getattr(next(iter(self._pending.values()), None), "data", b""))
+
+    def _over(self) -> bool:
+        return self.disk_budget is not None and self._disk_bytes + self._incoming() > self.disk_budget
 
     def _until_prune(self) -> float:
         if self.disk_budget is None and self.conversation_ttl_s is None:
@@ -226,7 +233,8 @@ class PersistenceActor:
         protected = frozenset({*self.live(), *(k[1] for k in self._pending), *self._unwritten})
         budget = self.disk_budget
         try:
-            plan, removed = await anyio.to_thread.run_sync(self._prune_files, protected, frozenset(self.hot()))
+            plan, removed = await anyio.to_thread.run_sync(self._prune_files, protected, frozenset(self.hot()),
+                                                           self._incoming())
         except OSError as e:
             log.error("could not prune the cache directory %s: %s", self.store.root, e)
             plan, removed = None, []
@@ -234,6 +242,7 @@ class PersistenceActor:
         self._last_prune = now
         self._next_prune = now + self.prune_interval_s
         if plan is None:
+            self._over_anyway = True  # not again before the interval
             return
         # Until a write, only a conversation's TTL can end: wake for the first (never sooner than the interval).
         if plan.next_expiry is None:
@@ -246,7 +255,7 @@ class PersistenceActor:
             log.info("pruned %d file(s), %s, from %s (%d conversation(s) unused for too long); it holds %s now",
                      len(removed), disk.human_bytes(sum(f.bytes for f in removed)), self.store.root,
                      len(plan.agents_removed), disk.human_bytes(self._disk_bytes))
-        over = budget is not None and self._disk_bytes > budget
+        over = self._over()  # still: the rest is protected; write anyway until the next prune is due
         if over and not self._over_anyway:
             log.warning("the cache directory %s holds %s, over its disk budget of %s: the rest is histories, "
                         "files of agents in use and files pruning never removes", self.store.root,
@@ -258,11 +267,14 @@ class PersistenceActor:
             except Exception:  # a listener's bug must not stop the writer
                 log.exception("a listener for pruned conversations failed")
 
-    def _prune_files(self, protected: frozenset[str], hot: frozenset[str]) -> tuple[disk.Plan, list[disk.DiskFile]]:
-        """(worker thread) Scan the directory, plan, remove."""
+    def _prune_files(self, protected: frozenset[str], hot: frozenset[str],
+                     incoming: int) -> tuple[disk.Plan, list[disk.DiskFile]]:
+        """(worker thread) Scan the directory, plan (leaving room for ``incoming`` bytes), remove."""
         files, _ = disk.scan(self.store.root, self.histories)
-        budget = self.disk_budget
-        plan = disk.plan(files, budget=budget, target=None if budget is None else int(budget * PRUNE_TO),
+        budget = target = None
+        if self.disk_budget is not None:
+            budget, target = self.disk_budget - incoming, int(self.disk_budget * PRUNE_TO) - incoming
+        plan = disk.plan(files, budget=budget, target=target,
                          conversation_ttl=self.conversation_ttl_s, protected=protected, hot=hot)
         return plan, disk.apply(plan)
 

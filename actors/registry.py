@@ -55,6 +55,7 @@ class ModelRegistry:
         self.engine: Engine | None = None
         self.caches: HotCaches | None = None
         self.name: str | None = None  # the model asked for last; kept across an idle unload
+        self._counts = (0, 0)  # demotions and prefix drops of models unloaded: counters never go back
 
     def load(self, model: str | LoadedModel) -> None:
         """Load ``model`` (a name, or one loaded already) and build its engine and caches.
@@ -64,12 +65,14 @@ class ModelRegistry:
         engine = Engine(loaded.model, loaded.tokenizer, **self.engine_options)
         base = open_caches(loaded, self.cache_root, self.budget_bytes, working_copy=engine.float_attention)
         caches = HotCaches(base.store, base.model_id, base.spec, base.budget)
+        caches.demotions, caches.prefix_drops = self._counts
         self.loaded, self.caches, self.name, self.engine = loaded, caches, loaded.name, engine
         log.info("model %s loaded; KV budget %.0f MiB", loaded.name, caches.budget.budget_bytes / 2**20)
 
     def unload(self) -> None:
         """Drop the model, engine and caches (the caller made the dirty ones durable)."""
         if self.caches is not None:
+            self._counts = (self.caches.demotions, self.caches.prefix_drops)
             self.caches.drop_all()
         self.loaded = self.engine = self.caches = None
         gc.collect()

@@ -189,9 +189,13 @@ class Runtime:
         return getattr(loaded.tokenizer, "chat_template", None) if loaded else None
 
     def memory(self) -> dict:
-        """Hot KV cache bytes against the budget, and bytes of every file in the cache directory."""
-        hot = self._gpu.hot
-        return {"hot_bytes": hot.used_bytes, "budget_bytes": hot.budget_bytes,
+        """Hot KV cache bytes against the budget (shared prefixes' share of them),
+        MLX's active and peak memory, demotions, preemptions and prefix drops so
+        far, and bytes of every file in the cache directory."""
+        hot, stats = self._gpu.hot, self._gpu.stats()
+        return {"hot_bytes": hot.used_bytes, "budget_bytes": hot.budget_bytes, "prefix_bytes": hot.prefix_bytes,
+                "mlx_active_bytes": stats["mlx_active_bytes"], "mlx_peak_bytes": stats["mlx_peak_bytes"],
+                "demotions": hot.demotions, "prefix_drops": hot.prefix_drops, "preemptions": stats["preemptions"],
                 "disk_bytes": self._persistence.store.disk_bytes()}
 
     def disk(self) -> dict:

@@ -96,6 +96,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="256-token prompts, 64 tokens each (a few minutes on 2 cores)")
     _add_json(p, "the results")
 
+    p = bench.add_parser("soak", help="many agents over a long run: memory and disk stay in budget, no turn fails")
+    _add_model(p)
+    p.add_argument("--agents", type=int, default=300, help="agents, 3 turns each (default 300)")
+    p.add_argument("--concurrency", type=int, default=8, help="agents taking turns at once (default 8)")
+    p.add_argument("--hot-agents", type=int, default=10,
+                   help="the KV budget holds this many agents, the turns in progress among them (default 10)")
+    p.add_argument("--tokens", type=int, default=8, help="tokens per reply (default 8)")
+    _add_json(p, "the results")
+
     p = bench.add_parser("compare", help="`semantic serve` against mlx_lm.server over HTTP, side by side")
     _add_model(p)
     p.add_argument("--quick", action="store_true", help="a reduced set (< 10 minutes on 2 cores; full run < 45)")

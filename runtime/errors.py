@@ -1,6 +1,6 @@
 """Errors meant for users: their message says what went wrong and what to do."""
 
-__all__ = ["SemanticError", "ModelError"]
+__all__ = ["SemanticError", "ModelError", "ContextTooLong"]
 
 
 class SemanticError(Exception):
@@ -9,3 +9,8 @@ class SemanticError(Exception):
 
 class ModelError(SemanticError):
     """A model cannot be found, prepared or loaded."""
+
+
+class ContextTooLong(SemanticError):
+    """The prompt leaves no room for a reply in the model's context window (a
+    reply that would run past the context stops at its end instead: reason ``length``)."""

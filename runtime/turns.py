@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from .agent_cache import AgentCaches, AgentMemory, OutOfMemory
 from .engine import Engine, Finished, SamplingParams
+from .errors import ContextTooLong
 from .prefix import COLD, PrefixPlan, encode, plan
 
 __all__ = ["Turn", "TurnResult", "begin", "end", "render", "run_turn", "system_prefix"]
@@ -57,21 +58,29 @@ def begin(
     prefix_text: str | None = None,
     min_share: float = 0.5,
     use_cache: bool = True,
+    context_length: int | None = None,
 ) -> Turn:
     """Check out the agent's cache and plan the prefill of ``prompt_text``.
 
     Reserves budget for the prompt and the first reply token before anything
-    runs (raises ``OutOfMemory`` if that cannot fit); the reply's tokens are
-    reserved as they come (``AgentCaches.grow``), block by block.  Every
-    ``begin`` must be followed by ``end`` or ``caches.abandon``.
+    runs (raises ``OutOfMemory`` if that cannot fit, ``ContextTooLong`` if the
+    prompt fills ``context_length``; the agent keeps its cache); the reply's
+    tokens are reserved as they come (``AgentCaches.grow``), block by block.
+    Every ``begin`` must be followed by ``end`` or ``caches.abandon``.
     """
     memory = caches.checkout(agent_id)
     try:
         turn = _plan(caches, tokenizer, agent_id, prompt_text, memory if use_cache else None,
                      prefix_text, min_share, use_cache)
-        caches.grow(agent_id, len(turn.prompt) + 1)
-    except OutOfMemory:
-        caches.putback(agent_id, memory)  # it waits for room: the agent keeps its cache
+        n = len(turn.prompt)
+        if context_length is not None and n >= context_length:  # not even one reply token fits
+            raise ContextTooLong(
+                f"the prompt has {n} tokens, more than fit the model's {context_length}-token context "
+                f"(at most {context_length - 1} leave room for a reply): shorten it or start a new agent"
+            )
+        caches.grow(agent_id, n + 1)
+    except (OutOfMemory, ContextTooLong):
+        caches.putback(agent_id, memory)  # it did not run: the agent keeps its cache
         raise
     except BaseException:
         caches.abandon(agent_id)

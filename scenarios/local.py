@@ -55,9 +55,8 @@ class LocalAgent:
 
 def stats(r) -> TurnStats:
     """``TurnStats`` from an ``actors.TurnResult``."""
-    decode_tps = (r.output_tokens - 1) / r.decode_s if r.decode_s and r.output_tokens > 1 else 0.0
     return TurnStats(
         prompt_tokens=r.prompt_tokens, reused_tokens=r.reused_tokens, prefilled_tokens=r.prefilled_tokens,
         ttft_ms=1000 * (r.ttft_s or 0.0), prefill_ms=1000 * (r.prefill_s or 0.0),
-        generated_tokens=r.output_tokens, decode_tps=decode_tps, text=r.text,
+        generated_tokens=r.output_tokens, decode_tps=r.decode_tps or 0.0, text=r.text,
     )

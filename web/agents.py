@@ -94,11 +94,8 @@ def turn_json(agent_id: str, result: ChatResult, turn: TurnResult | None) -> dic
     timing = {"ttft_ms": None, "queued_ms": None, "prefill_ms": None, "decode_tps": None}
     if turn is not None:
         ms = lambda s: None if s is None else round(s * 1000, 3)  # noqa: E731
-        decode_s = getattr(turn, "decode_s", None)
-        timing = {"ttft_ms": ms(turn.ttft_s), "queued_ms": ms(turn.queued_s),
-                  "prefill_ms": ms(getattr(turn, "prefill_s", None)),
-                  "decode_tps": round((turn.output_tokens - 1) / decode_s, 3)
-                  if decode_s and turn.output_tokens > 1 else None}
+        timing = {"ttft_ms": ms(turn.ttft_s), "queued_ms": ms(turn.queued_s), "prefill_ms": ms(turn.prefill_s),
+                  "decode_tps": None if turn.decode_tps is None else round(turn.decode_tps, 3)}
     u = result.usage
     return {
         "agent_id": agent_id,

@@ -13,6 +13,11 @@ tests, never share counters). Names and what they measure:
     semantic_queue_depth                  gauge      turns waiting for admission (at scrape)
     semantic_hot_cache_bytes              gauge      KV bytes held in memory
     semantic_kv_budget_bytes              gauge      the budget they live in
+    semantic_mlx_active_bytes             gauge      MLX's active memory (weights, caches, activations)
+    semantic_mlx_peak_bytes               gauge      MLX's peak memory since start
+    semantic_demotions_total              counter    idle agents' caches moved to disk to make room
+    semantic_prefix_drops_total           counter    shared prefixes dropped to make room
+    semantic_preemptions_total            counter    turns paused (cache to disk) while others grew
     semantic_disk_cache_bytes             gauge      bytes under the cache directory
     semantic_disk_budget_bytes            gauge      what it may hold (+Inf: no cap)
     semantic_disk_free_bytes              gauge      free space on its filesystem
@@ -48,6 +53,11 @@ class Metrics:
         self.queue = Gauge("semantic_queue_depth", "Turns waiting for admission", registry=r)
         self.hot = Gauge("semantic_hot_cache_bytes", "KV cache bytes in memory", registry=r)
         self.budget = Gauge("semantic_kv_budget_bytes", "KV cache budget", registry=r)
+        self.mlx_active = Gauge("semantic_mlx_active_bytes", "MLX active memory", registry=r)
+        self.mlx_peak = Gauge("semantic_mlx_peak_bytes", "MLX peak memory", registry=r)
+        self.demotions = Counter("semantic_demotions", "Idle caches moved to disk to make room", registry=r)
+        self.prefix_drops = Counter("semantic_prefix_drops", "Shared prefixes dropped to make room", registry=r)
+        self.preemptions = Counter("semantic_preemptions", "Turns paused while others grew", registry=r)
         self.disk = Gauge("semantic_disk_cache_bytes", "Bytes under the cache directory", registry=r)
         self.disk_budget = Gauge("semantic_disk_budget_bytes", "Bytes the cache directory may hold", registry=r)
         self.disk_free = Gauge("semantic_disk_free_bytes", "Free bytes on the cache directory's filesystem",
@@ -68,8 +78,8 @@ class Metrics:
             return
         if result.ttft_s is not None:
             self.ttft.observe(result.ttft_s)
-        if result.decode_s and result.output_tokens > 1:
-            self.decode.observe((result.output_tokens - 1) / result.decode_s)
+        if result.decode_tps is not None:
+            self.decode.observe(result.decode_tps)
         self.prompt.labels("prefilled").inc(result.prefilled_tokens)
         self.prompt.labels("reused").inc(result.reused_tokens)
         self.output.inc(result.output_tokens)
@@ -81,6 +91,11 @@ class Metrics:
         self.queue.set(stats.get("waiting", 0))
         self.hot.set(memory["hot_bytes"])
         self.budget.set(memory["budget_bytes"])
+        self.mlx_active.set(memory["mlx_active_bytes"])
+        self.mlx_peak.set(memory["mlx_peak_bytes"])
+        for counter, key in ((self.demotions, "demotions"), (self.prefix_drops, "prefix_drops"),
+                             (self.preemptions, "preemptions")):
+            self._catch_up(counter, memory[key])
         self.disk.set(memory["disk_bytes"])
         self.disk_budget.set(math.inf if disk["budget_bytes"] is None else disk["budget_bytes"])
         self.disk_free.set(disk["free_bytes"])

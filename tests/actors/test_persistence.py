@@ -172,6 +172,24 @@ async def test_writes_over_the_budget_prune_at_once(tmp_path):
     assert left == ["c", "d"] and actor.pruned == 2
 
 
+async def test_a_write_that_cannot_be_made_room_for_is_written_anyway_without_spinning(tmp_path):
+    """Every file is protected (its cache is hot): pruning cannot make room, so the
+    write goes ahead over the budget (and says so) instead of pruning forever."""
+    actor = actor_in(tmp_path)
+    actor.disk_budget = 1000
+    actor.hot = lambda: {"a", "b"}
+    async with anyio.create_task_group() as tg:
+        await tg.start(actor.run)
+        with anyio.fail_after(10):
+            for i, agent in enumerate("ab"):
+                ticket = WriteTicket()
+                actor.mailbox.send_nowait(CacheBytes(agent, "m", i, b"x" * 600, ticket))
+                await request(lambda r: actor.mailbox.send_nowait(Flush(r)))
+                assert ticket.ok
+        actor.mailbox.send_nowait(Stop())
+    assert actor.store.disk_bytes() == 1200 and actor.pruned == 0
+
+
 async def test_old_conversations_go_whole_but_not_named_live_or_pending_ones(tmp_path):
     actor = actor_in(tmp_path)
     for agent in ("conv-old", "conv-live", "conv-pending", "named"):

@@ -288,7 +288,12 @@ async def test_operations_routes(tmp_path):
         await http.post("/v1/messages", json=ASK)
         health = (await http.get("/health")).json()
         assert (health["status"], health["ready"], health["model"], health["context_length"]) == ("ok", True, "tiny", CONTEXT)
-        assert set(health["memory"]) == {"hot_bytes", "budget_bytes", "disk_bytes"} and health["queue_depth"] == 0
+        memory = health["memory"]
+        assert set(memory) == {"hot_bytes", "budget_bytes", "prefix_bytes", "mlx_active_bytes", "mlx_peak_bytes",
+                               "demotions", "prefix_drops", "preemptions", "disk_bytes"} and health["queue_depth"] == 0
+        assert 0 < memory["hot_bytes"] <= memory["budget_bytes"] and memory["prefix_bytes"] == 0  # no system prompt
+        assert 0 < memory["mlx_active_bytes"] <= memory["mlx_peak_bytes"]
+        assert (memory["demotions"], memory["prefix_drops"], memory["preemptions"]) == (0, 0, 0)
         disk = health["disk"]
         assert (disk["budget_bytes"], disk["pruned_files"], disk["failed_writes"]) == (1 << 30, 0, 0)
         assert disk["bytes"] == health["memory"]["disk_bytes"] > 0 and disk["free_bytes"] > 0
@@ -300,7 +305,9 @@ async def test_operations_routes(tmp_path):
                      'semantic_turns_total{cache="miss"} 1.0', "semantic_batch_size", "semantic_hot_cache_bytes",
                      "semantic_kv_budget_bytes 2.68435456e+08", "semantic_disk_cache_bytes",
                      "semantic_disk_budget_bytes 1.073741824e+09", "semantic_disk_free_bytes",
-                     "semantic_disk_pruned_files_total 0.0", "semantic_disk_failed_writes_total 0.0"):
+                     "semantic_disk_pruned_files_total 0.0", "semantic_disk_failed_writes_total 0.0",
+                     "semantic_mlx_active_bytes", "semantic_mlx_peak_bytes", "semantic_demotions_total 0.0",
+                     "semantic_prefix_drops_total 0.0", "semantic_preemptions_total 0.0"):
             assert name in text, name
     assert json.loads(json.dumps(health))
 
