@@ -62,7 +62,6 @@ class SharedPrefix:
     text: str
     cache: list  # read-only: users get copies
     updated: float = field(default_factory=time.time)  # last registered or used
-    uses: int = 0  # agents that started from it
     dirty = False  # it has no file: dropping it loses nothing the next cold agent cannot redo
 
 
@@ -76,7 +75,7 @@ class AgentCaches:
         self.budget = budget
         self._hot: OrderedDict[str, AgentMemory] = OrderedDict()  # least recently used first
         self._busy: set[str] = set()  # checked out for a turn: never demoted
-        self._prefixes: OrderedDict[str, SharedPrefix] = OrderedDict()  # by text, least recently used first
+        self._prefixes: dict[tuple[str, int], SharedPrefix] = {}  # by owner
         self._prefix_ids = itertools.count()
         self.demotions = 0  # agents demoted to disk
         self.prefix_drops = 0  # shared prefixes dropped to make room
@@ -174,9 +173,8 @@ class AgentCaches:
     def demote(self, owner) -> None:
         """Free an idle owner's blocks: an agent goes hot -> warm (written if
         dirty); a shared prefix is dropped."""
-        if isinstance(owner, tuple):
-            prefix = next(p for p in self._prefixes.values() if p.owner == owner)
-            del self._prefixes[prefix.text]
+        if owner in self._prefixes:
+            del self._prefixes[owner]
             self._release(owner)
             self.prefix_drops += 1
             return
@@ -205,7 +203,7 @@ class AgentCaches:
         """Forget every hot cache and shared prefix (their memory goes with them).
         Call only when none is dirty and no turn holds one."""
         assert not self._busy, "drop_all() with turns in progress: their caches would be lost"
-        for owner in [*self._hot, *(p.owner for p in self._prefixes.values())]:
+        for owner in [*self._hot, *self._prefixes]:
             self._release(owner)
         self._hot.clear()
         self._prefixes.clear()
@@ -254,7 +252,7 @@ class AgentCaches:
         thing freed when room is needed.  Returns False when the cache cannot
         be cut there (a wrapped sliding window) or there is no free room.
         """
-        if text in self._prefixes:
+        if any(p.text == text for p in self._prefixes.values()):
             return True
         copy = copy_cache(cache)
         extra = copy[0].offset - len(tokens)
@@ -265,13 +263,12 @@ class AgentCaches:
         owner = ("prefix", next(self._prefix_ids))
         if not self.budget.reserve(owner, len(tokens)):
             return False
-        self._prefixes[text] = SharedPrefix(owner, list(tokens), text, copy)
+        self._prefixes[owner] = SharedPrefix(owner, list(tokens), text, copy)
         return True
 
     def from_prefix(self, agent_id: str, prefix: SharedPrefix) -> AgentMemory:
         """A new agent's memory that starts as a copy of a shared prefix."""
-        prefix.updated, prefix.uses = time.time(), prefix.uses + 1
-        self._prefixes.move_to_end(prefix.text)
+        prefix.updated = time.time()
         return AgentMemory(agent_id, list(prefix.tokens), prefix.text, copy_cache(prefix.cache))
 
 
