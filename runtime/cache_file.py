@@ -28,6 +28,7 @@ next write.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -60,6 +61,7 @@ __all__ = [
     "CacheStore",
     "InvalidAgentId",
     "StaleBlocks",
+    "merged",
     "model_key",
     "snapshot",
     "validate_agent_id",
@@ -189,6 +191,17 @@ class BlockUpdate:
     @property
     def nbytes(self) -> int:
         return sum(len(b) for b in self.blocks) + len(self.ring) + len(self.text.encode())
+
+
+def merged(older: BlockUpdate, newer: BlockUpdate) -> BlockUpdate:
+    """``newer``, also carrying the blocks before its ``first`` that only ``older``
+    carried: both were pending, only the newer is written."""
+    n = newer.first * BLOCK_TOKENS
+    if newer.first <= older.first or older.first + len(older.blocks) < newer.first \
+            or older.tokens[:n] != newer.tokens[:n]:
+        return newer  # nothing to take over (or not the same tokens: the writer finds them stale)
+    taken = older.blocks[: newer.first - older.first]
+    return dataclasses.replace(newer, first=older.first, blocks=[*taken, *newer.blocks])
 
 
 # -- the MLX side: copy out the bytes ---------------------------------------
@@ -720,8 +733,8 @@ class CacheStore:
         dirs = [self.root / model_key(model_id)] if model_id is not None else self._model_dirs()
         removed = 0
         for d in dirs:
-            removed += remove_cache(d / f"{agent_id}{AGENT_DIR_SUFFIX}")
-            removed += remove_cache(d / f"{agent_id}{cache_v1.SUFFIX}")
+            removed += remove_tree(d / f"{agent_id}{AGENT_DIR_SUFFIX}")
+            removed += remove_tree(d / f"{agent_id}{cache_v1.SUFFIX}")
         return removed
 
     def entries(self) -> list[dict]:
@@ -895,8 +908,8 @@ def tree_bytes(top: Path) -> int:
     return sum(_size(Path(parent) / name) for parent, _, names in os.walk(top) for name in names)
 
 
-def remove_cache(path: Path) -> int:
-    """Remove an agent's directory or version 1 file; 1 if there was one."""
+def remove_tree(path: Path) -> int:
+    """Remove a file or a directory with everything in it; 1 if there was one."""
     try:
         if path.is_dir():
             shutil.rmtree(path)
