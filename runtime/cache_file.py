@@ -541,8 +541,10 @@ def load(directory: os.PathLike | str, *, model_id: str, spec_hash: str, agent_i
         raise CacheFileError(directory, "bad layout", "the text pieces do not make the text")
     if not keep:
         return m
-    cache = [_rebuild(i, e, {k: _to_mx(v) for k, v in arrays.items() if k.startswith(f"layer_{i}_")})
-             for i, e in enumerate(layers)]
+    cache = []
+    for i, e in enumerate(layers):  # each layer's buffers go as its arrays are made: memory stays ~ the cache
+        names = [k for k in arrays if k.startswith(f"layer_{i}_")]
+        cache.append(_rebuild(i, e, {k: _to_mx(arrays.pop(k)) for k in names}))
     return CacheRecord(m["agent_id"], m["model_id"], m["spec_hash"], tokens, text, m["created"], m["updated"], cache)
 
 
