@@ -10,7 +10,8 @@ For each context length, median of ``repeats``:
            first token.  ``load_ms`` is reading the cache file alone;
 * written -- the bytes the cache store writes for a ~20-token follow-up
            after that (``CacheStore.bytes_written``: blocks, ring, text and
-           manifest): it must not grow with the context.
+           manifest), next to the whole cache's bytes on disk: it must not
+           grow with the context.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def measure(loaded, context: int, repeats: int, root: Path) -> dict:
     engine = Engine(loaded.model, loaded.tokenizer)
     _warm_up(engine)
     caches = open_caches(loaded, root)
-    cold, hot, warm, load_ms, written, short_tokens, tokens = [], [], [], [], [], [], 0
+    cold, hot, warm, load_ms, written, short_tokens, on_disk, tokens = [], [], [], [], [], [], [], 0
     for r in range(repeats):
         agent = f"ctx{context}-{r}"
         messages = conversation(loaded.tokenizer, context)
@@ -124,9 +125,10 @@ def measure(loaded, context: int, repeats: int, root: Path) -> dict:
         caches.flush()
         written.append(caches.store.bytes_written - before)
         short_tokens.append(short_turn.finished.prefilled_tokens)
+        on_disk.append(caches.store.info(agent, loaded.name)["bytes"])
     med = statistics.median
     return {"tokens": tokens, "cold": med(cold), "hot": med(hot), "warm": med(warm), "load": med(load_ms),
-            "written": med(written), "short_tokens": med(short_tokens)}
+            "written": med(written), "short_tokens": med(short_tokens), "on_disk": med(on_disk)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -149,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
                 r = rows[c]
                 print(f"{c:>6} tokens: cold {r['cold']:.0f} ms, hot {r['hot']:.0f} ms, warm {r['warm']:.0f} ms "
                       f"(load {r['load']:.1f} ms); a {r['short_tokens']:.0f}-token follow-up wrote "
-                      f"{r['written']:.0f} bytes", file=sys.stderr)
+                      f"{r['written']:.0f} bytes of a {r['on_disk']:.0f}-byte cache", file=sys.stderr)
     result = {
         "model": args.model,
         "repeats": args.repeats,
@@ -163,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
         "cold_over_warm": {c: round(rows[c]["cold"] / rows[c]["warm"], 1) for c in contexts},
         "follow_up_tokens": {c: rows[c]["short_tokens"] for c in contexts},
         "bytes_written_per_follow_up": {c: rows[c]["written"] for c in contexts},
+        "cache_bytes_on_disk": {c: rows[c]["on_disk"] for c in contexts},
     }
     if args.json:
         print(json.dumps(result))
