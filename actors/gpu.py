@@ -766,7 +766,8 @@ class _Worker:
         return True
 
     def _drop(self, agent_id: str) -> None:
-        """Forget an agent's hot cache and its file for this model (the agent is deleted)."""
+        """Forget an agent's hot cache (the agent is deleted; the persistence actor's
+        ``Forget`` deletes its files, after the writes queued before it)."""
         self.pushed.pop(agent_id, None)
         self.sent.pop(agent_id, None)
         caches = self.registry.caches

@@ -213,10 +213,15 @@ class AgentCaches:
         self._prefixes.clear()
 
     def delete(self, agent_id: str) -> None:
+        """Forget the agent's cache: the hot copy and its files for this model."""
+        self.forget(agent_id)
+        self.store.delete(agent_id, self.model_id)
+
+    def forget(self, agent_id: str) -> None:
+        """Forget the hot copy only (its files stay)."""
         if agent_id in self._hot:
             del self._hot[agent_id]
         self._release(agent_id)
-        self.store.delete(agent_id, self.model_id)
 
     def _release(self, owner: str) -> None:
         if owner in self.budget:
