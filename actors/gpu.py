@@ -23,10 +23,12 @@ outbox in order with ``send_nowait`` on unbounded streams, so one pump call
 delivers everything posted so far, in the order it was posted, whatever order
 the portal runs its tasks in.
 
-Caches leave the thread as bytes: when a turn ends its new cache is encoded
-(``runtime.cache_file.encode``) and handed to the persistence actor with a
-``WriteTicket``; the cache is *dirty* until that exact version is durable
-(``CacheWritten``).  When ``AgentCaches`` must demote a dirty cache (to make
+Caches leave the thread as bytes: when a turn ends, the blocks of its cache
+that are not on disk yet are copied out (``runtime.cache_file.snapshot``: the
+blocks from the first one whose tokens differ from what this thread last
+handed over for the same cache, plus the sliding-window rings; no hashing, no
+file I/O here) and handed to the persistence actor with a ``WriteTicket``; the
+cache is *dirty* until that exact version is durable (``CacheWritten``).  When ``AgentCaches`` must demote a dirty cache (to make
 room), ``HotCaches.write`` waits for its ticket instead of writing itself, so
 the persistence actor stays the one writer of every file.
 
@@ -56,7 +58,7 @@ from anyio.from_thread import BlockingPortal
 from runtime import turns
 from runtime.agent_cache import AgentMemory, OutOfMemory
 from runtime.batch_cache import copy_cache
-from runtime.cache_file import CacheRecord, encode
+from runtime.cache_file import BLOCK_TOKENS, CacheRecord, snapshot
 from runtime.engine import Delta as EngineDelta
 from runtime.engine import LENGTH, Finished
 from runtime.errors import SemanticError
@@ -65,7 +67,7 @@ from runtime.models import LoadedModel
 from .errors import ContextTooLong, RuntimeClosed, RuntimeUnhealthy, TurnError
 from .messages import (
     BeginTurn,
-    CacheBytes,
+    CacheBlocks,
     CacheWritten,
     CancelTurn,
     Delta,
@@ -323,6 +325,15 @@ class _Pushed:
     ticket: WriteTicket
 
 
+@dataclass(frozen=True)
+class _Sent:
+    """What this thread last handed over of an agent's cache: the blocks of
+    ``tokens`` are on disk or on their way, for as long as ``lineage`` lives."""
+
+    lineage: weakref.ref  # the cache's first layer object: turns trim and extend it in place
+    tokens: list[int]
+
+
 class _Worker:
     """The GPU thread's state and loop.  Every field is touched only on that thread
     (``steps`` and the registry's counts are read elsewhere for stats only)."""
@@ -342,6 +353,7 @@ class _Worker:
         self.failed: RuntimeUnhealthy | None = None
         self.stopping = False
         self.pushed: dict[str, _Pushed] = {}
+        self.sent: dict[str, _Sent] = {}
         self.versions = itertools.count(1)
         self.steps = 0
         self.preemptions = 0
@@ -375,6 +387,7 @@ class _Worker:
     def _load(self, model) -> None:
         self.registry.load(model)
         self.registry.caches.write_through = self._write_through
+        self.registry.caches.on_load = self._loaded
         self._report_hot()
 
     def _serve(self) -> None:
@@ -635,22 +648,37 @@ class _Worker:
     # -- caches: persistence, eviction, fork, delete --------------------------------
 
     def _push(self, memory: AgentMemory) -> bool:
-        """Encode a hot cache and hand it to the persistence actor (write-behind)."""
+        """Copy out a hot cache's new blocks and hand them to the persistence actor (write-behind)."""
         reg = self.registry
         record = CacheRecord(
             memory.agent_id, reg.caches.model_id, reg.caches.spec.hash, list(memory.tokens), memory.text,
             memory.created, memory.updated, memory.cache,
         )
         try:
-            data = encode(record)
+            update = snapshot(record, self._handed_over(memory))
         except Exception:
-            log.exception("could not encode the cache of %s; it stays dirty", memory.agent_id)
+            log.exception("could not copy out the cache of %s; it stays dirty", memory.agent_id)
             return False
+        for agent_id in [a for a, s in self.sent.items() if s.lineage() is None]:  # caches gone from memory
+            del self.sent[agent_id]
+        self.sent[memory.agent_id] = _Sent(weakref.ref(memory.cache[0]), record.tokens)
         version = next(self.versions)
         ticket = WriteTicket()
         self.pushed[memory.agent_id] = _Pushed(version, weakref.ref(memory), ticket)
-        self.actor._post(self.persistence, CacheBytes(memory.agent_id, record.model_id, version, data, ticket))
+        self.actor._post(self.persistence, CacheBlocks(memory.agent_id, record.model_id, version, update, ticket))
         return True
+
+    def _handed_over(self, memory: AgentMemory) -> int:
+        """How many leading blocks of ``memory``'s cache were handed over already:
+        those of the same cache (not a recomputed one) whose tokens are unchanged."""
+        s = self.sent.get(memory.agent_id)
+        if s is None or not memory.cache or s.lineage() is not memory.cache[0]:
+            return 0
+        return _common_prefix(s.tokens, memory.tokens) // BLOCK_TOKENS
+
+    def _loaded(self, memory: AgentMemory) -> None:
+        """``AgentCaches.on_load``: a cache just read from its blocks is all on disk."""
+        self.sent[memory.agent_id] = _Sent(weakref.ref(memory.cache[0]), list(memory.tokens))
 
     def _written(self, cmd: CacheWritten) -> None:
         p = self.pushed.get(cmd.agent_id)
@@ -658,7 +686,12 @@ class _Worker:
             return  # an older version, superseded
         del self.pushed[cmd.agent_id]
         memory, caches = p.memory(), self.registry.caches
-        if p.ticket.ok and memory is not None and caches is not None and caches.peek(cmd.agent_id) is memory:
+        hot = memory is not None and caches is not None and caches.peek(cmd.agent_id) is memory
+        if not p.ticket.ok:
+            self.sent.pop(cmd.agent_id, None)  # what it carried may not be on disk
+            if p.ticket.stale and hot:
+                self._push(memory)  # whole, this time
+        elif hot:
             memory.dirty = False
             self._report_hot()
 
@@ -728,6 +761,7 @@ class _Worker:
         caches = self.registry.caches
         if caches.tier(target) is not None:  # a stale cache under the new id
             self.pushed.pop(target, None)
+            self.sent.pop(target, None)
             caches.delete(target)
         memory = caches.checkout(source)
         if memory is None:
@@ -741,8 +775,10 @@ class _Worker:
         return True
 
     def _drop(self, agent_id: str) -> None:
-        """Forget an agent's hot cache and its file for this model (the agent is deleted)."""
+        """Forget an agent's hot cache (the agent is deleted; the persistence actor's
+        ``Forget`` deletes its files, after the writes queued before it)."""
         self.pushed.pop(agent_id, None)
+        self.sent.pop(agent_id, None)
         caches = self.registry.caches
         if caches is not None:
             assert not caches.busy(agent_id), "delete during a turn: the agent actor serialises them"
@@ -826,3 +862,9 @@ def _result(t: _Turn, f: Finished | None, reason: str) -> TurnResult:
         decode_s=None if t.first_token is None else now - t.first_token,
         stop_sequence=f.stop_sequence if f else None,
     )
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    if b[: len(a)] == a:  # the usual case: the cache only grew
+        return len(a)
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

@@ -12,7 +12,7 @@ until a final event).  Who reads what:
     a turn's reply stream       memory object stream             TurnEvent
 
 No MLX array ever travels in a message: the GPU actor turns caches into bytes
-(``CacheBytes``) before they leave its thread.
+(``CacheBlocks``) before they leave its thread.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from runtime.errors import SemanticError
 if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectSendStream as Sink
 
+    from runtime.cache_file import BlockUpdate
     from runtime.models import LoadedModel
 
 __all__ = [
-    "AgentCommand", "BeginTurn", "CacheBytes", "CacheWritten", "CancelTurn", "Delta", "Demote",
+    "AgentCommand", "BeginTurn", "CacheBlocks", "CacheWritten", "CancelTurn", "Delta", "Demote",
     "DropCache", "Done", "EvictCommand", "Failed", "FlushCaches", "ForkCache", "Forget", "Fork",
     "Flush", "GpuCommand", "GpuDown", "HistoryBytes", "HotAgent", "HotSet", "Message", "Open",
     "PersistCommand", "Send", "StopGpu", "Stop", "SwapModel", "TurnEnded", "TurnEvent",
@@ -280,17 +281,20 @@ class WriteTicket:
 
     done: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
+    stale: bool = False  # not written because blocks it left out are not on disk: hand over the whole cache
 
 
 @dataclass(frozen=True)
-class CacheBytes:
-    """A cache file made by ``runtime.cache_file.encode``; a newer version of the
-    same agent replaces a pending older one (its ticket is settled with the newer)."""
+class CacheBlocks:
+    """A version of an agent's cache as bytes (``runtime.cache_file.snapshot``):
+    the blocks from ``update.first`` on.  A newer version of the same agent
+    replaces a pending older one, taking over the blocks only the older one
+    carried (its ticket is settled with the newer)."""
 
     agent_id: str
     model_id: str
     version: int
-    data: bytes | bytearray
+    update: BlockUpdate
     ticket: WriteTicket
 
 
@@ -322,7 +326,7 @@ class Stop:
     """Finish the pending work, then end (persistence, eviction)."""
 
 
-PersistCommand = Union[CacheBytes, HistoryBytes, Forget, Flush, Stop]
+PersistCommand = Union[CacheBlocks, HistoryBytes, Forget, Flush, Stop]
 
 
 # -- the eviction actor's mailbox -------------------------------------------------

@@ -2,14 +2,20 @@
 
 It is the one writer of every cache and history file, so writes of one file
 happen in the order they were made and an older version never lands after a
-newer one.  It receives bytes (the GPU actor encodes caches on its own thread;
-agent actors encode their histories) and writes them with
-``write_atomic`` on a worker thread, one file at a time, so no turn waits on
-the disk.
+newer one.  It receives bytes (the GPU actor copies out the blocks of a cache
+that are new since what it last handed over, ``CacheBlocks``; agent actors
+encode their histories) and writes them on a worker thread, one agent at a
+time, so no turn waits on the disk: ``CacheStore.write`` hashes the blocks,
+writes those not on disk and then the manifest; histories go through
+``write_atomic``.
 
 * **Coalescing**: pending writes are keyed by file; a newer version replaces
-  a pending older one in place (latest wins), and the older one's ticket is
-  settled when the newer is written.
+  a pending older one in place (latest wins), taking over the older one's
+  blocks that it left out, and the older one's ticket is settled when the
+  newer is written.
+* **Stale blocks**: a cache version whose left-out blocks are not on disk
+  (an earlier write failed, or the files went) is not written; its ticket
+  says so (``stale``) and the GPU actor hands over the whole cache.
 * **Bounded delay**: pending files are written first come, first served, so a
   turn's cache is durable at most (files pending before it) x (one write)
   after the turn ends.  ``Flush`` answers when nothing is pending.
@@ -42,16 +48,17 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import anyio
 
 from runtime import disk
-from runtime.cache_file import CacheStore, write_atomic
+from runtime.cache_file import CacheStore, StaleBlocks, merged, tree_bytes, write_atomic
 from runtime.disk import NoRoom, history_path
 from runtime.errors import SemanticError
 
-from .messages import CacheBytes, CacheWritten, Done, Failed, Flush, Forget, HistoryBytes, PersistCommand, Stop, WriteTicket
+from .messages import CacheBlocks, CacheWritten, Done, Failed, Flush, Forget, HistoryBytes, PersistCommand, Stop, WriteTicket
 
 __all__ = ["PersistenceActor", "history_path"]
 
@@ -76,11 +83,12 @@ class PersistenceActor:
         self.on_pruned: Callable[[list[str]], None] = lambda agent_ids: None
         self.mailbox, self._inbox = anyio.create_memory_object_stream[PersistCommand](math.inf)
         # Owned by run(): file key -> the latest bytes for it, oldest first.
-        self._pending: OrderedDict[tuple, CacheBytes | HistoryBytes] = OrderedDict()
+        self._pending: OrderedDict[tuple, CacheBlocks | HistoryBytes] = OrderedDict()
         self._superseded: dict[tuple, list[WriteTicket]] = {}
         self._flushes: list = []
         self._unwritten: dict[str, HistoryBytes] = {}  # histories whose write failed: retried after a success
-        self.writes = 0  # files written (for tests and benchmarks)
+        self.writes = 0  # caches and histories written (for tests and benchmarks)
+        self.bytes_written = 0  # bytes those writes put on disk
         self.coalesced = 0  # versions replaced before they were written
         self.failed = 0  # writes refused for lack of space or failed
         self.pruned = 0  # files removed by pruning
@@ -129,7 +137,7 @@ class PersistenceActor:
             stopping = self._note(message) or stopping
 
     def _note(self, message: PersistCommand) -> bool:
-        if isinstance(message, CacheBytes):
+        if isinstance(message, CacheBlocks):
             key = ("cache", message.agent_id, message.model_id)
             self._queue(key, message)
         elif isinstance(message, HistoryBytes):
@@ -145,12 +153,13 @@ class PersistenceActor:
             raise AssertionError(f"unknown persistence message {message!r}")
         return False
 
-    def _queue(self, key: tuple, item: CacheBytes | HistoryBytes) -> None:
+    def _queue(self, key: tuple, item: CacheBlocks | HistoryBytes) -> None:
         old = self._pending.get(key)
         if old is not None:
             self.coalesced += 1
-            if isinstance(old, CacheBytes):
+            if isinstance(old, CacheBlocks):
                 self._superseded.setdefault(key, []).append(old.ticket)
+                item = replace(item, update=merged(old.update, item.update))
         self._pending[key] = item  # replacing keeps the file's place in line
 
     async def _write_one(self) -> None:
@@ -158,13 +167,17 @@ class PersistenceActor:
         if isinstance(item, Forget):
             await self._forget(item)
             return
-        ok = True
-        what = f"cache of agent {item.agent_id!r} for {item.model_id}" if isinstance(item, CacheBytes) \
+        ok, stale = True, False
+        what = f"cache of agent {item.agent_id!r} for {item.model_id}" if isinstance(item, CacheBlocks) \
             else f"history of agent {item.agent_id!r}"
         try:
             self._disk_bytes += await anyio.to_thread.run_sync(self._write, item)
             self.writes += 1
             self._retry_histories()
+        except StaleBlocks as e:
+            ok = False
+            stale = True
+            log.info("not writing the %s: %s; it will be handed over whole", what, e)
         except NoRoom as e:
             ok = False
             self.failed += 1
@@ -177,9 +190,9 @@ class PersistenceActor:
         if not ok and isinstance(item, HistoryBytes):
             self._unwritten[item.agent_id] = item
         self._next_prune = min(self._next_prune, self._last_prune + self.prune_interval_s)
-        if isinstance(item, CacheBytes):
+        if isinstance(item, CacheBlocks):
             for ticket in (*self._superseded.pop(key, ()), item.ticket):
-                ticket.ok = ok
+                ticket.ok, ticket.stale = ok, stale
                 ticket.done.set()
             if self.gpu is not None:
                 self.gpu.submit(CacheWritten(item.agent_id, item.version))
@@ -190,23 +203,24 @@ class PersistenceActor:
             self._pending.setdefault(("history", agent_id), item)
         self._unwritten.clear()
 
-    def _write(self, item: CacheBytes | HistoryBytes) -> int:
-        """(worker thread) Write one file if its filesystem has room; return how much the directory grew."""
-        if isinstance(item, CacheBytes):
-            path = self.store.path(item.agent_id, item.model_id)
+    def _write(self, item: CacheBlocks | HistoryBytes) -> int:
+        """(worker thread) Write one cache or history if its filesystem has room; return
+        how much the directory grew."""
+        if isinstance(item, CacheBlocks):
+            path = self.store.agent_dir(item.agent_id, item.model_id)
+            size = item.update.nbytes
         else:
             path = history_path(self.histories, item.agent_id)
-        try:
-            old = path.stat().st_size
-        except FileNotFoundError:
-            old = 0
-        disk.check_room(self.store.root, len(item.data))
-        if isinstance(item, CacheBytes):
-            self.store.write_encoded(item.agent_id, item.model_id, item.data)
+            size = len(item.data)
+        old = tree_bytes(path)
+        disk.check_room(self.store.root, size)
+        if isinstance(item, CacheBlocks):
+            self.bytes_written += self.store.write(item.update)
         else:
             self.histories.mkdir(parents=True, exist_ok=True)
             write_atomic(path, item.data)
-        return len(item.data) - old
+            self.bytes_written += len(item.data)
+        return tree_bytes(path) - old
 
     # -- bounded disk --
 
@@ -218,7 +232,10 @@ class PersistenceActor:
     def _incoming(self) -> int:
         """Bytes the next write brings (checked before it, not after: the directory
         never holds more than the budget)."""
-        return len(getattr(next(iter(self._pending.values()), None), "data", b""))
+        item = next(iter(self._pending.values()), None)
+        if isinstance(item, CacheBlocks):
+            return item.update.nbytes
+        return len(item.data) if isinstance(item, HistoryBytes) else 0
 
     def _over(self) -> bool:
         return self.disk_budget is not None and self._disk_bytes + self._incoming() > self.disk_budget
@@ -284,7 +301,7 @@ class PersistenceActor:
         self._unwritten.pop(agent_id, None)
         for key in [k for k in self._pending if k[1] == agent_id and k[0] != "forget"]:
             item = self._pending.pop(key)
-            for ticket in (*self._superseded.pop(key, ()), *([item.ticket] if isinstance(item, CacheBytes) else ())):
+            for ticket in (*self._superseded.pop(key, ()), *([item.ticket] if isinstance(item, CacheBlocks) else ())):
                 ticket.done.set()  # ok stays False: that version will never be on disk
 
         try:

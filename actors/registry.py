@@ -37,6 +37,11 @@ class HotCaches(AgentCaches):
 
     write_through: Callable[[AgentMemory], None] | None = None
 
+    def delete(self, agent_id: str) -> None:
+        """Forget the hot copy; the persistence actor deletes the files (``Forget``),
+        in line with its writes: removing them here could race a write in progress."""
+        self.forget(agent_id)
+
     def write(self, memory: AgentMemory) -> None:
         if self.write_through is None:
             super().write(memory)

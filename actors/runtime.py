@@ -36,7 +36,7 @@ from pathlib import Path
 import anyio
 
 from runtime import disk
-from runtime.cache_file import CacheFileError, CacheStore, read_meta, validate_agent_id
+from runtime.cache_file import CacheStore, validate_agent_id
 from runtime.engine import SamplingParams
 from runtime.models import LoadedModel
 from runtime.paths import agents_dir
@@ -227,7 +227,7 @@ class Runtime:
         hot = self._gpu.hot
         if agent_id in hot.agents:
             return "hot"
-        if hot.model_id is not None and self._persistence.store.path(agent_id, hot.model_id).is_file():
+        if hot.model_id is not None and self._persistence.store.exists(agent_id, hot.model_id):
             return "warm"
         return None
 
@@ -396,8 +396,8 @@ def _agent_infos(histories: Path, store: CacheStore, hot, live: dict, only: str 
         if history is not None:
             found[agent_id] = history
     if only is not None:
-        path = store.path(only, hot.model_id) if hot.model_id is not None else None
-        entries = [dict(agent=only, model=hot.model_id, **_file_info(path))] if path and path.is_file() else []
+        info = store.info(only, hot.model_id) if hot.model_id is not None else None
+        entries = [info] if info is not None else []
     else:
         entries = store.entries()
     files = {e["agent"]: e for e in entries if e["model"] == hot.model_id}
@@ -412,14 +412,6 @@ def _agent_infos(histories: Path, store: CacheStore, hot, live: dict, only: str 
             tokens, size, used, tier = 0, 0, None, None
         out.append(AgentInfo(agent_id, found[agent_id], hot.model_id, tokens, size, tier, used))
     return out
-
-
-def _file_info(path: Path) -> dict:
-    try:
-        meta = read_meta(path)
-    except CacheFileError:
-        return {"tokens": 0, "bytes": 0, "updated": None}
-    return {"tokens": meta["token_count"], "bytes": meta["bytes"], "updated": meta["updated"]}
 
 
 async def _shielded(run, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:

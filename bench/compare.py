@@ -303,18 +303,11 @@ class Bench:
 
 
 def disk_usage(root: Path) -> tuple[int, int]:
-    """(bytes, tokens) of the agents' cache files under ``root`` (safetensors headers)."""
-    size = tokens = 0
-    for f in root.rglob("*.safetensors"):
-        try:
-            with open(f, "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-                meta = json.loads(fh.read(n)).get("__metadata__", {})
-            tokens += int(meta.get("token_count", 0))
-            size += f.stat().st_size
-        except (OSError, ValueError):
-            continue
-    return size, tokens
+    """(bytes, tokens) of the agents' caches under ``root`` (from their manifests)."""
+    from runtime.cache_file import CacheStore
+
+    entries = CacheStore(root).entries()
+    return sum(e["bytes"] for e in entries), sum(e["tokens"] for e in entries)
 
 
 def machine() -> dict:

@@ -7,7 +7,11 @@ For each context length, median of ``repeats``:
 * warm  -- the same follow-up in a fresh process whose model is loaded but
            whose agent cache is only on disk: timed from sending the
            follow-up (the cache is read from disk inside that time) to the
-           first token.  ``load_ms`` is reading the cache file alone.
+           first token.  ``load_ms`` is reading the cache file alone;
+* written -- the bytes the cache store writes for a ~20-token follow-up
+           after that (``CacheStore.bytes_written``: blocks, ring, text and
+           manifest), next to the whole cache's bytes on disk: it must not
+           grow with the context.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import runtime  # noqa: F401  (fast BLAS before mlx)
 from runtime.agent_cache import open_caches
 
 TEXT = Path(__file__).parent / "data" / "lighthouses.txt"
+SHORT_FOLLOW_UP = "And in one sentence, which lighthouse would you most like to visit?"
 FOLLOW_UP = (
     "Thank you. Now, in two short sentences, tell me which of the engineering problems "
     "described above you find the most interesting, and explain why it mattered for ships."
@@ -86,7 +91,7 @@ def measure(loaded, context: int, repeats: int, root: Path) -> dict:
     engine = Engine(loaded.model, loaded.tokenizer)
     _warm_up(engine)
     caches = open_caches(loaded, root)
-    cold, hot, warm, load_ms, tokens = [], [], [], [], 0
+    cold, hot, warm, load_ms, written, short_tokens, on_disk, tokens = [], [], [], [], [], [], [], 0
     for r in range(repeats):
         agent = f"ctx{context}-{r}"
         messages = conversation(loaded.tokenizer, context)
@@ -110,8 +115,20 @@ def measure(loaded, context: int, repeats: int, root: Path) -> dict:
         assert w["prefilled"] < 80, "the warm follow-up reused the cache from disk"
         warm.append(w["warm_ms"])
         load_ms.append(w["load_ms"])
+        caches.flush()  # the hot turn's cache (the warm run needed the one before)
+        short = follow + [
+            {"role": "assistant", "content": hot_turn.finished.text},
+            {"role": "user", "content": SHORT_FOLLOW_UP},
+        ]
+        before = caches.store.bytes_written
+        short_turn = run_turn(engine, caches, agent, short, SamplingParams(max_tokens=1))
+        caches.flush()
+        written.append(caches.store.bytes_written - before)
+        short_tokens.append(short_turn.finished.prefilled_tokens)
+        on_disk.append(caches.store.info(agent, loaded.name)["bytes"])
     med = statistics.median
-    return {"tokens": tokens, "cold": med(cold), "hot": med(hot), "warm": med(warm), "load": med(load_ms)}
+    return {"tokens": tokens, "cold": med(cold), "hot": med(hot), "warm": med(warm), "load": med(load_ms),
+            "written": med(written), "short_tokens": med(short_tokens), "on_disk": med(on_disk)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
             if not args.json:
                 r = rows[c]
                 print(f"{c:>6} tokens: cold {r['cold']:.0f} ms, hot {r['hot']:.0f} ms, warm {r['warm']:.0f} ms "
-                      f"(load {r['load']:.1f} ms)", file=sys.stderr)
+                      f"(load {r['load']:.1f} ms); a {r['short_tokens']:.0f}-token follow-up wrote "
+                      f"{r['written']:.0f} bytes of a {r['on_disk']:.0f}-byte cache", file=sys.stderr)
     result = {
         "model": args.model,
         "repeats": args.repeats,
@@ -145,6 +163,9 @@ def run(args: argparse.Namespace) -> int:
         "load_ms": {c: round(rows[c]["load"], 2) for c in contexts},
         "warm_over_hot": {c: round(rows[c]["warm"] / rows[c]["hot"], 2) for c in contexts},
         "cold_over_warm": {c: round(rows[c]["cold"] / rows[c]["warm"], 1) for c in contexts},
+        "follow_up_tokens": {c: rows[c]["short_tokens"] for c in contexts},
+        "bytes_written_per_follow_up": {c: rows[c]["written"] for c in contexts},
+        "cache_bytes_on_disk": {c: rows[c]["on_disk"] for c in contexts},
     }
     if args.json:
         print(json.dumps(result))
@@ -153,12 +174,13 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title=f"TTFT, median of {args.repeats} ({args.model})")
-    for col in ("context", "cold ms", "hot ms", "warm ms", "load ms", "warm/hot", "cold/warm"):
+    for col in ("context", "cold ms", "hot ms", "warm ms", "load ms", "warm/hot", "cold/warm", "follow-up writes"):
         table.add_column(col, justify="right")
     for c in contexts:
         table.add_row(
             str(c), f"{result['cold_ms'][c]:.0f}", f"{result['hot_ms'][c]:.0f}", f"{result['warm_ms'][c]:.0f}",
             f"{result['load_ms'][c]:.1f}", f"{result['warm_over_hot'][c]:.2f}x", f"{result['cold_over_warm'][c]:.1f}x",
+            f"{result['bytes_written_per_follow_up'][c] / 1024:.0f} KiB",
         )
     Console().print(table)
     return 0

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from .batch_cache import copy_cache
 from .block_pool import KVBudget, default_budget
-from .cache_file import CacheFileError, CacheRecord, CacheStore, read_meta
+from .cache_file import FORMAT_VERSION, CacheRecord, CacheStore
 from .errors import SemanticError
 from .model_spec import ModelCacheSpec
 
@@ -77,6 +77,7 @@ class AgentCaches:
         self._busy: set[str] = set()  # checked out for a turn: never demoted
         self._prefixes: dict[tuple[str, int], SharedPrefix] = {}  # by owner
         self._prefix_ids = itertools.count()
+        self.on_load = lambda memory: None  # told of each cache loaded from its blocks (all on disk)
         self.demotions = 0  # agents demoted to disk
         self.prefix_drops = 0  # shared prefixes dropped to make room
 
@@ -85,7 +86,7 @@ class AgentCaches:
     def tier(self, agent_id: str) -> str | None:
         if agent_id in self._hot or agent_id in self._busy:
             return HOT
-        return WARM if self.store.path(agent_id, self.model_id).is_file() else None
+        return WARM if self.store.exists(agent_id, self.model_id) else None
 
     def hot_agents(self) -> list[str]:
         return list(self._hot)
@@ -115,13 +116,11 @@ class AgentCaches:
         if (memory := self._hot.pop(agent_id, None)) is not None:
             return memory
         try:
-            path = self.store.path(agent_id, self.model_id)
-            if not path.is_file():
+            if not self.store.exists(agent_id, self.model_id):
                 return None
-            try:  # admission before loading: the header says how big it is
-                self._admit(agent_id, read_meta(path)["token_count"])
-            except CacheFileError:
-                pass  # load() below quarantines it and says why
+            if (info := self.store.info(agent_id, self.model_id)) is not None:
+                self._admit(agent_id, info["tokens"])  # before loading: the manifest says how big it is
+            # (else load() below quarantines it and says why)
             record = self.store.load(agent_id, self.model_id, self.spec.hash)
         except BaseException:
             self.abandon(agent_id)
@@ -129,7 +128,10 @@ class AgentCaches:
         if record is None:  # quarantined: start cold
             self._release(agent_id)
             return None
-        return AgentMemory(agent_id, record.tokens, record.text, record.cache, record.created, record.updated, False)
+        memory = AgentMemory(agent_id, record.tokens, record.text, record.cache, record.created, record.updated, False)
+        if record.format_version == FORMAT_VERSION:
+            self.on_load(memory)
+        return memory
 
     def grow(self, agent_id: str, tokens: int) -> None:
         """Reserve room for a running turn's cache to grow to ``tokens``, with its
@@ -209,10 +211,15 @@ class AgentCaches:
         self._prefixes.clear()
 
     def delete(self, agent_id: str) -> None:
+        """Forget the agent's cache: the hot copy and its files for this model."""
+        self.forget(agent_id)
+        self.store.delete(agent_id, self.model_id)
+
+    def forget(self, agent_id: str) -> None:
+        """Forget the hot copy only (its files stay)."""
         if agent_id in self._hot:
             del self._hot[agent_id]
         self._release(agent_id)
-        self.store.delete(agent_id, self.model_id)
 
     def _release(self, owner: str) -> None:
         if owner in self.budget:

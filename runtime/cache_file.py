@@ -1,34 +1,34 @@
-"""Cache files: an agent's KV cache for one model, kept on disk between turns.
+"""Agents' KV caches on disk, kept between turns: one directory per (agent, model)
+of immutable token blocks and a manifest that names them.
 
-One safetensors file per (agent, model). Quantized layers keep their Q4/Q8
-triples exactly as the engine holds them (sliced to the live tokens, never
-dequantized); sliding-window layers keep mlx-lm's full-precision ring. The
-layout is documented in ``docs/cache-format.md``; in short, for a 2-layer
-model whose layer 1 is sliding:
+Quantized layers keep their Q4/Q8 triples exactly as the engine holds them
+(never dequantized), cut into blocks of ``BLOCK_TOKENS`` tokens; sliding-window
+layers keep mlx-lm's full-precision ring, bounded by the window, in one small
+file written whole each save. The layout is documented in
+``docs/cache-format.md``; in short:
 
-    [u64 header length][JSON header, space padded to 8 bytes][tensor bytes]
-    header = {"__metadata__": {"checksum": "sha256:<64 hex>", "format": ...},
-              "layer_0_k_weights": {...}, "layer_0_k_scales": {...}, ...,
-              "layer_1_k": {...}, "layer_1_v": {...}}
+    <root>/<model key>/<agent id>.kv/manifest.json    names everything below
+    <root>/<model key>/<agent id>.kv/<sha256>.block   token ids + every layer's triples for 256 tokens
+    <root>/<model key>/<agent id>.kv/<sha256>.ring    the sliding-window layers, whole
+    <root>/<model key>/<agent id>.kv/<sha256>.text    a piece of the prompt text
 
-The checksum covers the whole file with its own 64 hex digits read as zeros,
-so a flipped byte in the header (a token id, the text) is caught as surely as
-one in the tensors. The writer puts it first so it sits at a fixed offset.
+A file is named by the sha256 of its bytes, so it never changes once written:
+the previous manifest stays valid until the new one replaces it (atomically),
+and a save writes only what the previous manifest lacks -- the blocks a turn
+added or changed, the ring, the new text, the manifest. Loading checks every
+file against its name.
 
-We write and read the container ourselves rather than through
-``safetensors.mlx``: that goes through numpy, which has no bfloat16, and
-serializes the whole file in memory. Here tensors stream to disk one at a
-time and are read back one at a time from a single open file, hashed as they
-arrive, so nothing can change between verifying and loading. The result is
-plain safetensors: any safetensors reader opens it.
-
-``save``, ``encode`` and ``load`` touch MLX arrays: call them from the thread
-that owns MLX. ``write_atomic`` (the bytes ``encode`` made), ``read_meta``,
-``verify`` and the store's listings touch bytes only, on any thread.
+Writing is split across threads: ``snapshot`` (the thread that owns MLX)
+copies out the bytes of the blocks from a given one on; ``CacheStore.write``
+(any thread) hashes and writes them, taking the blocks before it from the
+manifest on disk. Version 1 files (one safetensors file per agent,
+``runtime.cache_v1``) still load and are replaced by blocks on their agent's
+next write.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -36,7 +36,7 @@ import math
 import os
 import re
 import secrets
-import struct
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -51,38 +51,41 @@ from .batch_cache import DequantizingKVCache, SequenceQuantizedKVCache
 from .errors import SemanticError
 
 __all__ = [
+    "BLOCK_TOKENS",
     "FORMAT_VERSION",
+    "AGENT_DIR_SUFFIX",
+    "MANIFEST",
+    "BlockUpdate",
     "CacheFileError",
     "CacheRecord",
     "CacheStore",
     "InvalidAgentId",
-    "encode",
-    "load",
+    "StaleBlocks",
+    "merged",
     "model_key",
-    "read_meta",
-    "save",
+    "snapshot",
     "validate_agent_id",
-    "verify",
     "write_atomic",
 ]
 
 log = logging.getLogger("semantic.cache")
 
 FORMAT = "semantic-kv-cache"
-FORMAT_VERSION = 1
-SUFFIX = ".safetensors"
+FORMAT_VERSION = 2
+BLOCK_TOKENS = 256  # the KV budget's block size
+AGENT_DIR_SUFFIX = ".kv"  # never ".safetensors": an agent's directory and a version 1 file never share a name
+MANIFEST = "manifest.json"
 MAX_AGENT_ID = 128
 _AGENT_CHARS = re.compile(r"[A-Za-z0-9._:@-]+")
 _TMP = ".tmp-"  # temp files start with '.', which no agent id may: never taken for a cache
-_STALE_TMP_S = 3600.0  # no save takes an hour: an older temp file is stale whatever its pid
-_MAX_HEADER = 100 << 20  # safetensors' own limit
-_CHUNK = 1 << 20
-_PREFIX = b'{"__metadata__":{"checksum":"sha256:'
-_SUM_AT = 8 + len(_PREFIX)  # file offset of the checksum's hex digits
-_ZERO_SUM = "0" * 64
+_STALE_TMP_S = 3600.0  # no save takes an hour: an older temp file (or unnamed block) is stale
+_MAX_MANIFEST = 64 << 20
+_MAX_TEXT_PIECES = 32  # past this many, a save writes the text as one piece again
+_NAME = re.compile(r"[0-9a-f]{64}\.(block|ring|text)")
 
 QUANTIZED, DEQUANTIZING, ROTATING = "quantized", "dequantizing", "rotating"
 _PARTS = ("weights", "scales", "biases")
+_QNAMES = tuple(f"{kv}_{p}" for kv in ("k", "v") for p in _PARTS)  # a quantized layer's tensors, in file order
 
 # safetensors dtype name -> (MLX dtype, numpy dtype of the raw bytes); bfloat16 travels as uint16.
 _DTYPES = {
@@ -94,7 +97,7 @@ _DTYPES = {
 _NAMES = {mx_dt: name for name, (mx_dt, _) in _DTYPES.items()}
 _FLOATS = ("F16", "BF16", "F32")
 
-assert sys.byteorder == "little", "safetensors is little-endian and tensors are written as they lie in memory"
+assert sys.byteorder == "little", "tensors are written as they lie in memory, little-endian"
 
 
 class InvalidAgentId(SemanticError, ValueError):
@@ -102,9 +105,10 @@ class InvalidAgentId(SemanticError, ValueError):
 
 
 class CacheFileError(SemanticError):
-    """A cache file that cannot be used. ``reason`` is one of: ``missing``,
-    ``unreadable``, ``truncated``, ``unparsable``, ``old format``, ``newer format``,
-    ``other model``, ``other spec``, ``other agent``, ``bad layout``, ``bad checksum``."""
+    """A cache that cannot be used. ``reason`` is one of: ``missing``, ``missing
+    block``, ``unreadable``, ``truncated``, ``unparsable``, ``old format``, ``newer
+    format``, ``other model``, ``other spec``, ``other agent``, ``bad layout``,
+    ``bad checksum``."""
 
     def __init__(self, path: os.PathLike | str, reason: str, detail: str):
         super().__init__(f"cache file {os.fspath(path)} is unusable ({reason}): {detail}")
@@ -158,150 +162,410 @@ class CacheRecord:
     created: float  # unix time
     updated: float  # unix time
     cache: list  # per layer: SequenceQuantizedKVCache, DequantizingKVCache or RotatingKVCache
+    format_version: int = FORMAT_VERSION  # of the files it was loaded from
 
 
-# -- writing ---------------------------------------------------------------
+class StaleBlocks(Exception):
+    """An update leaves out blocks that the manifest on disk does not hold: the
+    writer needs the whole cache (``snapshot(record)``)."""
 
 
-def save(path: os.PathLike | str, record: CacheRecord) -> None:
-    """Write ``record`` to ``path`` atomically: a reader sees the old file or the new one.
+@dataclass(eq=False)
+class BlockUpdate:
+    """A version of an agent's cache as bytes, from block ``first`` on: what the
+    thread that owns MLX hands to the writer. Blocks before ``first`` are the
+    ones the manifest on disk already holds for the same tokens."""
 
-    Raises ``InvalidAgentId`` for a bad agent id, ``ValueError`` for a cache that
-    does not match its tokens or has unsupported layers (before touching the
-    disk), ``OSError`` from the disk. On any exception, KeyboardInterrupt
-    included, the temp file is removed and the previous file stays as it was.
-    Evaluates the cache arrays; memory grows by at most one tensor.
-    """
-    path = Path(path)
-    head, tensors = _prepare(record)
+    agent_id: str
+    model_id: str
+    spec_hash: str
+    tokens: list[int]
+    text: str
+    created: float
+    updated: float
+    layers: list[dict]  # the manifest's layer entries
+    first: int  # index of blocks[0]
+    blocks: list[bytearray]  # block files' bytes, blocks first, first + 1, ... up to the last
+    ring: bytearray  # the sliding-window layers' file (empty: none)
 
-    # One pass: hash as we write, then patch the digest over the zeros (same length).
-    digest = hashlib.sha256(head)
-
-    def write(f: BinaryIO) -> None:
-        f.write(head)
-        for _, a in tensors:
-            raw = _raw(a)  # one tensor materialised at a time
-            f.write(raw)
-            digest.update(raw)
-            del raw
-        f.seek(_SUM_AT)
-        f.write(digest.hexdigest().encode())
-
-    _write_atomic(path, write)
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self.blocks) + len(self.ring) + len(self.text.encode())
 
 
-def encode(record: CacheRecord) -> bytearray:
-    """The whole cache file for ``record``, checksum included, as bytes in memory.
-
-    For writers that must not touch MLX: the owner of the MLX arrays encodes
-    (this evaluates and copies them), another thread writes the bytes with
-    ``write_atomic``.  ``save`` is the same file streamed to disk.  Raises what
-    ``save`` raises before it touches the disk.
-    """
-    head, tensors = _prepare(record)
-    data = bytearray(head)
-    for _, a in tensors:
-        data += _raw(a)
-    data[_SUM_AT:_SUM_AT + 64] = hashlib.sha256(data).hexdigest().encode()
-    return data
+def merged(older: BlockUpdate, newer: BlockUpdate) -> BlockUpdate:
+    """``newer``, also carrying the blocks before its ``first`` that only ``older``
+    carried: both were pending, only the newer is written."""
+    n = newer.first * BLOCK_TOKENS
+    if newer.first <= older.first or older.first + len(older.blocks) < newer.first \
+            or older.tokens[:n] != newer.tokens[:n]:
+        return newer  # nothing to take over (or not the same tokens: the writer finds them stale)
+    taken = older.blocks[: newer.first - older.first]
+    return dataclasses.replace(newer, first=older.first, blocks=[*taken, *newer.blocks])
 
 
-def write_atomic(path: os.PathLike | str, data: bytes | bytearray | memoryview) -> None:
-    """Write ``data`` to ``path`` atomically (temp file, fsync, rename, fsync the
-    directory): a reader sees the old file or the new one, never a part.  Touches
-    no MLX array; safe on any thread.  Raises ``OSError``; the temp file never stays."""
-
-    def write(f: BinaryIO) -> None:
-        f.write(data)
-
-    _write_atomic(Path(path), write)
+# -- the MLX side: copy out the bytes ---------------------------------------
 
 
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.parent / f"{_TMP}{os.getpid()}-{secrets.token_hex(4)}-{path.stem}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        with open(fd, "wb") as f:
-            write(f)
-            f.flush()
-            _fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)  # makes the rename itself durable
-
-
-def _prepare(record: CacheRecord) -> tuple[bytes, list[tuple[str, mx.array]]]:
-    """(length prefix + header with a zero checksum, tensors in file order, still lazy)."""
+def snapshot(record: CacheRecord, first: int = 0) -> BlockUpdate:
+    """The bytes of ``record``'s blocks from block ``first`` on, and of its rings
+    (copies: the cache may change after this returns). Call on the thread that
+    owns MLX; no hashing, no file I/O. Raises ``InvalidAgentId``, ``ValueError``
+    (a cache that does not match its tokens, or unsupported layers)."""
     validate_agent_id(record.agent_id)
-    tensors, layers, quant = _flatten(record)
-    offsets, at = {}, 0
-    for name, a in tensors:
-        offsets[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [at, at + a.nbytes]}
-        at += a.nbytes
-    meta = {
-        "checksum": "sha256:" + _ZERO_SUM,  # first, at _SUM_AT; patched once the bytes are hashed
-        "format": FORMAT,
-        "format_version": str(FORMAT_VERSION),
-        "agent_id": record.agent_id,
-        "model_id": record.model_id,
-        "spec_hash": record.spec_hash,
-        "token_count": str(len(record.tokens)),
-        "tokens": json.dumps([int(t) for t in record.tokens], separators=(",", ":")),
-        "text": record.text,
-        "created": repr(float(record.created)),
-        "updated": repr(float(record.updated)),
-        "bits": str(quant[0]) if quant else "",
-        "group_size": str(quant[1]) if quant else "",
-        "layers": json.dumps(layers, separators=(",", ":")),
-    }
-    body = json.dumps({"__metadata__": meta, **offsets}, separators=(",", ":")).encode()
-    assert body.startswith(_PREFIX), "the checksum must lead the header"
-    body += b" " * (-len(body) % 8)  # safetensors pads the header so tensor data is 8-byte aligned
-    if len(body) > _MAX_HEADER:
-        raise ValueError(f"header of {len(body)} bytes (token ids and text) exceeds safetensors' {_MAX_HEADER}")
-    return struct.pack("<Q", len(body)) + body, tensors
-
-
-def _flatten(record: CacheRecord) -> tuple[list[tuple[str, mx.array]], list[dict], tuple[int, int] | None]:
-    """(tensors in file order, still lazy; per-layer metadata; (bits, group size) or None)."""
     n = len(record.tokens)
-    tensors, layers, quant = [], [], set()
+    layers, quantized, rings = _describe(record)
+    if any(not 0 <= t < 2**32 for t in record.tokens):
+        raise ValueError("token ids must fit in 32 bits")
+    count = -(-n // BLOCK_TOKENS)
+    first = max(0, min(first, count))
+    blocks = []
+    for b in range(first, count):
+        lo, hi = b * BLOCK_TOKENS, min(n, (b + 1) * BLOCK_TOKENS)
+        data = bytearray(np.asarray(record.tokens[lo:hi], dtype="<u4").tobytes())
+        for x in quantized:
+            data += _raw(x[..., lo:hi, :])
+        blocks.append(data)
+    ring = bytearray()
+    for x in rings:
+        ring += _raw(x)
+    return BlockUpdate(record.agent_id, record.model_id, record.spec_hash, list(record.tokens), record.text,
+                       float(record.created), float(record.updated), layers, first, blocks, ring)
+
+
+def _describe(record: CacheRecord) -> tuple[list[dict], list[mx.array], list[mx.array]]:
+    """(manifest layer entries; quantized tensors in block order, full length; ring tensors, live slots)."""
+    n = len(record.tokens)
+    layers, quantized, rings, quant = [], [], [], set()
     for i, c in enumerate(record.cache):
         if isinstance(c, (DequantizingKVCache, QuantizedKVCache)):
             q = c.quantized if isinstance(c, DequantizingKVCache) else c
-            kind = DEQUANTIZING if isinstance(c, DequantizingKVCache) else QUANTIZED
             _check_offset(i, q.offset, n)
-            layers.append({"kind": kind, "offset": q.offset, "bits": q.bits, "group_size": q.group_size})
+            entry = {"kind": DEQUANTIZING if isinstance(c, DequantizingKVCache) else QUANTIZED,
+                     "offset": q.offset, "bits": q.bits, "group_size": q.group_size, "tensors": {}}
             quant.add((q.bits, q.group_size))
             if q.offset:
-                for kv, triple in (("k", q.keys), ("v", q.values)):
-                    for part, x in zip(_PARTS, triple):
-                        tensors.append((f"layer_{i}_{kv}_{part}", x[..., : q.offset, :]))
+                for name, x in zip(_QNAMES, (*q.keys, *q.values)):
+                    entry["tensors"][name] = [_dtype_name(i, x), x.shape[1], x.shape[3]]
+                    quantized.append(x)
+            layers.append(entry)
         elif isinstance(c, RotatingKVCache):
             _check_offset(i, c.offset, n)
             # Past ``offset`` a ring buffer holds only never-written capacity.
             live = 0 if c.keys is None else min(c.offset, c.keys.shape[2])
             if not 0 <= c._idx <= live:
                 raise ValueError(f"layer {i}: ring index {c._idx} outside its {live} live slots")
-            layers.append({"kind": ROTATING, "offset": c.offset, "max_size": c.max_size, "keep": c.keep, "idx": c._idx})
+            entry = {"kind": ROTATING, "offset": c.offset, "max_size": c.max_size, "keep": c.keep, "idx": c._idx,
+                     "tensors": {}}
             if live:
-                tensors += [(f"layer_{i}_k", c.keys[..., :live, :]), (f"layer_{i}_v", c.values[..., :live, :])]
+                for name, x in (("k", c.keys[..., :live, :]), ("v", c.values[..., :live, :])):
+                    entry["tensors"][name] = [_dtype_name(i, x), *x.shape[1:]]
+                    rings.append(x)
+            layers.append(entry)
         else:
             raise ValueError(f"layer {i}: cannot save a {type(c).__name__}")
     if len(quant) > 1:
         raise ValueError(f"quantized layers disagree on (bits, group size): {sorted(quant)}")
-    for name, a in tensors:
-        if a.dtype not in _NAMES:
-            raise ValueError(f"{name}: cannot save dtype {a.dtype}")
-    return tensors, layers, next(iter(quant), None)
+    return layers, quantized, rings
+
+
+def _dtype_name(layer: int, x: mx.array) -> str:
+    if x.dtype not in _NAMES or x.shape[0] != 1:
+        raise ValueError(f"layer {layer}: cannot save a {x.dtype} tensor of shape {x.shape}")
+    return _NAMES[x.dtype]
 
 
 def _check_offset(layer: int, offset: int, n: int) -> None:
     if offset != n:
         raise ValueError(f"layer {layer} holds {offset} tokens but the record lists {n} token ids")
+
+
+# -- files -----------------------------------------------------------------
+
+
+def write_atomic(path: os.PathLike | str, data: bytes | bytearray | memoryview) -> None:
+    """Write ``data`` to ``path`` atomically (temp file, fsync, rename, fsync the
+    directory): a reader sees the old file or the new one, never a part.  Touches
+    no MLX array; safe on any thread.  Raises ``OSError``; the temp file never stays."""
+    _write_atomic(Path(path), data)
+
+
+def _write_atomic(path: Path, data, sync_dir: bool = True) -> None:
+    tmp = path.parent / f"{_TMP}{os.getpid()}-{secrets.token_hex(4)}-{path.stem}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with open(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            _fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if sync_dir:
+        _fsync_dir(path.parent)  # makes the rename itself durable
+
+
+class _open:
+    """``open(path, 'rb')`` unbuffered, with OS errors turned into ``CacheFileError``."""
+
+    def __init__(self, path, missing: str = "missing"):
+        self.path = path
+        self.missing = missing
+
+    def __enter__(self) -> BinaryIO:
+        try:
+            self.f = open(self.path, "rb", buffering=0)
+        except FileNotFoundError:
+            raise CacheFileError(self.path, self.missing, "no such file") from None
+        except OSError as e:
+            raise CacheFileError(self.path, "unreadable", e.strerror or str(e)) from None
+        return self.f
+
+    def __exit__(self, kind, e, tb):
+        self.f.close()
+        if isinstance(e, OSError):
+            raise CacheFileError(self.path, "unreadable", e.strerror or str(e)) from e
+
+
+def _read_named(path: Path, size: int) -> bytes:
+    """A content-named file's bytes, checked: ``size`` long, sha256 equal to its name."""
+    with _open(path, missing="missing block") as f:
+        have = os.fstat(f.fileno()).st_size
+        if have != size:
+            raise CacheFileError(path, "truncated" if have < size else "bad layout", f"{have} bytes, expected {size}")
+        data = f.read(size + 1)
+    if len(data) != size:
+        raise CacheFileError(path, "truncated", f"read {len(data)} bytes, expected {size}")
+    if hashlib.sha256(data).hexdigest() != path.name.split(".", 1)[0]:
+        raise CacheFileError(path, "bad checksum", "the bytes are not the ones written")
+    return data
+
+
+# -- the manifest ------------------------------------------------------------
+
+
+def _chains(tokens: list[int]) -> list[str]:
+    """Per block, a digest of every token id up to its end: two manifests' blocks
+    hold the same tokens' K/V up to block b exactly when their chains agree at b."""
+    h, out = hashlib.sha256(), []
+    for lo in range(0, len(tokens), BLOCK_TOKENS):
+        h.update(np.asarray(tokens[lo:lo + BLOCK_TOKENS], dtype="<u4").tobytes())
+        out.append(h.hexdigest()[:32])
+    return out
+
+
+def _text_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _seal(manifest: dict) -> bytes:
+    """The manifest's bytes, its checksum (of everything else) first."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    digest = hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).hexdigest()
+    return json.dumps({"checksum": "sha256:" + digest, **body}, separators=(",", ":")).encode()
+
+
+def read_manifest(directory: os.PathLike | str) -> dict:
+    """An agent directory's manifest, parsed and checked against itself (not its
+    files). Raises ``CacheFileError``: ``missing`` when there is none."""
+    path = Path(directory) / MANIFEST
+    with _open(path) as f:
+        raw = f.read(_MAX_MANIFEST + 1)
+    if len(raw) > _MAX_MANIFEST:
+        raise CacheFileError(path, "unparsable", "manifest too large")
+    try:
+        m = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise CacheFileError(path, "unparsable" if raw else "truncated", f"manifest is not JSON: {e}") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CacheFileError(path, "unparsable", "not a Semantic cache manifest")
+    version = m.get("format_version")
+    if type(version) is not int:
+        raise CacheFileError(path, "unparsable", "no format version")
+    if version != FORMAT_VERSION:
+        which = "old format" if version < FORMAT_VERSION else "newer format"
+        raise CacheFileError(path, which, f"format version {version}, this Semantic reads {FORMAT_VERSION}")
+    if _seal(m) != raw:
+        raise CacheFileError(path, "bad checksum", "the manifest is not the one written")
+    _check_manifest(path, m)
+    return m
+
+
+def _check_manifest(path: Path, m: dict) -> None:
+    """Types, and that blocks, layers and token count agree; raises ``CacheFileError``."""
+
+    def bad(reason, detail):
+        return CacheFileError(path, reason, detail)
+
+    try:
+        n, blocks, layers = m["token_count"], m["blocks"], m["layers"]
+        ok = (type(n) is int and n >= 0 and m["block_tokens"] == BLOCK_TOKENS
+              and all(isinstance(m[k], str) for k in ("agent_id", "model_id", "spec_hash"))
+              and all(type(m[k]) is float for k in ("created", "updated"))
+              and isinstance(m["text_digest"], str)
+              and isinstance(blocks, list) and isinstance(layers, list) and isinstance(m["text"], list)
+              and all(isinstance(e, dict) and _NAME.fullmatch(str(e.get("file")))
+                      for e in (*blocks, *m["text"], *([m["ring"]] if m["ring"] else [])))
+              and all(type(e.get("tokens")) is int and isinstance(e.get("chain"), str) for e in blocks)
+              and all(type(e.get(k)) is int for e in m["text"] for k in ("bytes", "chars"))
+              and all(isinstance(e.get("upto"), str) for e in m["text"])
+              and all(isinstance(e, dict) for e in layers))
+    except (KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise bad("unparsable", "bad manifest fields")
+    sizes = [e["tokens"] for e in blocks]
+    if sum(sizes) != n or any(s != BLOCK_TOKENS for s in sizes[:-1]) or (sizes and not 0 < sizes[-1] <= BLOCK_TOKENS):
+        raise bad("bad layout", f"blocks of {sizes[:3]}... tokens do not make {n}")
+    for i, e in enumerate(layers):
+        if e.get("offset") != n:
+            raise bad("bad layout", f"layer {i} holds {e.get('offset')} tokens, the manifest lists {n}")
+        _check_layer(path, i, e, n)
+
+
+def _check_layer(path: Path, i: int, e: dict, n: int) -> None:
+    def bad(detail):
+        return CacheFileError(path, "bad layout", f"layer {i}: {detail}")
+
+    tensors = e.get("tensors")
+    if not isinstance(tensors, dict) or not all(
+        isinstance(t, list) and t and t[0] in _DTYPES and all(type(d) is int and d > 0 for d in t[1:])
+        for t in tensors.values()
+    ):
+        raise bad("bad tensor entries")
+    kind = e.get("kind")
+    if kind in (QUANTIZED, DEQUANTIZING):
+        bits, group = e.get("bits"), e.get("group_size")
+        if bits not in (4, 8) or group not in (32, 64, 128):
+            raise bad(f"unsupported bits {bits!r} / group size {group!r}")
+        if set(tensors) != (set(_QNAMES) if n else set()):
+            raise bad("missing or extra tensors")
+        for kv in ("k", "v") if n else ():
+            w, s, b = (tensors[f"{kv}_{p}"] for p in _PARTS)
+            if not (len(w) == len(s) == 3 and w[0] == "U32" and s[0] in _FLOATS and s == b
+                    and w[1] == s[1] == tensors["k_weights"][1] and w[2] * 32 // bits == s[2] * group):
+                raise bad(f"{kv} triple {w} {s} {b} does not fit")
+    elif kind == ROTATING:
+        size, keep, idx = e.get("max_size"), e.get("keep"), e.get("idx")
+        if not (type(size) is int and size > 0 and type(keep) is int and 0 <= keep < size and type(idx) is int):
+            raise bad("bad ring metadata")
+        if n:
+            k, v = tensors.get("k"), tensors.get("v")
+            if set(tensors) != {"k", "v"} or len(k) != 4 or len(v) != 4 or k[0] not in _FLOATS or v[0] != k[0]:
+                raise bad("missing or bad ring tensors")
+            live = k[2]
+            # A ring holds all n tokens, or is full (max_size, or more just after a multi-token chunk).
+            if k[1:3] != v[1:3] or not (live == n or size <= live <= n) or not 0 <= idx <= live:
+                raise bad(f"ring shapes {k} {v} (index {idx}) do not fit {n} tokens")
+        elif tensors:
+            raise bad("an empty ring with tensors")
+    else:
+        raise bad(f"unknown kind {kind!r}")
+
+
+def _block_layout(layers: list[dict]) -> list[tuple[int, str, str, tuple[int, int]]]:
+    """(layer, tensor name, dtype, (heads, width)) of every quantized tensor, in block order."""
+    return [(i, name, e["tensors"][name][0], tuple(e["tensors"][name][1:]))
+            for i, e in enumerate(layers) if e["kind"] != ROTATING for name in _QNAMES if name in e["tensors"]]
+
+
+def _ring_layout(layers: list[dict]) -> list[tuple[int, str, str, tuple[int, ...]]]:
+    return [(i, name, e["tensors"][name][0], tuple(e["tensors"][name][1:]))
+            for i, e in enumerate(layers) if e["kind"] == ROTATING for name in ("k", "v") if name in e["tensors"]]
+
+
+def _block_size(layers: list[dict], tokens: int) -> int:
+    return 4 * tokens + sum(h * tokens * w * _DTYPES[dt][1].itemsize for _, _, dt, (h, w) in _block_layout(layers))
+
+
+def _ring_size(layers: list[dict]) -> int:
+    return sum(math.prod(shape) * _DTYPES[dt][1].itemsize for _, _, dt, shape in _ring_layout(layers))
+
+
+# -- reading -------------------------------------------------------------------
+
+
+def load(directory: os.PathLike | str, *, model_id: str, spec_hash: str, agent_id: str | None = None,
+         keep: bool = True) -> CacheRecord | dict:
+    """Read an agent directory back as a ``CacheRecord`` whose caches continue
+    exactly as the saved ones would (with ``keep=False``: check every file, build
+    nothing, return the manifest). Checks the manifest, that it is for this model,
+    spec (and agent, if given), and every file it names: present, of the size
+    the layers imply, its sha256 equal to its name, its token ids those the
+    manifest's chain says. Raises ``CacheFileError`` on any failure, never
+    anything else."""
+    directory = Path(directory)
+    m = read_manifest(directory)
+    for reason, want, have in (
+        ("other model", model_id, m["model_id"]),
+        ("other spec", spec_hash, m["spec_hash"]),
+        ("other agent", agent_id, m["agent_id"]),
+    ):
+        if want is not None and want != have:
+            raise CacheFileError(directory, reason, f"cache is for {have!r}, wanted {want!r}")
+    layers, n = m["layers"], m["token_count"]
+    layout = _block_layout(layers)
+    arrays = {f"layer_{i}_{name}": np.empty((1, h, n, w), _DTYPES[dt][1]) for i, name, dt, (h, w) in layout} \
+        if keep else {}
+    tokens, chains = [], []
+    for b, e in enumerate(m["blocks"]):
+        t = e["tokens"]
+        data = _read_named(directory / e["file"], _block_size(layers, t))
+        tokens += np.frombuffer(data, "<u4", t).tolist()
+        chains.append(e.get("chain"))
+        at, lo = 4 * t, b * BLOCK_TOKENS
+        for i, name, dt, (h, w) in layout:
+            size = h * t * w * _DTYPES[dt][1].itemsize
+            if keep:
+                arrays[f"layer_{i}_{name}"][:, :, lo:lo + t, :] = \
+                    np.frombuffer(data, _DTYPES[dt][1], h * t * w, at).reshape(1, h, t, w)
+            at += size
+    if chains != _chains(tokens):
+        raise CacheFileError(directory, "bad layout", "the blocks do not hold the tokens the manifest lists")
+    rings = _ring_layout(layers)
+    if rings:
+        if not m["ring"]:
+            raise CacheFileError(directory, "bad layout", "no ring file")
+        data, at = _read_named(directory / m["ring"]["file"], _ring_size(layers)), 0
+        for i, name, dt, shape in rings:
+            count = math.prod(shape)
+            if keep:
+                arrays[f"layer_{i}_{name}"] = np.frombuffer(data, _DTYPES[dt][1], count, at).reshape(1, *shape)
+            at += count * _DTYPES[dt][1].itemsize
+    try:
+        text = "".join(_read_named(directory / e["file"], e["bytes"]).decode() for e in m["text"])
+    except UnicodeDecodeError:  # a piece cut inside a character: not one we wrote
+        raise CacheFileError(directory, "bad layout", "a text piece is not UTF-8") from None
+    if _text_digest(text) != m["text_digest"]:
+        raise CacheFileError(directory, "bad layout", "the text pieces do not make the text")
+    if not keep:
+        return m
+    cache = []
+    for i, e in enumerate(layers):  # each layer's buffers go as its arrays are made: memory stays ~ the cache
+        names = [k for k in arrays if k.startswith(f"layer_{i}_")]
+        cache.append(_rebuild(i, e, {k: _to_mx(arrays.pop(k)) for k in names}))
+    return CacheRecord(m["agent_id"], m["model_id"], m["spec_hash"], tokens, text, m["created"], m["updated"], cache)
+
+
+def _to_mx(x: np.ndarray) -> mx.array:
+    a = mx.array(x)
+    return a.view(mx.bfloat16) if x.dtype == np.dtype("<u2") else a
+
+
+def _rebuild(i: int, m: dict, arrays: dict[str, mx.array]):
+    """One layer's cache object, as the engine would hold it after the same tokens."""
+    if m["kind"] == ROTATING:
+        c = RotatingKVCache(m["max_size"], m["keep"])
+        if m["offset"]:
+            c.state = (arrays[f"layer_{i}_k"], arrays[f"layer_{i}_v"], m["offset"], m["keep"], m["max_size"], m["idx"])
+        return c
+    q = SequenceQuantizedKVCache(m["group_size"], m["bits"])
+    if m["offset"]:
+        q.keys = tuple(arrays[f"layer_{i}_k_{p}"] for p in _PARTS)
+        q.values = tuple(arrays[f"layer_{i}_v_{p}"] for p in _PARTS)
+        q.offset = m["offset"]
+    return DequantizingKVCache(quantized=q) if m["kind"] == DEQUANTIZING else q
 
 
 def _raw(a: mx.array) -> memoryview:
@@ -332,311 +596,6 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-# -- reading ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Tensor:
-    name: str
-    dtype: str  # safetensors name: U32, F16, BF16, F32
-    shape: tuple[int, ...]
-    start: int  # offsets in the data region
-    end: int
-
-
-@dataclass(frozen=True)
-class _Header:
-    raw: bytes  # length prefix + JSON, as on disk
-    meta: dict[str, str]
-    tensors: list[_Tensor]  # in file order
-    size: int  # file size
-
-
-def read_meta(path: os.PathLike | str) -> dict:
-    """The header of a cache file, parsed, without reading or checking the tensors.
-
-    Keys: format_version, agent_id, model_id, spec_hash, token_count, tokens,
-    text, created, updated, bits, group_size (None if no quantized layer),
-    layers (per-layer dicts), checksum, bytes (file size). Raises
-    ``CacheFileError`` if the file is missing, unreadable, truncated, not a
-    cache file or of another format version.
-    """
-    with _open(path) as f:
-        return _parse(path, _read_header(path, f))
-
-
-def verify(
-    path: os.PathLike | str,
-    *,
-    model_id: str | None = None,
-    spec_hash: str | None = None,
-    agent_id: str | None = None,
-) -> dict:
-    """Check a whole cache file (header, layout and checksum, streamed in 1 MiB
-    chunks) and, where given, that it is for this model, spec and agent.
-    Returns ``read_meta``'s dict; raises ``CacheFileError``."""
-    with _open(path) as f:
-        header, info = _checked_header(path, f, model_id, spec_hash, agent_id)
-        _read_tensors(path, f, header, info["checksum"], keep=False)
-    return info
-
-
-def load(
-    path: os.PathLike | str,
-    *,
-    model_id: str,
-    spec_hash: str,
-    agent_id: str | None = None,
-) -> CacheRecord:
-    """Read a cache file back as a ``CacheRecord`` whose caches continue exactly
-    as the saved ones would.
-
-    Checks the format version, model id, spec hash (and agent id if given),
-    that every tensor's dtype and shape match the layer metadata, and the
-    checksum. Tensors are read one at a time from one open file and hashed as
-    they arrive, so memory peaks at the cache plus one tensor. Raises
-    ``CacheFileError`` with a ``reason`` on any failure, never anything else.
-    """
-    with _open(path) as f:
-        header, info = _checked_header(path, f, model_id, spec_hash, agent_id)
-        arrays = _read_tensors(path, f, header, info["checksum"], keep=True)
-    cache = [_rebuild(i, layer, arrays) for i, layer in enumerate(info["layers"])]
-    return CacheRecord(
-        agent_id=info["agent_id"],
-        model_id=info["model_id"],
-        spec_hash=info["spec_hash"],
-        tokens=info["tokens"],
-        text=info["text"],
-        created=info["created"],
-        updated=info["updated"],
-        cache=cache,
-    )
-
-
-class _open:
-    """``open(path, 'rb')`` unbuffered, with OS errors turned into ``CacheFileError``."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __enter__(self) -> BinaryIO:
-        try:
-            self.f = open(self.path, "rb", buffering=0)
-        except FileNotFoundError:
-            raise CacheFileError(self.path, "missing", "no such file") from None
-        except OSError as e:
-            raise CacheFileError(self.path, "unreadable", e.strerror or str(e)) from None
-        return self.f
-
-    def __exit__(self, kind, e, tb):
-        self.f.close()
-        if isinstance(e, OSError):
-            raise CacheFileError(self.path, "unreadable", e.strerror or str(e)) from e
-
-
-def _read_exact(path, f: BinaryIO, n: int, what: str) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        b = f.read(n - got)
-        if not b:
-            raise CacheFileError(path, "truncated", f"file ends inside the {what}")
-        chunks.append(b)
-        got += len(b)
-    return b"".join(chunks)
-
-
-def _read_header(path, f: BinaryIO) -> _Header:
-    size = os.fstat(f.fileno()).st_size
-    if size < 8:
-        raise CacheFileError(path, "truncated", f"{size} bytes, not even a header length")
-    (n,) = struct.unpack("<Q", _read_exact(path, f, 8, "header length"))
-    if n > _MAX_HEADER:
-        raise CacheFileError(path, "unparsable", f"header length {n} is not plausible")
-    if 8 + n > size:
-        raise CacheFileError(path, "truncated", f"header of {n} bytes but the file has {size}")
-    raw = _read_exact(path, f, n, "header")
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, absurd nesting
-        raise CacheFileError(path, "unparsable", f"header is not JSON: {e}") from None
-    meta = doc.get("__metadata__") if isinstance(doc, dict) else None
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise CacheFileError(path, "unparsable", "no text metadata in the header")
-    if meta.get("format") != FORMAT:
-        raise CacheFileError(path, "unparsable", "not a Semantic cache file")
-    tensors = []
-    for name, t in doc.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (start, end) = t["dtype"], tuple(t["shape"]), t["data_offsets"]
-            assert dtype in _DTYPES and all(type(d) is int and d >= 0 for d in (*shape, start, end))
-        except (AssertionError, KeyError, TypeError, ValueError):
-            raise CacheFileError(path, "unparsable", f"bad entry for tensor {name!r}") from None
-        tensors.append(_Tensor(name, dtype, shape, start, end))
-    tensors.sort(key=lambda t: t.start)
-    at = 0
-    for t in tensors:  # contiguous, in order, each exactly as long as its shape says
-        if t.start != at or t.end - t.start != math.prod(t.shape) * _DTYPES[t.dtype][1].itemsize:
-            raise CacheFileError(path, "bad layout", f"tensor {t.name!r} has the wrong byte range")
-        at = t.end
-    if size < 8 + n + at:
-        raise CacheFileError(path, "truncated", f"{size} bytes, the header promises {8 + n + at}")
-    if size > 8 + n + at:
-        raise CacheFileError(path, "bad layout", f"{size - 8 - n - at} bytes after the last tensor")
-    return _Header(struct.pack("<Q", n) + raw, meta, tensors, size)
-
-
-def _parse(path, header: _Header) -> dict:
-    """The metadata as typed values, checked for consistency with itself."""
-    meta = header.meta
-    try:
-        version = int(meta["format_version"])
-    except (KeyError, ValueError):
-        raise CacheFileError(path, "unparsable", "no format version") from None
-    if version != FORMAT_VERSION:
-        which = "old format" if version < FORMAT_VERSION else "newer format"
-        raise CacheFileError(path, which, f"format version {version}, this Semantic reads {FORMAT_VERSION}")
-    if not header.raw[8:].startswith(_PREFIX):  # checked after the version: other versions may differ
-        raise CacheFileError(path, "unparsable", "the checksum does not lead the header")
-    try:
-        info = {
-            "format_version": version,
-            "agent_id": meta["agent_id"],
-            "model_id": meta["model_id"],
-            "spec_hash": meta["spec_hash"],
-            "token_count": int(meta["token_count"]),
-            "tokens": json.loads(meta["tokens"]),
-            "text": meta["text"],
-            "created": float(meta["created"]),
-            "updated": float(meta["updated"]),
-            "bits": int(meta["bits"]) if meta["bits"] else None,
-            "group_size": int(meta["group_size"]) if meta["group_size"] else None,
-            "layers": json.loads(meta["layers"]),
-            "checksum": meta["checksum"],
-            "bytes": header.size,
-        }
-    except (KeyError, ValueError, RecursionError) as e:
-        raise CacheFileError(path, "unparsable", f"bad metadata: {e!r}") from None
-    tokens, layers = info["tokens"], info["layers"]
-    if not (isinstance(tokens, list) and all(type(t) is int for t in tokens) and len(tokens) == info["token_count"]):
-        raise CacheFileError(path, "unparsable", "token ids do not match the token count")
-    if not (isinstance(layers, list) and all(isinstance(m, dict) for m in layers)):
-        raise CacheFileError(path, "unparsable", "bad layer metadata")
-    if not re.fullmatch(r"sha256:[0-9a-f]{64}", info["checksum"]):
-        raise CacheFileError(path, "unparsable", "bad checksum field")
-    return info
-
-
-def _checked_header(path, f, model_id, spec_hash, agent_id) -> tuple[_Header, dict]:
-    """Header, typed metadata; the cheap checks, before any tensor byte is read."""
-    header = _read_header(path, f)
-    info = _parse(path, header)
-    for reason, want, have in (
-        ("other model", model_id, info["model_id"]),
-        ("other spec", spec_hash, info["spec_hash"]),
-        ("other agent", agent_id, info["agent_id"]),
-    ):
-        if want is not None and want != have:
-            raise CacheFileError(path, reason, f"file is for {have!r}, wanted {want!r}")
-    _check_layout(path, info, {t.name: t for t in header.tensors})
-    return header, info
-
-
-def _check_layout(path, info: dict, tensors: dict[str, _Tensor]) -> None:
-    """Every layer's tensors exist with the dtypes and shapes its metadata implies, and no others."""
-
-    def bad(detail):
-        return CacheFileError(path, "bad layout", detail)
-
-    n, expected = info["token_count"], set()
-    for i, m in enumerate(info["layers"]):
-        kind, offset = m.get("kind"), m.get("offset")
-        if offset != n:
-            raise bad(f"layer {i} holds {offset} tokens, the file lists {n}")
-        if kind in (QUANTIZED, DEQUANTIZING):
-            bits, group = m.get("bits"), m.get("group_size")
-            if bits not in (4, 8) or group not in (32, 64, 128):
-                raise bad(f"layer {i}: unsupported bits {bits!r} / group size {group!r}")
-            heads = set()
-            for kv in ("k", "v") if n else ():
-                w, s, b = (tensors.get(f"layer_{i}_{kv}_{p}") for p in _PARTS)
-                if not (w and s and b):
-                    raise bad(f"layer {i}: missing {kv} triple")
-                ok = (
-                    w.dtype == "U32" and s.dtype in _FLOATS and b.dtype == s.dtype
-                    and len(w.shape) == 4 and w.shape[:3] == (1, w.shape[1], n) and s.shape == b.shape
-                    and s.shape[:3] == w.shape[:3] and w.shape[3] * 32 // bits == s.shape[3] * group
-                )
-                if not ok:
-                    raise bad(f"layer {i}: {kv} triple shapes {w.shape} {s.shape} {b.shape} do not fit")
-                heads.add(w.shape[1])
-                expected |= {w.name, s.name, b.name}
-            if len(heads) > 1:
-                raise bad(f"layer {i}: keys and values have different head counts")
-        elif kind == ROTATING:
-            size, keep, idx = m.get("max_size"), m.get("keep"), m.get("idx")
-            if not (type(size) is int and size > 0 and type(keep) is int and 0 <= keep < size and type(idx) is int):
-                raise bad(f"layer {i}: bad ring metadata")
-            k, v = tensors.get(f"layer_{i}_k"), tensors.get(f"layer_{i}_v")
-            if n:
-                if not (k and v and k.dtype in _FLOATS and v.dtype == k.dtype and len(k.shape) == len(v.shape) == 4):
-                    raise bad(f"layer {i}: missing or bad ring tensors")
-                live = k.shape[2]
-                # A ring holds all n tokens, or is full (max_size, or more just after a multi-token chunk).
-                if k.shape[:3] != v.shape[:3] or k.shape[0] != 1 or not (live == n or size <= live <= n):
-                    raise bad(f"layer {i}: ring shapes {k.shape} {v.shape} do not fit {n} tokens")
-                if not 0 <= idx <= live:
-                    raise bad(f"layer {i}: ring index {idx} outside {live} slots")
-                expected |= {k.name, v.name}
-        else:
-            raise bad(f"layer {i}: unknown kind {kind!r}")
-    if extra := set(tensors) - expected:
-        raise bad(f"unexpected tensors {sorted(extra)[:3]}")
-
-
-def _read_tensors(path, f: BinaryIO, header: _Header, checksum: str, *, keep: bool) -> dict[str, mx.array]:
-    """Stream the data region in file order, hashing as we go; with ``keep`` build
-    each tensor as an MLX array. Raises ``CacheFileError`` (bad checksum, truncated)."""
-    digest = hashlib.sha256(header.raw[:_SUM_AT] + _ZERO_SUM.encode() + header.raw[_SUM_AT + 64 :])
-    scratch = None if keep else bytearray(_CHUNK)
-    arrays = {}
-    for t in header.tensors:
-        n = t.end - t.start
-        buf = np.empty(n, np.uint8) if keep else None
-        got = 0
-        while got < n:
-            m = min(_CHUNK, n - got)
-            view = memoryview(buf)[got : got + m] if keep else memoryview(scratch)[:m]
-            k = f.readinto(view)
-            if not k:
-                raise CacheFileError(path, "truncated", f"file ends inside tensor {t.name!r}")
-            digest.update(view[:k])
-            got += k
-        if keep:
-            mx_dtype, np_dtype = _DTYPES[t.dtype]
-            a = mx.array(buf.view(np_dtype).reshape(t.shape))
-            arrays[t.name] = a.view(mx.bfloat16) if mx_dtype == mx.bfloat16 else a
-    if "sha256:" + digest.hexdigest() != checksum:
-        raise CacheFileError(path, "bad checksum", "the bytes are not the ones written")
-    return arrays
-
-
-def _rebuild(i: int, m: dict, arrays: dict[str, mx.array]):
-    """One layer's cache object, as the engine would hold it after the same tokens."""
-    if m["kind"] == ROTATING:
-        c = RotatingKVCache(m["max_size"], m["keep"])
-        if m["offset"]:
-            c.state = (arrays[f"layer_{i}_k"], arrays[f"layer_{i}_v"], m["offset"], m["keep"], m["max_size"], m["idx"])
-        return c
-    q = SequenceQuantizedKVCache(m["group_size"], m["bits"])
-    if m["offset"]:
-        q.keys = tuple(arrays[f"layer_{i}_k_{p}"] for p in _PARTS)
-        q.values = tuple(arrays[f"layer_{i}_v_{p}"] for p in _PARTS)
-        q.offset = m["offset"]
-    return DequantizingKVCache(quantized=q) if m["kind"] == DEQUANTIZING else q
-
-
 # -- the store -------------------------------------------------------------
 
 
@@ -648,13 +607,15 @@ def model_key(model_id: str) -> str:
 
 
 class CacheStore:
-    """Cache files under ``root``: ``root/<model_key(model_id)>/<agent_id>.safetensors``,
-    bad files moved to ``root/quarantine/``.
+    """Agents' caches under ``root``: ``root/<model_key(model_id)>/<agent_id>.kv/``
+    (``<agent_id>.safetensors`` for a version 1 file), unusable ones moved to
+    ``root/quarantine/``.
 
-    One owner (the persistence side of the GPU actor); several processes may
-    share a root, as every write is an atomic rename. Creating a store removes
-    temp files left by writers that died (their pid is gone, or they are over an
-    hour old).
+    One writer (the persistence actor, or the owner of an ``AgentCaches``);
+    several processes may share a root, as every file is renamed into place.
+    Creating a store removes temp files left by writers that died (their pid is
+    gone, or they are over an hour old) and, from agents' directories, files no
+    manifest names that are over an hour old.
     """
 
     QUARANTINE = "quarantine"
@@ -662,83 +623,145 @@ class CacheStore:
     def __init__(self, root: os.PathLike | str):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._clean_temp()
+        self.bytes_written = 0  # by write(), every file included (for benchmarks and tests)
+        self._clean()
 
-    def path(self, agent_id: str, model_id: str) -> Path:
+    def agent_dir(self, agent_id: str, model_id: str) -> Path:
         """Where the cache of ``agent_id`` for ``model_id`` lives. Raises ``InvalidAgentId``."""
-        return self.root / model_key(model_id) / f"{validate_agent_id(agent_id)}{SUFFIX}"
+        return self.root / model_key(model_id) / f"{validate_agent_id(agent_id)}{AGENT_DIR_SUFFIX}"
+
+    def legacy_path(self, agent_id: str, model_id: str) -> Path:
+        """Where a version 1 file of ``agent_id`` for ``model_id`` would be."""
+        return self.root / model_key(model_id) / f"{validate_agent_id(agent_id)}{cache_v1.SUFFIX}"
+
+    def exists(self, agent_id: str, model_id: str) -> bool:
+        return (self.agent_dir(agent_id, model_id) / MANIFEST).is_file() or \
+            self.legacy_path(agent_id, model_id).is_file()
 
     def save(self, record: CacheRecord) -> Path:
-        """Write ``record`` (replacing the agent's file for that model) and return its path.
+        """Write ``record`` (on the thread that owns MLX) and return its directory.
+        Files the manifest on disk already names are not written again.
         Raises ``InvalidAgentId``, ``ValueError`` (cache and tokens disagree) or ``OSError``."""
-        path = self.path(record.agent_id, record.model_id)
-        if not path.parent.is_dir():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _fsync_dir(self.root)
-        save(path, record)
-        return path
+        self.write(snapshot(record))
+        return self.agent_dir(record.agent_id, record.model_id)
 
-    def write_encoded(self, agent_id: str, model_id: str, data: bytes | bytearray) -> Path:
-        """Write a file made by ``encode`` as the agent's cache for ``model_id`` (atomic;
-        touches no MLX array, so any thread may call it).  Raises ``InvalidAgentId``, ``OSError``."""
-        path = self.path(agent_id, model_id)
-        if not path.parent.is_dir():
-            path.parent.mkdir(parents=True, exist_ok=True)
+    def write(self, update: BlockUpdate) -> int:
+        """Write an update (any thread: bytes only): its blocks not on disk yet, its
+        ring and new text, then the manifest (atomic); then remove the files no
+        longer named, and a version 1 file. Returns the bytes written. Raises
+        ``StaleBlocks`` (the manifest on disk lacks blocks before ``update.first``),
+        ``InvalidAgentId``, ``OSError``."""
+        d = self.agent_dir(update.agent_id, update.model_id)
+        if not d.is_dir():
+            d.mkdir(parents=True, exist_ok=True)
+            _fsync_dir(d.parent)
             _fsync_dir(self.root)
-        write_atomic(path, data)
-        return path
+        old = self._previous(d, update)
+        written = 0
+
+        def put(data: bytes | bytearray, kind: str) -> dict:
+            nonlocal written
+            name = f"{hashlib.sha256(data).hexdigest()}.{kind}"
+            if not (d / name).is_file():  # named by content: one that is there holds these bytes
+                _write_atomic(d / name, data, sync_dir=False)
+                written += len(data)
+            return {"file": name}
+
+        blocks = []
+        for b, chain in enumerate(_chains(update.tokens)):
+            if b < update.first:
+                e = old["blocks"][b] if old and b < len(old["blocks"]) else None
+                if e is None or e.get("chain") != chain or not (d / e["file"]).is_file():
+                    raise StaleBlocks(f"block {b} of agent {update.agent_id!r} is not on disk")
+            else:
+                e = put(update.blocks[b - update.first], "block")
+                e.update(tokens=min(BLOCK_TOKENS, len(update.tokens) - b * BLOCK_TOKENS), chain=chain)
+            blocks.append(e)
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "agent_id": update.agent_id,
+            "model_id": update.model_id,
+            "spec_hash": update.spec_hash,
+            "token_count": len(update.tokens),
+            "block_tokens": BLOCK_TOKENS,
+            "created": update.created,
+            "updated": update.updated,
+            "layers": update.layers,
+            "blocks": blocks,
+            "ring": put(update.ring, "ring") if update.ring else None,
+            "text": self._text_pieces(old, update.text, put),
+            "text_digest": _text_digest(update.text),
+        }
+        _fsync_dir(d)  # the files are in place before the manifest that names them
+        data = _seal(manifest)
+        _write_atomic(d / MANIFEST, data)
+        written += len(data)
+        self.bytes_written += written
+        self._remove_unnamed(d, manifest)
+        legacy = self.legacy_path(update.agent_id, update.model_id)
+        if legacy.exists():
+            legacy.unlink()
+            log.info("cache of agent %r for %s moved from a version 1 file to blocks", update.agent_id,
+                     update.model_id)
+        return written
 
     def load(self, agent_id: str, model_id: str, spec_hash: str) -> CacheRecord | None:
         """The agent's cache for this model, or None: absent, or unusable. An unusable
-        file is moved to quarantine with one warning on ``semantic.cache``; the agent
+        cache is moved to quarantine with one warning on ``semantic.cache``; the agent
         starts cold. Raises only ``InvalidAgentId``."""
-        path = self.path(agent_id, model_id)
+        d = self.agent_dir(agent_id, model_id)
+        legacy = self.legacy_path(agent_id, model_id)
         try:
-            return load(path, model_id=model_id, spec_hash=spec_hash, agent_id=agent_id)
+            if (d / MANIFEST).exists() or not legacy.exists():
+                return load(d, model_id=model_id, spec_hash=spec_hash, agent_id=agent_id)
+            record = cache_v1.load(legacy, model_id=model_id, spec_hash=spec_hash, agent_id=agent_id)
         except CacheFileError as e:
-            if e.reason == "missing":
-                return None
-            self._quarantine(path, e)
+            if e.reason != "missing":
+                self._quarantine(d if (d / MANIFEST).exists() else legacy, agent_id, e)
             return None
+        return record
+
+    def info(self, agent_id: str, model_id: str) -> dict | None:
+        """``entries()``'s dict for one agent, or None (no cache, or its manifest is unusable)."""
+        d = self.agent_dir(agent_id, model_id)
+        legacy = self.legacy_path(agent_id, model_id)
+        return self._entry(d) if (d / MANIFEST).exists() or not legacy.exists() else self._legacy_entry(legacy)
 
     def delete(self, agent_id: str, model_id: str | None = None) -> int:
         """Remove the agent's cache for ``model_id`` (every model if None); return how
-        many files went. Quarantined files stay. Raises ``InvalidAgentId``."""
+        many caches went. Quarantined files stay. Raises ``InvalidAgentId``."""
         validate_agent_id(agent_id)
         dirs = [self.root / model_key(model_id)] if model_id is not None else self._model_dirs()
         removed = 0
         for d in dirs:
-            try:
-                (d / f"{agent_id}{SUFFIX}").unlink()
-                removed += 1
-            except FileNotFoundError:
-                pass
+            removed += remove_tree(d / f"{agent_id}{AGENT_DIR_SUFFIX}")
+            removed += remove_tree(d / f"{agent_id}{cache_v1.SUFFIX}")
         return removed
 
     def entries(self) -> list[dict]:
-        """One dict per readable cache file (agent, model, tokens, bytes, updated, path),
-        from headers alone; files whose header is unusable are left out (see ``verify``)."""
+        """One dict per cache (agent, model, tokens, bytes, updated, path), from
+        manifests and version 1 headers alone; unusable ones are left out (see ``verify``)."""
         out = []
-        for path in self._files():
-            try:
-                m = read_meta(path)
-            except CacheFileError:
-                continue
-            out.append(
-                dict(agent=m["agent_id"], model=m["model_id"], tokens=m["token_count"],
-                     bytes=m["bytes"], updated=m["updated"], path=path)
-            )
+        for path in self._caches():
+            e = self._entry(path) if path.is_dir() else self._legacy_entry(path)
+            if e is not None:
+                out.append(e)
         return out
 
     def verify(self) -> list[tuple[Path, bool, str]]:
-        """Check every cache file in full: (path, ok, reason), reason 'ok' when it is.
-        A file must also sit where its own header says it belongs. Moves nothing."""
+        """Check every cache in full: (path, ok, reason), reason 'ok' when it is.
+        A cache must also sit where its own manifest says it belongs. Moves nothing."""
         out = []
-        for path in self._files():
+        for path in self._caches():
+            agent = path.name.rsplit(".", 1)[0]
             try:
-                m = verify(path, agent_id=path.name[: -len(SUFFIX)])
+                if path.is_dir():
+                    m = load(path, model_id=None, spec_hash=None, agent_id=agent, keep=False)
+                else:
+                    m = cache_v1.verify(path, agent_id=agent)
                 if model_key(m["model_id"]) != path.parent.name:
-                    raise CacheFileError(path, "other model", f"file is for {m['model_id']!r}")
+                    raise CacheFileError(path, "other model", f"cache is for {m['model_id']!r}")
                 out.append((path, True, "ok"))
             except CacheFileError as e:
                 out.append((path, False, e.reason))
@@ -746,38 +769,90 @@ class CacheStore:
 
     def disk_bytes(self) -> int:
         """Bytes of every file under the root, quarantine and temp files included."""
-        total = 0
-        for p in self.root.rglob("*"):
-            try:
-                if p.is_file():
-                    total += p.stat().st_size
-            except OSError:  # removed while we walk
-                pass
-        return total
+        return tree_bytes(self.root)
 
     # -- internals --
+
+    def _previous(self, d: Path, update: BlockUpdate) -> dict | None:
+        """The manifest on disk if it is this agent's for this model and spec, else None."""
+        try:
+            m = read_manifest(d)
+        except CacheFileError:
+            return None
+        same = (m["agent_id"], m["model_id"], m["spec_hash"]) == (update.agent_id, update.model_id, update.spec_hash)
+        return m if same else None
+
+    @staticmethod
+    def _text_pieces(old: dict | None, text: str, put) -> list[dict]:
+        """The previous manifest's text pieces that still begin ``text``, then one piece with the rest."""
+        pieces, at = [], 0
+        if old:
+            for e in old["text"]:
+                end = at + e["chars"]
+                if e["upto"] != _text_digest(text[:end]):
+                    break
+                pieces.append(e)
+                at = end
+        if len(pieces) >= _MAX_TEXT_PIECES:
+            pieces, at = [], 0
+        if at < len(text):
+            data = text[at:].encode()
+            e = put(data, "text")
+            e.update(bytes=len(data), chars=len(text) - at, upto=_text_digest(text))
+            pieces.append(e)
+        return pieces
+
+    def _remove_unnamed(self, d: Path, manifest: dict) -> None:
+        """Remove the content files the manifest no longer names (an older version's)."""
+        named = _named(manifest)
+        for p in d.iterdir():
+            if _NAME.fullmatch(p.name) and p.name not in named:
+                p.unlink(missing_ok=True)
+
+    def _entry(self, d: Path) -> dict | None:
+        try:
+            m = read_manifest(d)
+        except CacheFileError:
+            return None
+        size = (d / MANIFEST).stat().st_size + sum(_size(d / f) for f in _named(m))
+        return dict(agent=m["agent_id"], model=m["model_id"], tokens=m["token_count"], bytes=size,
+                    updated=m["updated"], path=d)
+
+    @staticmethod
+    def _legacy_entry(path: Path) -> dict | None:
+        try:
+            m = cache_v1.read_meta(path)
+        except CacheFileError:
+            return None
+        return dict(agent=m["agent_id"], model=m["model_id"], tokens=m["token_count"], bytes=m["bytes"],
+                    updated=m["updated"], path=path)
 
     def _model_dirs(self) -> list[Path]:
         return sorted(
             d for d in self.root.iterdir() if d.is_dir() and d.name != self.QUARANTINE and not d.name.startswith(".")
         )
 
-    def _files(self) -> list[Path]:
-        """Cache files: ``<valid agent id>.safetensors`` in a model directory (never temp files)."""
+    def _caches(self) -> list[Path]:
+        """Agents' directories with a manifest, and version 1 files of agents that have none."""
         out = []
         for d in self._model_dirs():
-            for p in sorted(d.glob(f"*{SUFFIX}")):
+            for p in sorted(d.iterdir()):
+                stem, dot, suffix = p.name.rpartition(".")
                 try:
-                    validate_agent_id(p.name[: -len(SUFFIX)])
+                    validate_agent_id(stem)
                 except InvalidAgentId:
                     continue
-                out.append(p)
+                if f".{suffix}" == AGENT_DIR_SUFFIX and (p / MANIFEST).is_file():
+                    out.append(p)
+                elif f".{suffix}" == cache_v1.SUFFIX and p.is_file() and \
+                        not (d / f"{stem}{AGENT_DIR_SUFFIX}" / MANIFEST).is_file():
+                    out.append(p)
         return out
 
-    def _quarantine(self, path: Path, error: CacheFileError) -> None:
+    def _quarantine(self, path: Path, agent_id: str, error: CacheFileError) -> None:
         ns = time.time_ns()
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(ns // 10**9)) + f".{ns // 1000 % 10**6:06d}Z"
-        name = f"{path.parent.name}--{path.stem}--{stamp}--{error.reason.replace(' ', '-')}"
+        name = f"{path.parent.name}--{agent_id}--{stamp}--{error.reason.replace(' ', '-')}"
         dest = self.root / self.QUARANTINE / name
         try:
             dest.parent.mkdir(exist_ok=True)
@@ -786,12 +861,14 @@ class CacheStore:
         except OSError as e:
             where = f"could not be moved aside ({e.strerror or e})"
         log.warning("cache of agent %r is unusable (%s: %s), %s; the agent starts cold",
-                    path.stem, error.reason, error.detail, where)
+                    agent_id, error.reason, error.detail, where)
 
-    def _clean_temp(self) -> None:
+    def _clean(self) -> None:
+        """Remove dead writers' temp files, and stale files no manifest names."""
         now = time.time()
         for d in self._model_dirs():
-            for p in d.glob(f"{_TMP}*"):
+            agents = [p for p in d.iterdir() if p.name.endswith(AGENT_DIR_SUFFIX) and p.is_dir()]
+            for p in [*d.glob(f"{_TMP}*"), *(t for a in agents for t in a.glob(f"{_TMP}*"))]:
                 try:
                     pid = int(p.name[len(_TMP) :].split("-", 1)[0])
                 except ValueError:
@@ -801,6 +878,48 @@ class CacheStore:
                         p.unlink()
                 except FileNotFoundError:  # its writer renamed it meanwhile
                     pass
+            for a in agents:
+                try:
+                    named = _named(read_manifest(a))
+                except CacheFileError:
+                    continue  # loading it says why (and quarantines it)
+                for p in a.iterdir():
+                    try:  # a young one may be a live writer's, its manifest still to come
+                        if _NAME.fullmatch(p.name) and p.name not in named and now - p.stat().st_mtime > _STALE_TMP_S:
+                            p.unlink()
+                    except FileNotFoundError:
+                        pass
+
+
+def _named(manifest: dict) -> set[str]:
+    ring = [manifest["ring"]] if manifest["ring"] else []
+    return {e["file"] for e in (*manifest["blocks"], *manifest["text"], *ring)}
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def tree_bytes(top: Path) -> int:
+    """Bytes of every file under ``top`` (or of ``top`` itself, a file)."""
+    if not top.is_dir():
+        return _size(top)
+    return sum(_size(Path(parent) / name) for parent, _, names in os.walk(top) for name in names)
+
+
+def remove_tree(path: Path) -> int:
+    """Remove a file or a directory with everything in it; 1 if there was one."""
+    try:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        return 0
+    return 1
 
 
 def _alive(pid: int) -> bool:
@@ -813,3 +932,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # someone else's process
         return True
     return True
+
+
+from . import cache_v1  # noqa: E402  (last: it builds on this module)

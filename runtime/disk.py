@@ -5,23 +5,26 @@ and for ``semantic cache prune`` and ``rm``: ``scan`` lists the files,
 ``plan`` decides what goes, ``apply`` removes it, ``remove_agent`` deletes
 one agent's files.
 
-The directory's total is every file under it: cache files, histories,
-quarantined files and temp files. What ``plan`` removes, in this order:
+The directory's total is every file under it: caches, histories,
+quarantined files and temp files. An agent's cache for one model is one
+unit: its directory (``<agent>.kv/``: the manifest, the files it names and
+any temp file), or a version 1 file; its size is all of that, its last use
+the manifest's mtime (every turn writes its agent's manifest anew). What
+``plan`` removes, in this order:
 
 * anonymous conversations (agent ids starting ``conv-``: the HTTP server
   makes them for clients that name no agent) unused for longer than
-  ``conversation_ttl``: the history and every cache file;
+  ``conversation_ttl``: the history and every cache;
 * with ``older_than``: the same for conversations unused for longer, and
-  every cache file and quarantined file not written for longer;
-* while the total is over ``budget``: quarantined files (``quarantine/``,
+  every cache and quarantined file not written for longer;
+* while the total is over ``budget``: quarantined caches (``quarantine/``,
   and histories moved aside as unreadable), oldest first, then
-  cache files, least recently written first (every turn rewrites its agent's
-  cache, so a file's mtime is its last use), until the total is at most
+  caches, least recently written first, until the total is at most
   ``target``.
 
 Never removed: a named agent's history, a temp file (a write in progress),
 any other file, every file of a ``protected`` agent (live in a runtime, or
-with a write pending), and, except by a conversation's TTL, the cache files
+with a write pending), and, except by a conversation's TTL, the caches
 of a ``hot`` agent (its cache is in memory, and a clean hot cache is not
 written again when it leaves memory). A removed cache only means its agent
 starts cold.
@@ -36,7 +39,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cache_file import SUFFIX, CacheStore, InvalidAgentId, validate_agent_id
+from .cache_file import AGENT_DIR_SUFFIX, MANIFEST, CacheStore, InvalidAgentId, remove_tree, tree_bytes, \
+    validate_agent_id
+from .cache_v1 import SUFFIX
 
 __all__ = [
     "CACHE", "CONVERSATION_PREFIX", "FREE_MARGIN", "HISTORY", "OTHER", "QUARANTINE", "DiskFile", "NoRoom", "Plan",
@@ -54,9 +59,9 @@ CACHE, HISTORY, QUARANTINE, OTHER = "cache", "history", "quarantine", "other"
 
 @dataclass(frozen=True)
 class DiskFile:
-    path: Path
+    path: Path  # a file, or an agent's cache directory (removed whole)
     bytes: int
-    mtime: float  # unix time it was last written
+    mtime: float  # unix time it was last written (a cache directory: its manifest)
     kind: str  # cache, history, quarantine or other (never removed)
     agent: str | None = None  # cache and history files
 
@@ -115,24 +120,47 @@ def check_room(directory: os.PathLike | str, size: int, margin: int = FREE_MARGI
 
 
 def scan(root: os.PathLike | str, histories: os.PathLike | str) -> tuple[list[DiskFile], int]:
-    """Every file under ``root`` (and ``histories``, if outside it), classified; and their total bytes."""
+    """Everything under ``root`` (and ``histories``, if outside it), classified: files,
+    and agents' cache directories and quarantined directories as units; and their total bytes."""
     root, histories = Path(root), Path(histories)
-    files = [_classify(p, root, histories) for p in _walk(root)]
+    files = [_classify(p, root, histories) for p in _walk(root, root)]
     if not histories.is_relative_to(root):
-        files += [_classify(p, root, histories) for p in _walk(histories)]
+        files += [_classify(p, root, histories) for p in _walk(histories, root)]
     files = [f for f in files if f is not None]
     return files, sum(f.bytes for f in files)
 
 
-def _walk(top: Path):
-    for parent, _, names in os.walk(top):
-        for name in names:
-            yield Path(parent) / name
+def _walk(top: Path, root: Path):
+    """Files under ``top``; an agent's cache directory or a quarantined directory as one path."""
+    for parent, dirs, names in os.walk(top):
+        parent = Path(parent)
+        units = [d for d in dirs if _is_unit(parent / d, root)]
+        dirs[:] = [d for d in dirs if d not in units]
+        for name in (*names, *units):
+            yield parent / name
+
+
+def _is_unit(path: Path, root: Path) -> bool:
+    if path.parent == root / CacheStore.QUARANTINE:
+        return True
+    return path.parent.parent == root and path.name.endswith(AGENT_DIR_SUFFIX) and path.parent.name != "histories"
+
+
+def _stat(path: Path) -> tuple[int, float]:
+    """(bytes, last written) of a file or a unit directory (whose last write is its manifest's)."""
+    if not path.is_dir():
+        st = path.stat()
+        return st.st_size, st.st_mtime
+    try:
+        mtime = (path / MANIFEST).stat().st_mtime
+    except FileNotFoundError:  # a first write that never finished
+        mtime = path.stat().st_mtime
+    return tree_bytes(path), mtime
 
 
 def _classify(path: Path, root: Path, histories: Path) -> DiskFile | None:
     try:
-        st = path.stat()
+        size, mtime = _stat(path)
     except OSError:  # removed while we walk
         return None
     name, parent = path.name, path.parent
@@ -141,11 +169,13 @@ def _classify(path: Path, root: Path, histories: Path) -> DiskFile | None:
         kind = QUARANTINE
     elif parent == histories and name.endswith(HISTORY_SUFFIX):
         agent, kind = _agent(name[: -len(HISTORY_SUFFIX)]), HISTORY
-    elif parent.parent == root and parent != histories and name.endswith(SUFFIX):
-        agent, kind = _agent(name[: -len(SUFFIX)]), CACHE
+    elif parent.parent == root and parent != histories:
+        for suffix in (SUFFIX, AGENT_DIR_SUFFIX):
+            if name.endswith(suffix) and path.is_dir() == (suffix == AGENT_DIR_SUFFIX):
+                agent, kind = _agent(name[: -len(suffix)]), CACHE
     if kind != QUARANTINE and agent is None:
         kind = OTHER
-    return DiskFile(path, st.st_size, st.st_mtime, kind, agent)
+    return DiskFile(path, size, mtime, kind, agent)
 
 
 def _agent(stem: str) -> str | None:
@@ -220,18 +250,18 @@ def plan(
 
 
 def apply(p: Plan) -> list[DiskFile]:
-    """Remove the plan's files; return those removed.  A file written again since it
-    was scanned (another size or mtime: a writer replaced it) is left alone."""
+    """Remove the plan's files (and cache directories); return those removed.  One
+    written again since it was scanned (another size or mtime: a writer replaced
+    it) is left alone."""
     removed = []
     for f, _ in p.removals:
         try:
-            st = f.path.stat()
-            if (st.st_size, st.st_mtime) != (f.bytes, f.mtime):
+            if _stat(f.path) != (f.bytes, f.mtime):
                 continue
-            f.path.unlink()
         except FileNotFoundError:
             continue
-        removed.append(f)
+        if remove_tree(f.path):
+            removed.append(f)
     return removed
 
 

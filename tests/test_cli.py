@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from runtime.cache_file import MANIFEST, model_key
+
 
 def semantic(*args, env=None):
     return subprocess.run(
@@ -106,7 +108,7 @@ def test_cache_commands(tmp_path):
     assert semantic(*root, "verify").returncode == 0
     assert "2 agent(s)  tiny" in semantic(*root, "du").stdout
 
-    path = store.path("bo", "tiny")
+    path = next(store.agent_dir("bo", "tiny").glob("*.block"))
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -120,6 +122,10 @@ def test_cache_commands(tmp_path):
     assert out.returncode == 2 and "may not contain '/'" in out.stderr
 
 
+def manifest(store, agent: str):
+    return store.agent_dir(agent, "tiny") / MANIFEST
+
+
 def age(path, days: float) -> None:
     when = time.time() - days * 86400
     os.utime(path, (when, when))
@@ -131,7 +137,7 @@ def test_cache_ls_rm_and_prune(tmp_path):
     histories.mkdir()
     for agent in ("ada", "bo", "conv-1", "carol"):  # carol: a history and no cache
         (histories / f"{agent}.json").write_text("{}")
-    for path in (store.path("bo", "tiny"), store.path("conv-1", "tiny"), histories / "conv-1.json"):
+    for path in (manifest(store, "bo"), manifest(store, "conv-1"), histories / "conv-1.json"):
         age(path, 10)
     age(histories / "bo.json", 10)
     root = ["cache", "--cache-dir", str(tmp_path)]
@@ -151,14 +157,13 @@ def test_cache_ls_rm_and_prune(tmp_path):
     lines = out.stdout.splitlines()
     assert out.returncode == 0 and len(lines) == 4 and "would remove 3 file(s)" in lines[-1], out.stdout
     assert {line.split()[2] for line in lines[:3]} == {
-        f"{store.path('bo', 'tiny').parent.name}/bo.safetensors",
-        f"{store.path('bo', 'tiny').parent.name}/conv-1.safetensors", "histories/conv-1.json"}
-    assert store.path("bo", "tiny").exists() and (histories / "conv-1.json").exists()
+        f"{model_key('tiny')}/bo.kv", f"{model_key('tiny')}/conv-1.kv", "histories/conv-1.json"}
+    assert store.exists("bo", "tiny") and (histories / "conv-1.json").exists()
     out = semantic(*root, "prune", "--older-than", "7d")
     assert out.returncode == 0 and "removed 3 file(s)" in out.stdout, out.stdout
-    assert not store.path("bo", "tiny").exists() and not store.path("conv-1", "tiny").exists()
+    assert not store.exists("bo", "tiny") and not store.exists("conv-1", "tiny")
     assert not (histories / "conv-1.json").exists()  # an old conversation goes whole
-    assert (histories / "bo.json").exists() and store.path("ada", "tiny").exists()  # a named agent's history stays
+    assert (histories / "bo.json").exists() and store.exists("ada", "tiny")  # a named agent's history stays
 
     out = semantic(*root, "rm", "ada", "--model", "tiny")
     assert out.returncode == 0 and "removed 1 cache file(s) of ada; its history stays" in out.stdout
@@ -166,12 +171,12 @@ def test_cache_ls_rm_and_prune(tmp_path):
     store = real_caches(tmp_path, ("ada",))
     out = semantic(*root, "rm", "ada")
     assert out.returncode == 0 and "removed 1 cache file(s) and the history of ada" in out.stdout
-    assert not (histories / "ada.json").exists() and not store.path("ada", "tiny").exists()
+    assert not (histories / "ada.json").exists() and not store.exists("ada", "tiny")
     out = semantic(*root, "rm", "bo", "--model", "tiny")
     assert out.returncode == 2 and "no cache for agent 'bo' and model 'tiny'" in out.stderr
 
     real_caches(tmp_path, ("dee", "eve"))
-    age(store.path("dee", "tiny"), 1)
+    age(manifest(store, "dee"), 1)
     out = semantic(*root, "prune", "--to", "1")
     assert out.returncode == 0 and "removed 2 file(s)" in out.stdout and "still over" in out.stdout
     assert out.stdout.index("dee") < out.stdout.index("eve")  # least recently used first

@@ -14,7 +14,7 @@ import pytest
 
 from actors import AgentGone, Runtime
 from actors.persistence import history_path
-from runtime.cache_file import CacheStore, read_meta
+from runtime.cache_file import CacheStore
 from tests.web.live import tiny_loaded
 
 pytestmark = pytest.mark.anyio
@@ -37,8 +37,8 @@ async def test_a_turn_succeeds_on_a_full_disk_and_its_cache_is_written_once_ther
         alice = await rt.agent("alice", system="Be brief.")
         await alice.reply("Hello", max_tokens=4)
         await rt.flush()
-        path = CacheStore(rt.cache_dir).path("alice", "tiny")
-        first = read_meta(path)["token_count"]
+        store = CacheStore(rt.cache_dir)
+        first = store.info("alice", "tiny")["tokens"]
         history = history_path(rt.cache_dir / "histories", "alice").read_bytes()
 
         monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(100 << 30, 100 << 30, 1 << 20))
@@ -46,14 +46,14 @@ async def test_a_turn_succeeds_on_a_full_disk_and_its_cache_is_written_once_ther
         text = await alice.reply("Again", max_tokens=4)  # the turn itself succeeds
         await rt.flush()
         assert alice.last_result.reason in ("stop", "length") and alice.history[-1].content == text
-        assert read_meta(path)["token_count"] == first  # the last good file
+        assert store.info("alice", "tiny")["tokens"] == first  # the last good file
         assert history_path(rt.cache_dir / "histories", "alice").read_bytes() == history
         assert any("'alice'" in r.getMessage() and "1.0 MiB free" in r.getMessage() for r in caplog.records)
         assert rt.disk()["failed_writes"] >= 2
 
         monkeypatch.undo()
         await rt.flush()  # the cache stayed dirty in memory: written now
-        assert read_meta(path)["token_count"] > first
+        assert store.info("alice", "tiny")["tokens"] > first
         assert not list(rt.cache_dir.rglob(".tmp-*"))
 
 
@@ -71,10 +71,10 @@ async def test_old_conversations_leave_the_runtime_and_named_and_live_agents_sta
             while not told:
                 await rt.agent("conv-live")  # its actor keeps running: live, though unused
                 await anyio.sleep(0.05)
-        assert told == ["conv-old"] and not store.path("conv-old", "tiny").exists()
+        assert told == ["conv-old"] and not store.exists("conv-old", "tiny")
         assert not history_path(histories, "conv-old").exists()
-        assert history_path(histories, "conv-live").exists() and store.path("conv-live", "tiny").exists()
-        assert history_path(histories, "named").exists() and store.path("named", "tiny").exists()
+        assert history_path(histories, "conv-live").exists() and store.exists("conv-live", "tiny")
+        assert history_path(histories, "named").exists() and store.exists("named", "tiny")
         assert {a.id for a in await rt.agents()} == {"conv-live", "named"}
         with pytest.raises(AgentGone):
             await old.reply("Still there?", max_tokens=2)

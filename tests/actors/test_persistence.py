@@ -5,6 +5,7 @@ TTL are kept."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import shutil
@@ -15,10 +16,11 @@ import anyio
 import pytest
 
 from actors.agent import request
-from actors.messages import CacheBytes, CacheWritten, Done, Flush, Forget, HistoryBytes, Stop, WriteTicket
+from actors.messages import CacheBlocks, CacheWritten, Done, Flush, Forget, HistoryBytes, Stop, WriteTicket
 from actors.persistence import PersistenceActor, history_path
 from runtime import cache_file, disk
-from runtime.cache_file import CacheStore
+from runtime.cache_file import CacheStore, snapshot
+from tests.runtime import cache_writer
 
 pytestmark = pytest.mark.anyio
 
@@ -31,6 +33,17 @@ class FakeGpu:
         self.commands.append(command)
 
 
+def blocks(agent: str, version: int, ticket: WriteTicket | None = None) -> CacheBlocks:
+    """A 16-token cache of ``agent`` whose text names the version."""
+    rec = dataclasses.replace(cache_writer.record(0), agent_id=agent, model_id="m", text=f"{agent}{version}")
+    return CacheBlocks(agent, "m", version, snapshot(rec), ticket or WriteTicket())
+
+
+def text_of(store: CacheStore, agent: str) -> str | None:
+    rec = store.load(agent, "m", cache_writer.SPEC)
+    return None if rec is None else rec.text
+
+
 def actor_in(tmp_path) -> PersistenceActor:
     actor = PersistenceActor(CacheStore(tmp_path), tmp_path / "histories")
     actor.gpu = FakeGpu()
@@ -41,14 +54,14 @@ async def test_latest_version_wins_and_every_ticket_is_settled(tmp_path):
     actor = actor_in(tmp_path)
     tickets = [WriteTicket() for _ in range(4)]
     for version, ticket in enumerate(tickets[:3], 1):  # queued before the actor runs: coalesced
-        actor.mailbox.send_nowait(CacheBytes("a", "m", version, f"a{version}".encode(), ticket))
-    actor.mailbox.send_nowait(CacheBytes("b", "m", 4, b"b4", tickets[3]))
+        actor.mailbox.send_nowait(blocks("a", version, ticket))
+    actor.mailbox.send_nowait(blocks("b", 4, tickets[3]))
     actor.mailbox.send_nowait(HistoryBytes("a", b"h1"))
     actor.mailbox.send_nowait(HistoryBytes("a", b"h2"))
     actor.mailbox.send_nowait(Stop())
     await actor.run()
     store = actor.store
-    assert store.path("a", "m").read_bytes() == b"a3" and store.path("b", "m").read_bytes() == b"b4"
+    assert text_of(store, "a") == "a3" and text_of(store, "b") == "b4"
     assert history_path(actor.histories, "a").read_bytes() == b"h2"
     assert all(t.done.is_set() and t.ok for t in tickets)
     assert (actor.writes, actor.coalesced) == (3, 3)
@@ -56,19 +69,49 @@ async def test_latest_version_wins_and_every_ticket_is_settled(tmp_path):
     assert not list(tmp_path.rglob(".tmp-*"))
 
 
+def grown(version: int, tokens: int, first: int, ticket: WriteTicket) -> CacheBlocks:
+    """Version ``version`` of agent a3 at ``tokens`` tokens, from block ``first`` on."""
+    rec = dataclasses.replace(cache_writer.record(3), tokens=cache_writer.token_ids(3, tokens),
+                              cache=cache_writer.layers(3, tokens), model_id="m", text=f"v{version}")
+    return CacheBlocks("a3", "m", version, snapshot(rec, first), ticket)
+
+
+async def test_a_newer_pending_version_takes_over_the_blocks_it_left_out(tmp_path):
+    actor = actor_in(tmp_path)
+    tickets = [WriteTicket() for _ in range(3)]
+    actor.mailbox.send_nowait(grown(1, 600, 0, tickets[0]))  # blocks 0-2
+    actor.mailbox.send_nowait(grown(2, 1100, 2, tickets[1]))  # blocks 2-4: 0 and 1 were handed over
+    actor.mailbox.send_nowait(grown(3, 1300, 4, tickets[2]))  # blocks 4-5
+    actor.mailbox.send_nowait(Stop())
+    await actor.run()
+    assert (actor.writes, actor.coalesced) == (1, 2) and all(t.ok for t in tickets)
+    back = actor.store.load("a3", "m", cache_writer.SPEC)
+    assert back.text == "v3" and back.tokens == cache_writer.token_ids(3, 1300)
+
+
+async def test_a_version_whose_left_out_blocks_are_not_on_disk_is_refused_as_stale(tmp_path):
+    actor = actor_in(tmp_path)
+    ticket = WriteTicket()
+    actor.mailbox.send_nowait(grown(1, 600, 1, ticket))  # block 0 was never written
+    actor.mailbox.send_nowait(Stop())
+    await actor.run()
+    assert ticket.done.is_set() and not ticket.ok and ticket.stale
+    assert actor.gpu.commands == [CacheWritten("a3", 1)] and not actor.store.exists("a3", "m")
+
+
 async def test_forget_deletes_after_earlier_writes_and_flush_waits(tmp_path):
     actor = actor_in(tmp_path)
     async with anyio.create_task_group() as tg:
         await tg.start(actor.run)
         late = WriteTicket()
-        actor.mailbox.send_nowait(CacheBytes("a", "m", 1, b"a1", WriteTicket()))
+        actor.mailbox.send_nowait(blocks("a", 1))
         actor.mailbox.send_nowait(HistoryBytes("a", b"h"))
-        actor.mailbox.send_nowait(CacheBytes("b", "m", 2, b"b2", WriteTicket()))
+        actor.mailbox.send_nowait(blocks("b", 2))
         assert isinstance(await request(lambda r: actor.mailbox.send_nowait(Forget("a", r))), Done)
-        assert not actor.store.path("a", "m").exists() and not history_path(actor.histories, "a").exists()
+        assert not actor.store.exists("a", "m") and not history_path(actor.histories, "a").exists()
         assert isinstance(await request(lambda r: actor.mailbox.send_nowait(Flush(r))), Done)
-        assert actor.store.path("b", "m").read_bytes() == b"b2"
-        actor.mailbox.send_nowait(CacheBytes("c", "m", 3, b"c3", late))
+        assert text_of(actor.store, "b") == "b2"
+        actor.mailbox.send_nowait(blocks("c", 3, late))
         actor.mailbox.send_nowait(Stop())
     assert late.done.is_set() and late.ok  # stop writes what is pending first
 
@@ -87,24 +130,24 @@ async def test_a_write_without_room_keeps_the_last_good_file(tmp_path, monkeypat
     actor = actor_in(tmp_path)
     async with anyio.create_task_group() as tg:
         await tg.start(actor.run)
-        actor.mailbox.send_nowait(CacheBytes("alice", "m", 1, b"good", WriteTicket()))
+        actor.mailbox.send_nowait(blocks("alice", 1))
         actor.mailbox.send_nowait(HistoryBytes("alice", b"h1"))
         await request(lambda r: actor.mailbox.send_nowait(Flush(r)))
         no_room(monkeypatch)
         ticket = WriteTicket()
-        actor.mailbox.send_nowait(CacheBytes("alice", "m", 2, b"newer", ticket))
+        actor.mailbox.send_nowait(blocks("alice", 2, ticket))
         actor.mailbox.send_nowait(HistoryBytes("alice", b"h2"))
         assert isinstance(await request(lambda r: actor.mailbox.send_nowait(Flush(r))), Done)
         assert ticket.done.is_set() and not ticket.ok  # settled: the GPU actor keeps the cache dirty
         assert actor.gpu.commands[-1] == CacheWritten("alice", 2)
-        assert actor.store.path("alice", "m").read_bytes() == b"good"
+        assert text_of(actor.store, "alice") == "alice1"
         assert history_path(actor.histories, "alice").read_bytes() == b"h1"
         warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         assert len(warnings) == 2 and all("'alice'" in w and "10.0 MiB free" in w for w in warnings), warnings
         assert actor.failed == 2
         # room again: the next write that succeeds brings the refused history along
         monkeypatch.undo()
-        actor.mailbox.send_nowait(CacheBytes("bo", "m", 3, b"b", WriteTicket()))
+        actor.mailbox.send_nowait(blocks("bo", 3))
         await request(lambda r: actor.mailbox.send_nowait(Flush(r)))
         assert history_path(actor.histories, "alice").read_bytes() == b"h2"
         actor.mailbox.send_nowait(Stop())
@@ -113,7 +156,7 @@ async def test_a_write_without_room_keeps_the_last_good_file(tmp_path, monkeypat
 
 async def test_a_write_that_fails_midway_removes_its_temp_file(tmp_path, monkeypatch, caplog):
     actor = actor_in(tmp_path)
-    actor.mailbox.send_nowait(CacheBytes("alice", "m", 1, b"good", WriteTicket()))
+    actor.mailbox.send_nowait(blocks("alice", 1))
     actor.mailbox.send_nowait(Stop())
     await actor.run()
 
@@ -124,11 +167,11 @@ async def test_a_write_that_fails_midway_removes_its_temp_file(tmp_path, monkeyp
     monkeypatch.setattr(cache_file, "_fsync", disk_full)
     actor = actor_in(tmp_path)
     ticket = WriteTicket()
-    actor.mailbox.send_nowait(CacheBytes("alice", "m", 2, b"x" * 100_000, ticket))
+    actor.mailbox.send_nowait(blocks("alice", 2, ticket))
     actor.mailbox.send_nowait(Stop())
     await actor.run()
     assert ticket.done.is_set() and not ticket.ok
-    assert actor.store.path("alice", "m").read_bytes() == b"good"
+    assert text_of(actor.store, "alice") == "alice1"
     assert not list(tmp_path.rglob(".tmp-*"))
     assert any("'alice'" in r.getMessage() and "No space left" in r.getMessage() for r in caplog.records)
 
@@ -148,54 +191,58 @@ def aged(path, data: bytes, days: float) -> None:
 async def test_at_start_over_the_budget_the_least_recently_used_caches_go(tmp_path):
     actor = actor_in(tmp_path)
     for agent, days in (("a", 3), ("b", 2), ("c", 1)):
-        aged(actor.store.path(agent, "m"), b"x" * 1000, days)
+        aged(actor.store.legacy_path(agent, "m"), b"x" * 1000, days)
         aged(history_path(actor.histories, agent), b"h" * 10, 9)
     actor.disk_budget = 2000  # 3030 bytes: pruned to 90% of the budget, 1800
     actor.mailbox.send_nowait(Stop())
     await actor.run()
-    assert [p.stem for p in sorted(actor.store.path("x", "m").parent.glob("*"))] == ["c"]
+    assert [p.stem for p in sorted(actor.store.legacy_path("x", "m").parent.glob("*"))] == ["c"]
     assert len(list(actor.histories.iterdir())) == 3  # named agents' histories always stay
     assert actor.pruned == 2 and actor.store.disk_bytes() <= 1800
 
 
 async def test_writes_over_the_budget_prune_at_once(tmp_path):
     actor = actor_in(tmp_path)
-    actor.disk_budget = 1000
+    measure = CacheStore(tmp_path / "measure")
+    measure.write(blocks("x", 0).update)
+    size = measure.disk_bytes()  # each agent's cache: the same size
+    shutil.rmtree(tmp_path / "measure")
+    actor.disk_budget = int(2.5 * size)
     async with anyio.create_task_group() as tg:
         await tg.start(actor.run)
         for i, agent in enumerate("abcd"):
-            actor.mailbox.send_nowait(CacheBytes(agent, "m", i, b"x" * 400, WriteTicket()))
+            actor.mailbox.send_nowait(blocks(agent, i))
             await request(lambda r: actor.mailbox.send_nowait(Flush(r)))
-            assert actor.store.disk_bytes() <= 1000
+            assert actor.store.disk_bytes() <= actor.disk_budget
         actor.mailbox.send_nowait(Stop())
-    left = sorted(p.stem for p in actor.store.path("x", "m").parent.glob("*"))
+    left = sorted(e["agent"] for e in actor.store.entries())
     assert left == ["c", "d"] and actor.pruned == 2
 
 
 async def test_a_write_that_cannot_be_made_room_for_is_written_anyway_without_spinning(tmp_path):
-    """Every file is protected (its cache is hot): pruning cannot make room, so the
+    """Every cache is protected (it is hot): pruning cannot make room, so the
     write goes ahead over the budget (and says so) instead of pruning forever."""
     actor = actor_in(tmp_path)
-    actor.disk_budget = 1000
+    actor.disk_budget = 1000  # less than one cache
     actor.hot = lambda: {"a", "b"}
     async with anyio.create_task_group() as tg:
         await tg.start(actor.run)
         with anyio.fail_after(10):
             for i, agent in enumerate("ab"):
                 ticket = WriteTicket()
-                actor.mailbox.send_nowait(CacheBytes(agent, "m", i, b"x" * 600, ticket))
+                actor.mailbox.send_nowait(blocks(agent, i, ticket))
                 await request(lambda r: actor.mailbox.send_nowait(Flush(r)))
                 assert ticket.ok
         actor.mailbox.send_nowait(Stop())
-    assert actor.store.disk_bytes() == 1200 and actor.pruned == 0
+    assert sorted(e["agent"] for e in actor.store.entries()) == ["a", "b"] and actor.pruned == 0
 
 
 async def test_old_conversations_go_whole_but_not_named_live_or_pending_ones(tmp_path):
     actor = actor_in(tmp_path)
     for agent in ("conv-old", "conv-live", "conv-pending", "named"):
-        aged(actor.store.path(agent, "m"), b"c", 10)
+        aged(actor.store.legacy_path(agent, "m"), b"c", 10)
         aged(history_path(actor.histories, agent), b"h", 10)
-    aged(actor.store.path("conv-young", "m"), b"c", 1)
+    aged(actor.store.legacy_path("conv-young", "m"), b"c", 1)
     actor.conversation_ttl_s = 7 * DAY
     actor.live = lambda: {"conv-live"}
     told = []
@@ -205,11 +252,11 @@ async def test_old_conversations_go_whole_but_not_named_live_or_pending_ones(tmp
     with anyio.fail_after(10):  # conv-live is past its TTL: the actor must not spin on it
         await actor.run()
     assert told == [["conv-old"]]
-    assert not actor.store.path("conv-old", "m").exists() and not history_path(actor.histories, "conv-old").exists()
+    assert not actor.store.legacy_path("conv-old", "m").exists() and not history_path(actor.histories, "conv-old").exists()
     for agent in ("conv-live", "conv-pending", "named"):
-        assert actor.store.path(agent, "m").exists() and history_path(actor.histories, agent).exists(), agent
+        assert actor.store.legacy_path(agent, "m").exists() and history_path(actor.histories, agent).exists(), agent
     assert history_path(actor.histories, "conv-pending").read_bytes() == b"h2"
-    assert actor.store.path("conv-young", "m").exists()
+    assert actor.store.legacy_path("conv-young", "m").exists()
 
 
 async def test_an_idle_actor_checks_the_ttl_now_and_then_without_spinning(tmp_path, monkeypatch):

@@ -412,3 +412,59 @@ def test_an_idle_model_is_unloaded_and_comes_back(smollm2, tmp_path):
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+async def test_a_follow_up_hands_over_and_writes_only_its_new_blocks(open_runtime, smollm2, monkeypatch):
+    """The GPU thread copies out a follow-up's cache from its first changed block on
+    (not the whole cache), and the store writes about as much after ~1,300 tokens
+    of context as after ~300."""
+    from pathlib import Path
+
+    from actors import gpu
+    from runtime.cache_file import BLOCK_TOKENS
+
+    handed = []  # (tokens, first block copied out) per hand-over
+    real = gpu.snapshot
+    monkeypatch.setattr(gpu, "snapshot", lambda record, first=0: handed.append((len(record.tokens), first))
+                        or real(record, first))
+    words = (Path(__file__).parents[2] / "bench" / "data" / "lighthouses.txt").read_text().split()
+    written, whole = {}, {}
+    async with open_runtime() as rt:
+        store = rt._persistence.store
+        for agent_id, n in (("short", 220), ("long", 1000)):
+            agent = await rt.agent(agent_id)
+            await agent.reply("Read this: " + " ".join(words[:n]), max_tokens=2)
+            await rt.flush()
+            context = handed[-1][0]
+            whole[agent_id] = store.info(agent_id, smollm2.name)["bytes"]
+            before = store.bytes_written
+            await agent.reply("And now, one word?", max_tokens=2)
+            await rt.flush()
+            written[agent_id] = store.bytes_written - before
+            assert handed[-1][1] >= (context - 16) // BLOCK_TOKENS, handed  # the blocks it had: not again
+    assert handed[-1][1] >= 4 and whole["long"] > 3 * whole["short"]
+    last_block = BLOCK_TOKENS * whole["long"] / handed[-1][0]  # about one full block's bytes
+    assert written["long"] < written["short"] + last_block and written["long"] < whole["long"] / 3, (written, whole)
+
+
+async def test_a_cache_whose_blocks_left_the_disk_is_handed_over_whole(open_runtime, smollm2, caplog):
+    """The writer refuses a follow-up whose earlier blocks are not on disk (here
+    removed behind its back; in life, a write that failed) and the GPU actor
+    hands the whole cache over instead: it lands, and loads."""
+    import shutil
+    from pathlib import Path
+
+    words = (Path(__file__).parents[2] / "bench" / "data" / "lighthouses.txt").read_text().split()
+    async with open_runtime() as rt:
+        store = rt._persistence.store
+        agent = await rt.agent("ada")
+        await agent.reply("Read this: " + " ".join(words[:400]), max_tokens=2)
+        await rt.flush()
+        shutil.rmtree(store.agent_dir("ada", smollm2.name))
+        caplog.set_level(logging.INFO, "semantic.actors")
+        await agent.reply("And now, one word?", max_tokens=2)
+        await rt.flush()  # the follow-up's blocks are refused as stale ...
+        assert any("'ada'" in r.getMessage() and "handed over whole" in r.getMessage() for r in caplog.records)
+        await rt.flush()  # ... and the whole cache, handed over when the GPU actor heard, is written
+        record = store.load("ada", smollm2.name, smollm2.spec.hash)
+        assert record is not None and len(record.tokens) == rt._gpu.hot.agents["ada"][0] > 256  # all of it

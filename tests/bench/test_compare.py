@@ -186,14 +186,17 @@ def test_client_raises_on_http_and_stream_errors():
             chat(client, "http://x", "good", [], 1)
 
 
-def test_disk_usage_reads_token_counts_from_headers(tmp_path):
-    header = json.dumps({"__metadata__": {"token_count": "300"}}).encode()
+def test_disk_usage_counts_the_caches_and_their_tokens(tmp_path):
+    from runtime.cache_file import CacheStore
+    from tests.runtime import cache_writer
+
+    store = CacheStore(tmp_path)
+    for version in (0, 1):  # 16 and 500 tokens
+        store.save(cache_writer.record(version))
     (tmp_path / "m").mkdir()
-    for name in ("a", "b"):
-        (tmp_path / "m" / f"{name}.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 100)
-    (tmp_path / "m" / "junk.safetensors").write_bytes(b"\xff" * 4)
+    (tmp_path / "m" / "junk.kv").mkdir()  # no manifest: not a cache
     size, tokens = disk_usage(tmp_path)
-    assert tokens == 600 and size == 2 * (8 + len(header) + 100)
+    assert tokens == 516 and size == sum(e["bytes"] for e in store.entries()) > 0
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="Linux /proc")

@@ -2,11 +2,12 @@
 
     python -m tests.runtime.cache_writer ROOT FIRST_VERSION
 
-Builds its caches, prints ``ready``, waits for a line on stdin, then saves
+Builds its K/V, prints ``ready``, waits for a line on stdin, then saves
 versions FIRST_VERSION, FIRST_VERSION + 1, ... of the agents in turn into a
 ``CacheStore(ROOT)``, printing ``start AGENT V`` before and ``done AGENT V``
-after each save. ``record(v)`` rebuilds any version, so a test can tell what
-a file should hold.
+after each save. An agent's versions share their leading blocks, so a save
+writes the blocks it appends, the ring, the text and the manifest.
+``record(v)`` rebuilds any version, so a test can tell what a cache should hold.
 """
 
 from __future__ import annotations
@@ -23,52 +24,68 @@ from runtime.batch_cache import SequenceQuantizedKVCache
 from runtime.cache_file import CacheRecord, CacheStore
 
 AGENTS = ("a0", "a1", "a2", "a3")
-TOKENS = (16, 500, 1500, 3000)  # per agent; a second variant doubles it: 0.02 to 5.5 MB a file
+TOKENS = (16, 500, 1500, 3000)  # per agent, first version; later ones append blocks, then trim back
+GROWTH = 300  # tokens a version adds to its agent's previous one (every fourth trims back to TOKENS)
 MODEL_ID, SPEC = "crash/model", "crashspec"
 H, D, FULL, WINDOW = 2, 64, 3, 32
 
 
 @functools.lru_cache(maxsize=None)
-def layers(agent: int, variant: int) -> tuple:
-    """Deterministic per-layer caches: FULL Q4 layers then one sliding ring, float16 scales
-    for even agents and bfloat16 for odd ones."""
-    n = TOKENS[agent] * (1 + variant) + variant
+def keys_and_values(agent: int) -> tuple:
+    """Deterministic K/V for as many tokens as any version of the agent holds: every
+    version's cache is a prefix of these (float32 for even agents, bfloat16 for odd)."""
+    n = TOKENS[agent] + 3 * GROWTH
     dtype = mx.float32 if agent % 2 == 0 else mx.bfloat16
-    key = mx.random.key(1000 * agent + variant)
+    keys = mx.random.split(mx.random.key(1000 * agent), FULL + 1)
+    out = tuple(mx.random.uniform(-2, 2, (2, 1, H, n, D), key=k).astype(dtype) for k in keys)
+    mx.eval(out)
+    return out
+
+
+def layers(agent: int, n: int, kv=None) -> list:
+    """FULL Q4 layers then one sliding ring, holding the first ``n`` tokens of ``kv``
+    (the agent's own by default)."""
     caches = []
-    for i, k in enumerate(mx.random.split(key, FULL + 1)):
-        x = mx.random.uniform(-2, 2, (2, 1, H, n, D), key=k).astype(dtype)
-        if i < FULL:
-            c = SequenceQuantizedKVCache(64, 4)
-        else:
-            c = RotatingKVCache(WINDOW)
-        c.update_and_fetch(x[0], x[1])
+    for i, x in enumerate(kv or keys_and_values(agent)):
+        c = SequenceQuantizedKVCache(64, 4) if i < FULL else RotatingKVCache(WINDOW)
+        step = n if i < FULL else WINDOW  # a ring fed a window at a time stays under two windows
+        for lo in range(0, n, step):
+            c.update_and_fetch(x[0][..., lo : min(n, lo + step), :], x[1][..., lo : min(n, lo + step), :])
         mx.eval(c.state)
         caches.append(c)
-    return tuple(caches)
+    return caches
+
+
+@functools.lru_cache(maxsize=None)
+def _versions(agent: int, n: int) -> tuple:
+    """The agent's own layers at ``n`` tokens, built once: saves, not building, fill the loop."""
+    return tuple(layers(agent, n))
+
+
+def token_ids(agent: int, n: int) -> list[int]:
+    return [(agent * 7919 + j * 31) % 50_000 for j in range(n)]
 
 
 def record(version: int) -> CacheRecord:
-    agent, variant = version % len(AGENTS), version // len(AGENTS) % 2
-    cache = layers(agent, variant)
-    n = cache[0].offset
+    """Version ``version``: agent version % 4, its tokens grown by GROWTH per version, trimmed back every fourth."""
+    agent, rounds = version % len(AGENTS), version // len(AGENTS)
+    n = TOKENS[agent] + GROWTH * (rounds % 4)
     return CacheRecord(
         agent_id=AGENTS[agent],
         model_id=MODEL_ID,
         spec_hash=SPEC,
-        tokens=[(version * 31 + j) % 50_000 for j in range(n)],
+        tokens=token_ids(agent, n),
         text=f"{AGENTS[agent]} v{version}",
         created=1000.0,
         updated=1000.0 + version,
-        cache=list(cache),
+        cache=list(_versions(agent, n)),
     )
 
 
 def main() -> None:
     root, first = sys.argv[1], int(sys.argv[2])
-    for a in range(len(AGENTS)):
-        for variant in (0, 1):
-            layers(a, variant)
+    for v in range(4 * len(AGENTS)):  # every version's layers, before "ready"
+        record(v)
     print("ready", flush=True)
     sys.stdin.readline()
     store = CacheStore(root)

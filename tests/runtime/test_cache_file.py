@@ -1,5 +1,6 @@
-"""Cache files: saved caches load bit for bit and continue exactly, Q4 stays Q4
-on disk, every kind of damage ends in quarantine and a cold start, agent ids
+"""Caches on disk: saved caches load bit for bit and continue exactly, Q4 stays Q4
+on disk, a save writes only the blocks that changed, every kind of damage ends in
+quarantine and a cold start, version 1 files load and are migrated, agent ids
 cannot escape the store, and a writer killed mid-save never leaves a wrong cache."""
 
 from __future__ import annotations
@@ -7,10 +8,11 @@ from __future__ import annotations
 import runtime  # noqa: F401  (fast BLAS before mlx)
 
 import dataclasses
+import json
 import logging
 import os
 import random
-import struct
+import shutil
 import subprocess
 import sys
 import time
@@ -18,22 +20,24 @@ from collections import deque
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
-from safetensors import safe_open
 
+from runtime import cache_file
 from runtime.batch_cache import DequantizingKVCache, attention_view, copy_cache
 from runtime.cache_file import (
+    BLOCK_TOKENS,
+    MANIFEST,
     CacheFileError,
     CacheRecord,
     CacheStore,
     InvalidAgentId,
-    encode,
+    StaleBlocks,
     load,
+    merged,
     model_key,
-    read_meta,
-    save,
+    read_manifest,
+    snapshot,
     validate_agent_id,
     write_atomic,
 )
@@ -45,6 +49,7 @@ from tests.tiny import tiny_model
 
 ARCHS = ["llama", "qwen2", "gemma3_text", "gpt_oss"]
 REPO = Path(__file__).resolve().parents[2]
+V1_FILE = Path(__file__).parent / "data" / "v1-alice.safetensors"  # written by version 1: writer.record(0) as alice
 
 
 def _quantized(c) -> QuantizedKVCache | None:
@@ -82,6 +87,11 @@ def continue_from(model, tok, cache, tokens, extra=(7, 8, 9)) -> tuple[int, ...]
     return drain(engine)[sid].output_tokens
 
 
+def round_trip(tmp_path, rec: CacheRecord) -> CacheRecord:
+    store = CacheStore(tmp_path)
+    return load(store.save(rec), model_id=rec.model_id, spec_hash=rec.spec_hash)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_round_trip_is_bit_identical_and_continues_the_same(arch, tmp_path):
     model, tok = tiny_model(arch), ByteTokenizer()
@@ -99,9 +109,7 @@ def test_round_trip_is_bit_identical_and_continues_the_same(arch, tmp_path):
         assert rings and all(c.offset > c.max_size and 0 < c._idx < c.max_size for c in rings)
     for name, (cache, tokens) in cases.items():
         rec = CacheRecord("agent-1", f"tiny/{arch}", spec, tokens, tok.decode(tokens), 10.5, 20.25, cache)
-        path = tmp_path / f"{name}.safetensors"
-        save(path, rec)
-        back = load(path, model_id=rec.model_id, spec_hash=spec)
+        back = round_trip(tmp_path / name, rec)
         assert dataclasses.replace(back, cache=None) == dataclasses.replace(rec, cache=None), name
         assert_same_cache(cache, back.cache)
         original = continue_from(model, tok, copy_cache(cache), tokens)
@@ -111,8 +119,7 @@ def test_round_trip_is_bit_identical_and_continues_the_same(arch, tmp_path):
 def test_empty_cache_round_trips(tmp_path):
     model, tok = tiny_model("gemma3_text"), ByteTokenizer()
     empty = Engine(model, tok).new_cache()
-    save(tmp_path / "a.safetensors", CacheRecord("a", "m", "s", [], "", 0.0, 0.0, empty))
-    back = load(tmp_path / "a.safetensors", model_id="m", spec_hash="s")
+    back = round_trip(tmp_path, CacheRecord("a", "m", "s", [], "", 0.0, 0.0, empty))
     assert [type(c) for c in back.cache] == [type(c) for c in empty] and all(c.offset == 0 for c in back.cache)
     prompt = prompts(1, seed=8)[0]
     assert continue_from(model, tok, back.cache, [], prompt) == continue_from(model, tok, empty, [], prompt)
@@ -121,45 +128,98 @@ def test_empty_cache_round_trips(tmp_path):
 def test_bfloat16_triples_and_rings_round_trip(tmp_path):
     rec = writer.record(1)  # bfloat16 scales and ring
     assert rec.cache[0].keys[1].dtype == mx.bfloat16 and rec.cache[-1].keys.dtype == mx.bfloat16
-    save(tmp_path / "a.safetensors", rec)
-    back = load(tmp_path / "a.safetensors", model_id=rec.model_id, spec_hash=rec.spec_hash)
+    back = round_trip(tmp_path, rec)
     assert back.tokens == rec.tokens
     assert_same_cache(rec.cache, back.cache)
-
-
-def test_encoded_bytes_are_the_saved_file(tmp_path):
-    """``encode`` + ``write_atomic`` (bytes made on the MLX thread, written on
-    another) give exactly the file ``save`` streams."""
-    rec = writer.record(2)
-    save(tmp_path / "saved.safetensors", rec)
-    data = encode(rec)
-    assert bytes(data) == (tmp_path / "saved.safetensors").read_bytes()
-    store = CacheStore(tmp_path / "store")
-    path = store.write_encoded(rec.agent_id, rec.model_id, data)
-    assert path == store.path(rec.agent_id, rec.model_id)
-    assert_same_cache(rec.cache, store.load(rec.agent_id, rec.model_id, rec.spec_hash).cache)
-    write_atomic(tmp_path / "plain.json", b"{}")
-    assert (tmp_path / "plain.json").read_bytes() == b"{}" and not list(tmp_path.glob(".tmp-*"))
 
 
 @pytest.mark.parametrize("bits, fraction", [(4, 0.29), (8, 0.54)])
 def test_quantized_triples_are_stored_as_they_are(bits, fraction, tmp_path):
     model, tok = tiny_model("llama"), ByteTokenizer()
     cache, tokens = finished(model, tok, prompts(1, seed=6)[0], 4, kv_bits=bits)
-    path = tmp_path / "a.safetensors"
-    save(path, CacheRecord("a", "tiny/llama", "s", tokens, "", 0.0, 0.0, cache))
+    d = CacheStore(tmp_path).save(CacheRecord("a", "tiny/llama", "s", tokens, "", 0.0, 0.0, cache))
     data = sum(x.nbytes for c in cache for x in _arrays(c))
-    header = 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
-    assert path.stat().st_size - header == data  # the triples and nothing else
+    (block,) = d.glob("*.block")
+    assert block.stat().st_size == data + 4 * len(tokens)  # token ids, then the triples and nothing else
     n, H, D = len(tokens), cache[0].keys[0].shape[1], 64
     fp16 = len(cache) * 2 * H * n * D * 2
     assert data <= fraction * fp16  # bits/8 per element + a 16-bit scale and bias per 64
-    with safe_open(path, framework="numpy") as f:  # plain safetensors, readable by anyone
-        w, s = f.get_tensor("layer_1_v_weights"), f.get_tensor("layer_1_v_scales")
-        assert w.dtype == np.uint32 and w.shape == (1, H, n, D * bits // 32)
-        assert s.dtype == np.float16 and s.shape == (1, H, n, D // 64)
-        assert np.array_equal(w, np.asarray(cache[1].values[0][..., :n, :]))
-        assert f.metadata()["token_count"] == str(n) and f.metadata()["bits"] == str(bits)
+    raw = block.read_bytes()
+    assert list(memoryview(raw[: 4 * n]).cast("I")) == tokens
+    w = cache[0].keys[0][..., :n, :]  # layer 0's key weights follow the token ids
+    assert raw[4 * n : 4 * n + w.nbytes] == bytes(memoryview(mx.contiguous(w)))
+    assert read_manifest(d)["layers"][0]["tensors"]["k_weights"] == ["U32", H, D * bits // 32]
+
+
+# -- a save writes what changed --------------------------------------------
+
+
+def _grown(agent: int, n: int) -> CacheRecord:
+    """``writer.record``'s agent with ``n`` tokens: every ``n`` shares its leading blocks."""
+    return dataclasses.replace(writer.record(agent), tokens=writer.token_ids(agent, n), text="t" * n,
+                               cache=writer.layers(agent, n))
+
+
+def _saved_bytes(store: CacheStore, rec: CacheRecord) -> int:
+    before = store.bytes_written
+    store.save(rec)
+    return store.bytes_written - before
+
+
+def test_a_follow_up_writes_as_much_at_any_context(tmp_path):
+    """A 20-token follow-up writes its last block, the ring, its text and the
+    manifest: as much after 2,000 tokens of context as after 300."""
+    store = CacheStore(tmp_path)
+    follow_up, whole = {}, {}
+    for agent, n in ((0, 2 * BLOCK_TOKENS + 40), (2, 8 * BLOCK_TOKENS + 40)):  # 552 and 2,088 tokens
+        whole[n] = _saved_bytes(store, _grown(agent, n))
+        follow_up[n] = _saved_bytes(store, _grown(agent, n + 20))
+        back = store.load(writer.AGENTS[agent], writer.MODEL_ID, writer.SPEC)
+        assert_same_cache(_grown(agent, n + 20).cache, back.cache)
+    small, large = sorted(follow_up)
+    assert whole[large] > 3 * whole[small]
+    assert follow_up[large] < 1.2 * follow_up[small] and follow_up[large] < whole[large] / 5, (follow_up, whole)
+
+
+def test_a_diverging_turn_rewrites_from_the_first_changed_block(tmp_path):
+    """Trimmed to 600 tokens and grown with other tokens: blocks 0 and 1 stay,
+    block 2 on are new."""
+    store = CacheStore(tmp_path)
+    rec = _grown(1, 1000)
+    d = store.save(rec)
+    before = [e["file"] for e in read_manifest(d)["blocks"]]
+    other = tuple(mx.concatenate([x[..., :600, :], x[..., :400, :] * 0.5], axis=3) for x in writer.keys_and_values(1))
+    diverged = dataclasses.replace(rec, tokens=rec.tokens[:600] + [7] * 400, cache=writer.layers(1, 1000, other))
+    size = _saved_bytes(store, diverged)
+    after = [e["file"] for e in read_manifest(d)["blocks"]]
+    assert after[:2] == before[:2] and not set(after[2:]) & set(before)
+    assert sorted(p.name for p in d.glob("*.block")) == sorted(after)  # the replaced blocks are gone
+    block = (d / after[0]).stat().st_size
+    assert 2 * block < size < 3 * block  # blocks 2 and 3 (of 232 tokens), ring, text, manifest
+    assert_same_cache(diverged.cache, store.load(rec.agent_id, rec.model_id, rec.spec_hash).cache)
+
+
+def test_a_snapshot_from_a_block_on_completes_the_manifest_on_disk(tmp_path):
+    """What the GPU thread hands over: blocks from ``first`` on; the writer takes
+    the rest from the manifest on disk, or refuses (``StaleBlocks``)."""
+    store = CacheStore(tmp_path)
+    small, large = _grown(3, 600), _grown(3, 900)
+    with pytest.raises(StaleBlocks):
+        store.write(snapshot(large, first=2))  # nothing on disk yet
+    store.save(small)
+    update = snapshot(large, first=2)
+    assert update.first == 2 and len(update.blocks) == 2
+    store.write(update)
+    assert_same_cache(large.cache, store.load("a3", writer.MODEL_ID, writer.SPEC).cache)
+    other = dataclasses.replace(large, tokens=[1] + large.tokens[1:])  # same blocks, other tokens: not these
+    with pytest.raises(StaleBlocks):
+        store.write(snapshot(other, first=2))
+    # Two pending versions: the newer takes over the blocks only the older carried.
+    older, newer = snapshot(_grown(3, 1300), first=3), snapshot(_grown(3, 1400), first=5)
+    both = merged(older, newer)
+    assert both.first == 3 and len(both.blocks) == 3 and both.blocks[:2] == older.blocks[:2]
+    store.write(both)
+    assert_same_cache(_grown(3, 1400).cache, store.load("a3", writer.MODEL_ID, writer.SPEC).cache)
 
 
 # -- damage ----------------------------------------------------------------
@@ -176,22 +236,6 @@ def _rewrite(path: Path, edit) -> None:
     path.write_bytes(bytes(edit(data)))
 
 
-def _flip_token_digit(data: bytearray) -> bytearray:
-    at = data.index(b'"tokens":"[') + len(b'"tokens":"[')
-    while chr(data[at + 1]).isdigit():
-        at += 1
-    data[at] = ord("0") + (data[at] - ord("0") + 1) % 10  # still valid JSON, another token id
-    return data
-
-
-def _patch(old: bytes, new: bytes):
-    def edit(data: bytearray) -> bytes:
-        assert len(old) == len(new) and data.count(old) == 1
-        return bytes(data).replace(old, new)
-
-    return edit
-
-
 def _flip(at: int):
     def edit(data: bytearray) -> bytearray:
         data[at] ^= 0x40
@@ -200,34 +244,68 @@ def _flip(at: int):
     return edit
 
 
+def _reseal(d: Path, edit) -> None:
+    """Change the manifest and seal it again: only its meaning is wrong."""
+    m = json.loads((d / MANIFEST).read_bytes())
+    edit(m)
+    (d / MANIFEST).write_bytes(cache_file._seal(m))
+
+
+def _past_the_blocks(m: dict) -> None:
+    m["token_count"] += 100
+    m["blocks"].append({"file": "0" * 64 + ".block", "tokens": 100, "chain": "0" * 32})
+    for layer in m["layers"]:
+        layer["offset"] += 100
+
+
+def _first(d: Path, suffix: str) -> Path:
+    return d / read_manifest(d)["blocks"][0]["file"] if suffix == "block" else next(d.glob(f"*.{suffix}"))
+
+
+def _replace_with(d: Path, rec: CacheRecord) -> None:
+    """Put another cache's files where ``d``'s were."""
+    other = CacheStore(d.parent.parent.parent / "elsewhere").save(rec)
+    shutil.rmtree(d)
+    shutil.copytree(other, d)
+
+
 DAMAGE = {  # name: (how, spec the loader asks for, reason)
-    "truncated": (lambda p: _rewrite(p, lambda d: d[: len(d) // 2]), SPEC, "truncated"),
-    "data byte flipped": (lambda p: _rewrite(p, _flip(-100)), SPEC, "bad checksum"),
-    "token id in header changed": (lambda p: _rewrite(p, _flip_token_digit), SPEC, "bad checksum"),
-    "header JSON broken": (lambda p: _rewrite(p, _flip(8)), SPEC, "unparsable"),
-    "other model id": (lambda p: save(p, _record(model="org/other")), SPEC, "other model"),
-    "other spec hash": (lambda p: None, "spec-b", "other spec"),
-    "old format version": (
-        lambda p: _rewrite(p, _patch(b'"format_version":"1"', b'"format_version":"0"')), SPEC, "old format"),
-    "another agent's file": (lambda p: save(p, _record(agent="bob")), SPEC, "other agent"),
-    "zero length": (lambda p: p.write_bytes(b""), SPEC, "truncated"),
-    "garbage": (lambda p: p.write_bytes(b"not a cache file, just text\n" * 40), SPEC, "unparsable"),
+    "block missing": (lambda d: _first(d, "block").unlink(), SPEC, "missing block"),
+    "block cut short": (lambda d: _rewrite(_first(d, "block"), lambda b: b[:-10]), SPEC, "truncated"),
+    "block byte flipped": (lambda d: _rewrite(_first(d, "block"), _flip(-100)), SPEC, "bad checksum"),
+    "token id in a block changed": (lambda d: _rewrite(_first(d, "block"), _flip(0)), SPEC, "bad checksum"),
+    "ring byte flipped": (lambda d: _rewrite(_first(d, "ring"), _flip(5)), SPEC, "bad checksum"),
+    "text changed": (lambda d: _rewrite(_first(d, "text"), _flip(0)), SPEC, "bad checksum"),
+    "manifest pointing past the blocks": (lambda d: _reseal(d, _past_the_blocks), SPEC, "bad layout"),
+    "manifest byte flipped": (lambda d: _rewrite(d / MANIFEST, lambda b: b.replace(b'"token_count":316',
+                                                                                   b'"token_count":317')),
+                              SPEC, "bad checksum"),
+    "manifest JSON broken": (lambda d: _rewrite(d / MANIFEST, _flip(0)), SPEC, "unparsable"),
+    "other model id": (lambda d: _replace_with(d, _record(model="org/other")), SPEC, "other model"),
+    "other spec hash": (lambda d: None, "spec-b", "other spec"),
+    "old format version": (lambda d: _reseal(d, lambda m: m.update(format_version=1)), SPEC, "old format"),
+    "another agent's files": (lambda d: _replace_with(d, _record(agent="bob")), SPEC, "other agent"),
+    "zero length manifest": (lambda d: (d / MANIFEST).write_bytes(b""), SPEC, "truncated"),
+    "garbage manifest": (lambda d: (d / MANIFEST).write_bytes(b"not a manifest, just text\n" * 40), SPEC,
+                         "unparsable"),
 }
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
-def test_damaged_file_is_quarantined_and_the_agent_starts_cold(damage, tmp_path, caplog):
+def test_damaged_cache_is_quarantined_and_the_agent_starts_cold(damage, tmp_path, caplog):
     how, spec, reason = DAMAGE[damage]
-    store = CacheStore(tmp_path)
-    path = store.save(_record())
-    how(path)
+    root = tmp_path / "root"
+    store = CacheStore(root)
+    d = store.save(_record())
+    assert len(read_manifest(d)["blocks"]) == 2
+    how(d)
     with caplog.at_level(logging.WARNING, logger="semantic.cache"):
         assert store.load("alice", MODEL, spec) is None
     warnings = [r for r in caplog.records if r.name == "semantic.cache"]
     assert len(warnings) == 1 and f"({reason}:" in warnings[0].getMessage()
-    assert not path.exists()
-    (moved,) = (tmp_path / "quarantine").iterdir()
-    assert moved.name.startswith(f"{path.parent.name}--alice--") and moved.name.endswith(reason.replace(" ", "-"))
+    assert not d.exists()
+    (moved,) = (root / "quarantine").iterdir()
+    assert moved.name.startswith(f"{d.parent.name}--alice--") and moved.name.endswith(reason.replace(" ", "-"))
     assert store.load("alice", MODEL, spec) is None  # now simply absent
     store.save(_record())
     assert store.load("alice", MODEL, SPEC).tokens == _record().tokens
@@ -235,20 +313,59 @@ def test_damaged_file_is_quarantined_and_the_agent_starts_cold(damage, tmp_path,
 
 def test_load_raises_only_cache_file_errors(tmp_path):
     with pytest.raises(CacheFileError) as e:
-        load(tmp_path / "none.safetensors", model_id=MODEL, spec_hash=SPEC)
+        load(tmp_path / "none.kv", model_id=MODEL, spec_hash=SPEC)
     assert e.value.reason == "missing"
-    (tmp_path / "dir.safetensors").mkdir()
+    (tmp_path / "dir.kv" / MANIFEST).mkdir(parents=True)
     with pytest.raises(CacheFileError) as e:
-        load(tmp_path / "dir.safetensors", model_id=MODEL, spec_hash=SPEC)
+        load(tmp_path / "dir.kv", model_id=MODEL, spec_hash=SPEC)
     assert e.value.reason == "unreadable"
 
 
 def test_save_refuses_a_cache_that_does_not_match_its_tokens(tmp_path):
     rec = _record()
     n = len(rec.tokens)
+    store = CacheStore(tmp_path)
     with pytest.raises(ValueError, match=f"holds {n} tokens but the record lists {n - 1}"):
-        save(tmp_path / "a.safetensors", dataclasses.replace(rec, tokens=rec.tokens[:-1]))
-    assert list(tmp_path.iterdir()) == []  # no temp file left behind
+        store.save(dataclasses.replace(rec, tokens=rec.tokens[:-1]))
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+# -- version 1 files -------------------------------------------------------
+
+
+def test_a_version_1_file_loads_and_its_next_write_moves_it_to_blocks(tmp_path, caplog):
+    store = CacheStore(tmp_path)
+    v1 = store.legacy_path("alice", writer.MODEL_ID)
+    v1.parent.mkdir()
+    shutil.copy(V1_FILE, v1)
+    want = dataclasses.replace(writer.record(0), agent_id="alice")
+    assert [(e["agent"], e["tokens"], e["path"]) for e in store.entries()] == [("alice", 16, v1)]
+    assert store.verify() == [(v1, True, "ok")]
+    back = store.load("alice", writer.MODEL_ID, writer.SPEC)
+    assert back.format_version == 1 and (back.tokens, back.text, back.updated) == (want.tokens, want.text, want.updated)
+    assert_same_cache(want.cache, back.cache)
+    with caplog.at_level(logging.INFO, logger="semantic.cache"):
+        d = store.save(dataclasses.replace(back, updated=back.updated + 1))
+    assert [r.getMessage() for r in caplog.records if r.name == "semantic.cache"] == [
+        f"cache of agent 'alice' for {writer.MODEL_ID} moved from a version 1 file to blocks"]
+    assert not v1.exists() and (d / MANIFEST).is_file()
+    again = store.load("alice", writer.MODEL_ID, writer.SPEC)
+    assert again.format_version == 2 and again.tokens == want.tokens
+    assert_same_cache(want.cache, again.cache)
+
+
+def test_a_damaged_version_1_file_is_quarantined(tmp_path, caplog):
+    store = CacheStore(tmp_path)
+    v1 = store.legacy_path("alice", writer.MODEL_ID)
+    v1.parent.mkdir()
+    data = bytearray(V1_FILE.read_bytes())
+    data[-100] ^= 0x40
+    v1.write_bytes(bytes(data))
+    assert store.verify() == [(v1, False, "bad checksum")]
+    with caplog.at_level(logging.WARNING, logger="semantic.cache"):
+        assert store.load("alice", writer.MODEL_ID, writer.SPEC) is None
+    assert len(caplog.records) == 1 and "(bad checksum:" in caplog.records[0].getMessage()
+    assert not v1.exists() and len(list((tmp_path / "quarantine").iterdir())) == 1
 
 
 # -- agent ids and the store -----------------------------------------------
@@ -303,32 +420,38 @@ def test_store_never_takes_an_invalid_id_to_the_disk(tmp_path):
     assert model_key("a/b") != model_key("a-b")
 
 
-def test_store_lists_verifies_deletes_and_cleans_temp_files(tmp_path):
+def test_store_lists_verifies_deletes_and_cleans_temp_and_stale_files(tmp_path):
     store = CacheStore(tmp_path)
     a = store.save(_record("alice"))
     b = store.save(_record("bob"))
     c = store.save(_record("alice", model="org/other"))
-    stale = a.parent / f".tmp-{2**22 + 12345}-0bad-alice"  # pid above Linux's pid_max: dead
+    stale = a / f".tmp-{2**22 + 12345}-0bad-block"  # pid above Linux's pid_max: dead
     live = a.parent / f".tmp-{os.getpid()}-0bad-bob"  # a writer in this process, mid-save
-    stale.write_bytes(b"half")
-    live.write_bytes(b"half")
+    orphan, young = a / f"{'1' * 64}.block", a / f"{'2' * 64}.block"  # named by no manifest
+    for p in (stale, live, orphan, young):
+        p.write_bytes(b"half")
+    os.utime(orphan, (time.time() - 7200, time.time() - 7200))
     store = CacheStore(tmp_path)
-    assert not stale.exists() and live.exists()
+    assert not stale.exists() and live.exists() and not orphan.exists() and young.exists()
     live.unlink()
+    young.unlink()
 
     entries = sorted(store.entries(), key=lambda e: (e["model"], e["agent"]))
     assert [(e["agent"], e["model"], e["path"]) for e in entries] == [
         ("alice", "org/model", a), ("bob", "org/model", b), ("alice", "org/other", c)]
-    assert all(e["tokens"] == len(_record().tokens) and e["bytes"] == a.stat().st_size for e in entries)
-    assert read_meta(a)["updated"] == entries[0]["updated"] == _record().updated
+    for e in entries:
+        assert e["tokens"] == len(_record().tokens) and e["bytes"] == sum(p.stat().st_size for p in e["path"].iterdir())
+    assert read_manifest(a)["updated"] == entries[0]["updated"] == _record().updated
 
-    _rewrite(b, _flip(-1))
+    _rewrite(_first(b, "block"), _flip(-1))
     assert {(p.name, ok, why) for p, ok, why in store.verify()} == {
-        ("alice.safetensors", True, "ok"), ("bob.safetensors", False, "bad checksum")}
-    assert store.disk_bytes() == sum(p.stat().st_size for p in (a, b, c))
+        ("alice.kv", True, "ok"), ("bob.kv", False, "bad checksum")}
+    assert store.disk_bytes() == sum(p.stat().st_size for d in (a, b, c) for p in d.iterdir())
     assert store.delete("alice") == 2 and store.delete("alice") == 0
     assert store.delete("bob", "org/other") == 0 and store.delete("bob", MODEL) == 1
     assert store.entries() == []
+    write_atomic(tmp_path / "plain.json", b"{}")
+    assert (tmp_path / "plain.json").read_bytes() == b"{}" and not list(tmp_path.rglob(".tmp-*"))
 
 
 # -- a writer killed at random points --------------------------------------
@@ -336,9 +459,11 @@ def test_store_lists_verifies_deletes_and_cleans_temp_files(tmp_path):
 
 def test_writer_killed_at_random_never_leaves_a_wrong_cache(tmp_path):
     """SIGKILL a process that saves caches in a loop, at random moments; after each
-    kill every agent's file loads and holds a version that was written: the last
-    save that finished, or the one cut short. Nothing is quarantined, no temp
-    file survives reopening the store or is ever listed as a cache."""
+    kill every agent's cache loads and holds a version that was written: the last
+    save that finished, or the one cut short. An agent's versions share blocks,
+    so saves append blocks to the previous version's (or trim them). Nothing is
+    quarantined, no temp file survives reopening the store or is ever listed
+    as a cache."""
     rng, root, trials = random.Random(7), tmp_path / "store", 22
     env = dict(os.environ, PYTHONPATH=str(REPO))
 
@@ -363,7 +488,10 @@ def test_writer_killed_at_random_never_leaves_a_wrong_cache(tmp_path):
             proc.kill()  # SIGKILL: no cleanup, no flush, no finally
             proc.wait()
             done, cut = {}, None
-            for line in proc.stdout.read().splitlines():
+            lines = proc.stdout.read().splitlines()
+            if lines and len(lines[-1].split()) != 3:  # a line the kill cut short
+                lines.pop()
+            for line in lines:
                 what, agent, v = line.split()
                 if what == "done":
                     done[agent], cut, saves = int(v), None, saves + 1
@@ -375,7 +503,7 @@ def test_writer_killed_at_random_never_leaves_a_wrong_cache(tmp_path):
 
             store = CacheStore(root)
             assert not list(root.rglob(".tmp-*"))  # the dead writer's temp file is gone
-            assert all(e["path"].name == f"{e['agent']}.safetensors" for e in store.entries())
+            assert all(e["path"].name == f"{e['agent']}.kv" for e in store.entries())
             for agent in writer.AGENTS:
                 allowed = {done.get(agent, on_disk.get(agent))} | ({cut[1]} if cut and cut[0] == agent else set())
                 rec = store.load(agent, writer.MODEL_ID, writer.SPEC)

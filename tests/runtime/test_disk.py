@@ -12,7 +12,7 @@ from collections import namedtuple
 import pytest
 
 from runtime import disk
-from runtime.cache_file import CacheStore
+from runtime.cache_file import MANIFEST, CacheStore, model_key
 
 DAY = 86400.0
 NOW = time.time()
@@ -25,20 +25,29 @@ def put(path, size: int, age_days: float) -> None:
     os.utime(path, (NOW - age_days * DAY, NOW - age_days * DAY))
 
 
+def put_cache(store: CacheStore, agent: str, model: str, size: int, age_days: float) -> None:
+    """An agent's cache directory of ``size`` bytes whose manifest was written ``age_days`` ago
+    (its block just now: the manifest's mtime is the cache's last use)."""
+    d = store.agent_dir(agent, model)
+    put(d / f"{'0' * 64}.block", size - 300, 0)
+    put(d / MANIFEST, 300, age_days)
+
+
 @pytest.fixture
 def root(tmp_path):
     """A directory with named agents ada (2 days) and bo (5 days, two models), a
-    conversation used 10 days ago and one used 1 day ago, and a quarantined file."""
+    conversation used 10 days ago and one used 1 day ago, and a quarantined file.
+    Caches are block directories, bo's for m2 and conv-new's are version 1 files."""
     store = CacheStore(tmp_path)
-    put(store.path("ada", "m1"), 1000, 2)
-    put(store.path("bo", "m1"), 1000, 5)
-    put(store.path("bo", "m2"), 1000, 4)
-    put(store.path("conv-old", "m1"), 1000, 10)
-    put(store.path("conv-new", "m1"), 1000, 1)
+    put_cache(store, "ada", "m1", 1000, 2)
+    put_cache(store, "bo", "m1", 1000, 5)
+    put(store.legacy_path("bo", "m2"), 1000, 4)
+    put_cache(store, "conv-old", "m1", 1000, 10)
+    put(store.legacy_path("conv-new", "m1"), 1000, 1)
     for agent, age in (("ada", 2), ("bo", 4), ("conv-old", 10), ("conv-new", 1)):
         put(disk.history_path(tmp_path / "histories", agent), 100, age)
     put(tmp_path / "quarantine" / "m1--x--stamp--bad-checksum", 500, 3)
-    put(store.path("ada", "m1").parent / ".tmp-1-abcd-ada", 50, 0)  # a write in progress
+    put(store.agent_dir("ada", "m1").parent / ".tmp-1-abcd-ada", 50, 0)  # a write in progress
     return tmp_path
 
 
@@ -67,9 +76,9 @@ def test_over_budget_removes_quarantine_then_least_recently_used_caches(root):
     assert p.after <= total - 1200
     p = plan(root, budget=total - 2600)
     assert [(f.agent, f.path.parent.name) for f, _ in p.removals[1:]] == [
-        ("conv-old", CacheStore(root).path("x", "m1").parent.name),
-        ("bo", CacheStore(root).path("x", "m1").parent.name),
-        ("bo", CacheStore(root).path("x", "m2").parent.name),  # 4 days: after bo's m1 cache (5 days)
+        ("conv-old", model_key("m1")),
+        ("bo", model_key("m1")),
+        ("bo", model_key("m2")),  # 4 days: after bo's m1 cache (5 days)
     ]
     assert "over the disk budget" in p.removals[1][1]
     # applied: the directory is under the budget and every history is still there
@@ -95,7 +104,7 @@ def test_a_target_below_the_budget_prunes_further(root):
 
 def test_conversation_ttl_removes_old_conversations_whole_and_never_named_agents(root):
     p = plan(root, conversation_ttl=7 * DAY)
-    assert removed(p) == {"cache:conv-old:" + CacheStore(root).path("x", "m1").parent.name,
+    assert removed(p) == {"cache:conv-old:" + model_key("m1"),
                           "history:conv-old:histories"}
     assert p.agents_removed == ["conv-old"]
     assert p.next_expiry == pytest.approx(NOW - 1 * DAY + 7 * DAY)  # conv-new's turn comes in 6 days
@@ -123,7 +132,7 @@ def test_older_than_removes_old_caches_and_quarantine_and_old_conversations(root
 def test_apply_leaves_a_file_written_again_since_the_scan(root):
     p = plan(root, budget=1)
     victim = next(f for f, _ in p.removals if f.agent == "conv-old")
-    put(victim.path, 1234, 0)  # a writer replaced it meanwhile
+    put(victim.path / MANIFEST, 1234, 0)  # a writer replaced it meanwhile
     gone = disk.apply(p)
     assert victim.path.exists() and victim not in gone
     assert len(gone) == len(p.removals) - 1
@@ -132,7 +141,7 @@ def test_apply_leaves_a_file_written_again_since_the_scan(root):
 def test_remove_agent_takes_the_history_unless_one_model_is_named(root):
     store = CacheStore(root)
     assert disk.remove_agent(store, root / "histories", "bo", "m1") == (1, False)
-    assert disk.history_path(root / "histories", "bo").exists() and store.path("bo", "m2").exists()
+    assert disk.history_path(root / "histories", "bo").exists() and store.exists("bo", "m2")
     assert disk.remove_agent(store, root / "histories", "bo") == (1, True)
     assert not disk.history_path(root / "histories", "bo").exists()
     assert disk.remove_agent(store, root / "histories", "nobody") == (0, False)

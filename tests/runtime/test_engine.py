@@ -277,8 +277,8 @@ def test_a_preempted_sequence_goes_on_as_if_it_never_left(arch, via, tmp_path):
             cache = f.cache
             if via == "file":
                 record = cache_file.CacheRecord("a", "tiny", "hash", list(f.cache_tokens), "", 0.0, 0.0, f.cache)
-                cache_file.save(tmp_path / "a.safetensors", record)
-                cache = cache_file.load(tmp_path / "a.safetensors", model_id="tiny", spec_hash="hash").cache
+                saved = cache_file.CacheStore(tmp_path).save(record)
+                cache = cache_file.load(saved, model_id="tiny", spec_hash="hash").cache
             engine.resume(ids[0], cache, len(f.cache_tokens))
 
     done = drain(engine, act)
