@@ -36,9 +36,10 @@ writes those not on disk and then the manifest; histories go through
   the directory over ``disk_budget`` (before it, so it never holds more), it removes anonymous conversations unused for
   ``conversation_ttl_s`` and then the least recently written cache files
   down to 90% of the budget.  Pruning runs between writes, never beside one,
-  and leaves alone every file of an agent with a write pending or live in
-  the runtime (``live``), and the cache files of agents whose caches are in
-  memory (``hot``).
+  and leaves alone every file of an agent with a write pending, the files of
+  a conversation live in the runtime (``live``: the TTL waits for its actor
+  to retire), and the cache files of agents whose caches are in memory
+  (``hot``).
 """
 
 from __future__ import annotations
@@ -247,10 +248,11 @@ class PersistenceActor:
 
     async def _prune(self) -> None:
         """Apply the disk budget and the conversations' TTL (``runtime.disk.plan``)."""
-        protected = frozenset({*self.live(), *(k[1] for k in self._pending), *self._unwritten})
+        protected = frozenset({*(k[1] for k in self._pending), *self._unwritten})
+        live = frozenset(self.live())
         budget = self.disk_budget
         try:
-            plan, removed = await anyio.to_thread.run_sync(self._prune_files, protected, frozenset(self.hot()),
+            plan, removed = await anyio.to_thread.run_sync(self._prune_files, protected, live, frozenset(self.hot()),
                                                            self._incoming())
         except OSError as e:
             log.error("could not prune the cache directory %s: %s", self.store.root, e)
@@ -284,7 +286,7 @@ class PersistenceActor:
             except Exception:  # a listener's bug must not stop the writer
                 log.exception("a listener for pruned conversations failed")
 
-    def _prune_files(self, protected: frozenset[str], hot: frozenset[str],
+    def _prune_files(self, protected: frozenset[str], live: frozenset[str], hot: frozenset[str],
                      incoming: int) -> tuple[disk.Plan, list[disk.DiskFile]]:
         """(worker thread) Scan the directory, plan (leaving room for ``incoming`` bytes), remove."""
         files, _ = disk.scan(self.store.root, self.histories)
@@ -292,7 +294,7 @@ class PersistenceActor:
         if self.disk_budget is not None:
             budget, target = self.disk_budget - incoming, int(self.disk_budget * PRUNE_TO) - incoming
         plan = disk.plan(files, budget=budget, target=target,
-                         conversation_ttl=self.conversation_ttl_s, protected=protected, hot=hot)
+                         conversation_ttl=self.conversation_ttl_s, protected=protected, live=live, hot=hot)
         return plan, disk.apply(plan)
 
     async def _forget(self, message: Forget) -> None:

@@ -23,8 +23,8 @@ the manifest's mtime (every turn writes its agent's manifest anew). What
   ``target``.
 
 Never removed: a named agent's history, a temp file (a write in progress),
-any other file, every file of a ``protected`` agent (live in a runtime, or
-with a write pending), and, except by a conversation's TTL, the caches
+any other file, every file of a ``protected`` agent (a write pending), a
+``live`` agent's history (its actor runs), and, except by a conversation's TTL, the caches
 of a ``hot`` agent (its cache is in memory, and a clean hot cache is not
 written again when it leaves memory). A removed cache only means its agent
 starts cold.
@@ -196,6 +196,7 @@ def plan(
     older_than: float | None = None,
     conversation_ttl: float | None = None,
     protected: frozenset[str] | set[str] = frozenset(),
+    live: frozenset[str] | set[str] = frozenset(),
     hot: frozenset[str] | set[str] = frozenset(),
     now: float | None = None,
 ) -> Plan:
@@ -219,7 +220,7 @@ def plan(
         if not is_conversation(agent) or not ttls:
             continue
         last_use = max(f.mtime for f in own)
-        if now - last_use > min(ttls) and agent not in protected:
+        if now - last_use > min(ttls) and agent not in protected and agent not in live:
             for f in own:
                 remove(f, f"conversation unused for {human_duration(now - last_use)}")
             out.agents_removed.append(agent)
