@@ -521,4 +521,6 @@ def test_writer_killed_at_random_never_leaves_a_wrong_cache(tmp_path):
             p.wait()
     print(f"\n{trials} kills, {saves} saves completed; {in_save} kills inside save(), "
           f"{mid_write} left a temp file (killed mid-write)")
-    assert mid_write >= 3  # the test must really hit writes in progress
+    # The test must really hit saves in progress (blocks written, manifest not yet). A temp
+    # file on disk at the kill is rarer now that a save writes only its new blocks: counted, not required.
+    assert in_save >= trials // 2
