@@ -40,6 +40,8 @@ from runtime.cache_file import CacheStore, validate_agent_id
 from runtime.engine import SamplingParams
 from runtime.models import LoadedModel
 from runtime.paths import agents_dir
+from runtime.prefix import encode
+from runtime.turns import render
 
 from .agent import AgentActor, AgentContext, AgentSlot, encode_history, read_history, request
 from .errors import AgentExists, AgentGone, RuntimeClosed, TurnCancelled
@@ -187,6 +189,17 @@ class Runtime:
         """The loaded model's chat template (None while unloaded or if it has none)."""
         loaded = self._gpu.loaded
         return getattr(loaded.tokenizer, "chat_template", None) if loaded else None
+
+    async def count_tokens(self, messages: Iterable[Message], tools: Iterable[dict] | None = None) -> int:
+        """Tokens of the prompt ``messages`` (and ``tools``) render to on the loaded
+        model, as a turn over them would prefill with an empty cache."""
+        loaded = self._gpu.loaded
+        if loaded is None:
+            raise RuntimeClosed("no model is loaded")
+        dicts = [m.as_dict() for m in messages]
+        tools = tuple(tools) if tools else None
+        return await anyio.to_thread.run_sync(
+            lambda: len(encode(loaded.tokenizer, render(loaded.tokenizer, dicts, tools))))
 
     def memory(self) -> dict:
         """Hot KV cache bytes against the budget (shared prefixes' share of them),
@@ -549,16 +562,29 @@ class Reply:
         return self
 
     async def __anext__(self) -> Delta:
+        delta = await self.poll(math.inf)
+        assert delta is not None
+        return delta
+
+    async def poll(self, timeout: float) -> Delta | None:
+        """The next delta, or None when none came within ``timeout`` seconds
+        (the turn goes on: a prompt still prefilling, or waiting for room).
+        Ends like ``__anext__``; cancelling the caller cancels the turn."""
         if self._done:
             raise StopAsyncIteration
+        event = None
         try:
-            event = await self._events.receive()
+            with anyio.move_on_after(timeout):
+                event = await self._events.receive()  # a timeout loses nothing: receive is cancel-safe
         except anyio.EndOfStream:
             self._finish()
             raise RuntimeClosed("the runtime closed during this turn") from None
         except BaseException:
             self.close()
             raise
+        return None if event is None else self._take(event)
+
+    def _take(self, event) -> Delta:
         if isinstance(event, Delta):
             return event
         self._finish()

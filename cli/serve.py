@@ -9,6 +9,7 @@ import time
 
 from runtime.errors import SemanticError
 
+EMBEDDED_MAX_TOKENS = 1024  # Claude Code asks for 32000; a 135M model that never stops would hold a request minutes
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SECONDS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -56,8 +57,9 @@ def add_parser(sub) -> None:
                         "(default 7d)")
     p.add_argument("--api-key", help="require this key (x-api-key or 'Authorization: Bearer'); default: none")
     p.add_argument("--backend", choices=("trio", "asyncio"), default="trio", help="event loop (default trio)")
-    p.add_argument("--max-tokens-limit", type=int, default=64000,
-                   help="largest max_tokens a request may ask for (default 64000)")
+    p.add_argument("--max-tokens-cap", type=int, metavar="N",
+                   help="clamp a request's max_tokens to N; the reply then stops with max_tokens "
+                        f"(default: {EMBEDDED_MAX_TOKENS} on the embedded model, else the model's context length)")
     p.add_argument("--max-body-bytes", type=parse_bytes, default=32 << 20,
                    help="largest request body (default 32M)")
 
@@ -74,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     disk_budget = args.disk_budget or disk.default_budget(cache_dir)
     try:
         config = ServerConfig(model=args.model, cache_dir=cache_dir, budget=args.budget, api_key=args.api_key,
-                              max_tokens_limit=args.max_tokens_limit, max_body_bytes=args.max_body_bytes,
+                              max_tokens_cap=args.max_tokens_cap or _default_cap(args.model),
+                              max_body_bytes=args.max_body_bytes,
                               disk_budget=disk_budget, conversation_ttl_s=args.conversation_ttl)
     except ValueError as e:
         raise SemanticError(str(e)) from None
@@ -97,6 +100,12 @@ def run(args: argparse.Namespace) -> int:
     run_server(config, sock, backend=args.backend, on_ready=ready)
     say("stopped; caches are on disk")
     return 0
+
+
+def _default_cap(model: str) -> int | None:
+    from runtime.embedded import NAME
+
+    return EMBEDDED_MAX_TOKENS if model == NAME else None
 
 
 def say(line: str) -> None:

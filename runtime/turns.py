@@ -12,20 +12,49 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
+
 from .agent_cache import AgentCaches, AgentMemory, OutOfMemory
 from .engine import Engine, Finished, SamplingParams
 from .errors import ContextTooLong
 from .prefix import COLD, PrefixPlan, encode, plan
 
-__all__ = ["Turn", "TurnResult", "begin", "end", "render", "run_turn", "system_prefix"]
+__all__ = ["Turn", "TurnResult", "begin", "end", "fold_system", "render", "run_turn", "system_prefix"]
 
 
 def render(tokenizer, messages: list[dict], tools: list[dict] | tuple[dict, ...] | None = None) -> str:
     """The prompt text for ``messages`` (and the ``tools`` the model may call, for
-    templates that take them), ending with the assistant's turn opener."""
+    templates that take them), ending with the assistant's turn opener.
+
+    A template that refuses a ``system`` message after the first (Gemma's,
+    Mistral's) gets it folded into the user turn around it instead."""
+    try:
+        return _apply_template(tokenizer, messages, tools)
+    except TemplateError:
+        folded = fold_system(messages)
+        if folded == messages:
+            raise
+        return _apply_template(tokenizer, folded, tools)
+
+
+def _apply_template(tokenizer, messages: list[dict], tools) -> str:
     if tools:
         return tokenizer.apply_chat_template(messages, tools=list(tools), tokenize=False, add_generation_prompt=True)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def fold_system(messages: list[dict]) -> list[dict]:
+    """``messages`` with every system message after the first made a user
+    message and merged with the user messages next to it."""
+    out: list[dict] = []
+    for i, m in enumerate(messages):
+        if m["role"] == "system" and i > 0:
+            m = {"role": "user", "content": m["content"]}
+        if out and m["role"] == "user" == out[-1]["role"] and set(m) == set(out[-1]) == {"role", "content"}:
+            out[-1] = {"role": "user", "content": out[-1]["content"] + "\n\n" + m["content"]}
+        else:
+            out.append(m)
+    return out
 
 
 def system_prefix(tokenizer, messages: list[dict], prompt_text: str) -> str | None:

@@ -19,16 +19,20 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from actors import AgentInfo, TurnResult
 
 from . import _validate as v
 from ._aio import closing
-from .schema import ChatResult, RequestError, StreamItem, TextDelta, load_json
-from .sse import encode
+from .schema import ChatResult, Heartbeat, RequestError, StreamItem, TextDelta, load_json
+from .sse import KEEP_ALIVE, encode
 
-__all__ = ["NewAgent", "TurnRequest", "agent_json", "error_json", "parse_fork", "parse_new_agent",
-           "parse_turn", "turn_events", "turn_json"]
+if TYPE_CHECKING:
+    from .chat import ChatTurn
+
+__all__ = ["NewAgent", "TurnRequest", "agent_json", "error_json", "events", "parse_fork", "parse_new_agent",
+           "parse_turn", "response_json", "turn_events", "turn_json"]
 
 _STOP = {"stop": "end_turn", "length": "max_tokens", "stop_sequence": "stop_sequence", "tool_use": "tool_use"}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -59,11 +63,11 @@ def parse_fork(body: bytes) -> str:
     return v.string(load_json(body), "id", required=True)
 
 
-def parse_turn(body: bytes, *, max_tokens_limit: int) -> TurnRequest:
+def parse_turn(body: bytes, *, max_tokens_cap: int) -> TurnRequest:
+    """A turn's body; ``max_tokens`` above ``max_tokens_cap`` is clamped to it."""
     data = load_json(body)
-    rule = f"must be at most this server's limit of {max_tokens_limit}, not {data.get('max_tokens')}"
     sampling = {
-        "max_tokens": v.integer(data, "max_tokens", required=True, lo=1, hi=max_tokens_limit, hi_rule=rule),
+        "max_tokens": min(v.integer(data, "max_tokens", required=True, lo=1), max_tokens_cap),
         "stop": v.strings(data, "stop", allow_one=True),
         "temperature": v.number(data, "temperature", lo=0, hi=2),
         "top_p": v.number(data, "top_p", lo=0, hi=1, lo_open=True),
@@ -87,11 +91,12 @@ def agent_json(info: AgentInfo, *, history: bool = False) -> dict:
     return out
 
 
-def turn_json(agent_id: str, result: ChatResult, turn: TurnResult | None) -> dict:
-    """A finished turn (``result`` as ``web.chat`` builds it, ``turn`` the runtime's record)."""
+def turn_json(agent_id: str, result: ChatResult) -> dict:
+    """A finished turn (``result`` as ``web.chat`` builds it, with the runtime's record)."""
     if result.stop_reason == "cancelled":
         raise RequestError(503, "the turn was cancelled before it finished; try again")
     timing = {"ttft_ms": None, "queued_ms": None, "prefill_ms": None, "decode_tps": None}
+    turn: TurnResult | None = result.turn
     if turn is not None:
         ms = lambda s: None if s is None else round(s * 1000, 3)  # noqa: E731
         timing = {"ttft_ms": ms(turn.ttft_s), "queued_ms": ms(turn.queued_s), "prefill_ms": ms(turn.prefill_s),
@@ -114,19 +119,31 @@ def error_json(err: RequestError) -> dict:
     return {"error": {"type": kind, "message": err.message}}
 
 
-async def turn_events(items: AsyncIterable[StreamItem], done) -> AsyncIterator[bytes]:
-    """The SSE stream of one turn; ``done(result)`` builds the final object.
-    A ``RequestError`` before the first event propagates (the response turns
-    it into a plain HTTP error); later, it becomes an ``error`` event."""
+def response_json(turn: ChatTurn, result: ChatResult) -> dict:
+    return turn_json(turn.agent_id, result)
+
+
+def events(turn: ChatTurn, items: AsyncIterable[StreamItem]) -> AsyncIterator[bytes]:
+    return turn_events(turn.agent_id, items)
+
+
+async def turn_events(agent_id: str, items: AsyncIterable[StreamItem]) -> AsyncIterator[bytes]:
+    """The SSE stream of one turn: ``delta`` events, an SSE comment for each
+    heartbeat, then ``done`` with the ``turn_json`` object.  A ``RequestError``
+    before the first event propagates (the response turns it into a plain HTTP
+    error); later, it becomes an ``error`` event."""
     sent = False
     try:
         async with closing(items) as stream:
             async for item in stream:
-                if isinstance(item, TextDelta):
+                if isinstance(item, Heartbeat):
+                    sent = True
+                    yield KEEP_ALIVE
+                elif isinstance(item, TextDelta):
                     sent = True
                     yield encode({"text": item.text}, "delta")
                 else:
-                    body = done(item)
+                    body = turn_json(agent_id, item)
                     sent = True
                     yield encode(body, "done")
     except RequestError as err:

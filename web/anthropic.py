@@ -17,25 +17,46 @@ and a failure after the stream has begun is one ``error`` event, after which
 the stream ends. The text block is always there, also when the reply is only
 tool calls (then it is empty), and the non-streaming message has the same blocks.
 
+The stream's head (``message_start``, the empty text block and a ``ping``)
+goes out with the first token, or after ``HEARTBEAT_S`` while a long prompt
+is still prefilling; then a ``ping`` follows each quiet ``HEARTBEAT_S``, so a
+client's idle timeout never fires during a prefill.
+
+Claude Code's extras: ``system`` messages inside ``messages`` (its
+mid-conversation system beta) stay where they are (``runtime.turns.render``
+folds them into the user turn for templates that refuse them); a system block
+``x-anthropic-billing-header: ...`` is transport metadata, changing with every
+request, and is dropped; ``X-Claude-Code-Session-Id`` (else the session in
+``metadata.user_id``) is the request's session hint (``web.identity``).
+``max_tokens`` above the server's cap is clamped to it.
+
 Ignored without complaint: ``cache_control`` anywhere, ``thinking`` blocks
 sent back in assistant turns, and request fields this server has no use for
-(``thinking``, ``service_tier``, ...). Refused with a 400: images and
-documents (this server reads text), server tools (``web_search_...``).
+(``thinking``, ``context_management``, ``output_config``, ``service_tier``,
+beta headers, ...). Refused with a 400: images and documents (this server
+reads text), server tools (``web_search_...``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from typing import TYPE_CHECKING
 
 from . import _validate as v
 from ._aio import closing
-from .schema import ChatRequest, ChatResult, RequestError, StreamItem, Usage, cancelled, load_json, stream_text
+from .schema import (ChatRequest, ChatResult, Heartbeat, RequestError, StreamItem, Usage, cancelled, load_json,
+                     stream_text)
 from .sse import encode
 
-__all__ = ["error_json", "message_events", "message_json", "parse_request"]
+if TYPE_CHECKING:
+    from .chat import ChatTurn
+
+__all__ = ["error_json", "events", "message_events", "message_json", "parse_count_tokens", "parse_request",
+           "response_json"]
 
 log = logging.getLogger("semantic.web")
 
@@ -44,24 +65,35 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                 503: "overloaded_error", 529: "overloaded_error"}
 _JOIN = "\n\n"  # between the text blocks of one message or of the system prompt
+_BILLING = "x-anthropic-billing-header:"  # Claude Code's per-request system block: not part of the prompt
+_SESSION = re.compile(r"_session_([0-9a-fA-F-]{8,})")  # older metadata.user_id: user_..._session_<uuid>
 
 
 # --- requests -----------------------------------------------------------------
 
 
-def parse_request(body: bytes, *, max_tokens_limit: int, agent_id: str | None = None) -> ChatRequest:
+def parse_request(body: bytes, headers: Mapping[str, str] | None = None, *, max_tokens_cap: int) -> ChatRequest:
     """The ``ChatRequest`` in a ``/v1/messages`` body.
 
-    ``max_tokens`` is required and at most ``max_tokens_limit``; ``agent_id``
-    is the ``X-Agent-Id`` header, if any (checked by the caller). Raises
-    ``RequestError`` (400) naming the first field that breaks a rule.
+    ``max_tokens`` is required; above ``max_tokens_cap`` it is clamped to it.
+    ``headers`` (lower-case names) may name the agent (``x-agent-id``, checked
+    by the caller) and the session. Raises ``RequestError`` (400) naming the
+    first field that breaks a rule.
     """
     data = load_json(body)
+    return _request(data, headers or {}, min(v.integer(data, "max_tokens", required=True, lo=1), max_tokens_cap))
+
+
+def parse_count_tokens(body: bytes) -> ChatRequest:
+    """The conversation in a ``/v1/messages/count_tokens`` body (no ``max_tokens``)."""
+    return _request(load_json(body), {}, 1)
+
+
+def _request(data: dict, headers: Mapping[str, str], max_tokens: int) -> ChatRequest:
     messages = tuple(_messages(data))
     system = _system(data)
-    limit_rule = f"must be at most this server's limit of {max_tokens_limit}, not {data.get('max_tokens')}"
-    max_tokens = v.integer(data, "max_tokens", required=True, lo=1, hi=max_tokens_limit, hi_rule=limit_rule)
     tools, tool_choice = _tools(data)
+    metadata = v.obj(data, "metadata")
     return ChatRequest(
         messages=messages,
         max_tokens=max_tokens,
@@ -72,20 +104,40 @@ def parse_request(body: bytes, *, max_tokens_limit: int, agent_id: str | None = 
         top_k=v.integer(data, "top_k", lo=0),
         stop=v.strings(data, "stop_sequences"),
         stream=v.boolean(data, "stream"),
-        agent_id=agent_id,
+        agent_id=headers.get("x-agent-id"),
+        hint=headers.get("x-claude-code-session-id") or _metadata_session(metadata),
         tools=tools,
         tool_choice=tool_choice,
-        metadata=v.obj(data, "metadata"),
+        metadata=metadata,
     )
+
+
+def _metadata_session(metadata: Mapping | None) -> str | None:
+    """The session in Claude Code's ``metadata.user_id``: a JSON object's
+    ``session_id``, or the older ``user_<hash>_account_<id>_session_<uuid>``."""
+    user_id = (metadata or {}).get("user_id")
+    if not isinstance(user_id, str):
+        return None
+    try:
+        session = json.loads(user_id).get("session_id")
+        return session if isinstance(session, str) and session else None
+    except (json.JSONDecodeError, AttributeError):
+        pass
+    return m[1] if (m := _SESSION.search(user_id)) else None
 
 
 def _system(data: dict) -> str | None:
     system = data.get("system")
-    if system is None or isinstance(system, str):
-        return system
-    if not isinstance(system, list):
+    if system is None:
+        return None
+    if isinstance(system, str):
+        texts = [system]
+    elif isinstance(system, list):
+        texts = _text_blocks(system, "system")
+    else:
         raise v.bad("system", f"must be a string or an array of text blocks, not {v.jtype(system)}")
-    return _JOIN.join(_text_blocks(system, "system"))
+    texts = [t.partition("\n")[2] if t.startswith(_BILLING) else t for t in texts]  # the header is one line
+    return _JOIN.join(t for t in texts if t) or None
 
 
 def _text_blocks(blocks: list, where: str) -> list[str]:
@@ -107,16 +159,22 @@ def _messages(data: dict) -> list[dict]:
         if not isinstance(msg, dict):
             raise v.bad(at, f"must be an object, not {v.jtype(msg)}")
         role = v.string(msg, "role", at + ".", required=True)
-        if role not in ("user", "assistant"):
-            hint = " (the system prompt goes in the top-level 'system' field)" if role == "system" else ""
-            raise v.bad(at + ".role", f"must be 'user' or 'assistant', not {role!r}{hint}")
+        if role not in ("user", "assistant", "system"):
+            raise v.bad(at + ".role", f"must be 'user', 'assistant' or 'system', not {role!r}")
         content = msg.get("content")
-        if isinstance(content, str):
+        if role == "system":  # Claude Code's mid-conversation system messages
+            if not isinstance(content, (str, list)):
+                raise v.bad(at + ".content", f"must be a string or an array of text blocks, not {v.jtype(content)}")
+            text = content if isinstance(content, str) else _JOIN.join(_text_blocks(content, at + ".content"))
+            out.append({"role": "system", "content": text})
+        elif isinstance(content, str):
             out.append({"role": role, "content": content})
         elif isinstance(content, list):
             out += _user_blocks(content, at, names) if role == "user" else [_assistant_blocks(content, at, names)]
         else:
             raise v.bad(at + ".content", f"must be a string or an array of content blocks, not {v.jtype(content)}")
+    if all(m["role"] == "system" for m in out):
+        raise v.bad("messages", "must hold a user message, not only system messages")
     return out
 
 
@@ -297,27 +355,43 @@ def _event(data: dict) -> bytes:
     return encode(data, data["type"])
 
 
-async def message_events(items: AsyncIterable[StreamItem], *, model: str, usage: Usage,
+def response_json(turn: ChatTurn, result: ChatResult) -> dict:
+    return message_json(result, model=turn.model)
+
+
+def events(turn: ChatTurn, items: AsyncIterable[StreamItem]) -> AsyncIterator[bytes]:
+    return message_events(items, model=turn.model)
+
+
+async def message_events(items: AsyncIterable[StreamItem], *, model: str,
                          message_id: str | None = None) -> AsyncIterator[bytes]:
     """The SSE stream of one message, encoded.
 
-    ``usage`` is the prompt's usage as known when the stream starts (sent in
-    ``message_start``); the final ``message_delta`` carries the result's
-    cumulative counts. ``items`` are text deltas and then one ``ChatResult``.
+    The head goes out with the first item, before the prompt's usage is
+    known: ``message_start`` has zeros, the final ``message_delta`` the
+    result's cumulative counts. ``items`` are text
+    deltas and heartbeats (each a ``ping``) and then one ``ChatResult``.
     A ``RequestError`` raised by ``items`` becomes an ``error`` event with its
     message, another exception an ``error`` event saying the server failed
     (and a log record), a cancelled result an ``overloaded_error`` event; the
     stream ends after any of them. Cancellation is never caught.
     """
-    start = {"id": message_id or new_message_id(), "type": "message", "role": "assistant", "model": model,
-             "content": [], "stop_reason": None, "stop_sequence": None, "usage": _usage(usage)}
-    yield _event({"type": "message_start", "message": start})
-    yield _event({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
-    yield _event({"type": "ping"})
+    started = False
     try:
         async with closing(stream_text(items)) as pieces:
             async for piece in pieces:
-                if isinstance(piece, str):
+                if not started:
+                    started = True
+                    start = {"id": message_id or new_message_id(), "type": "message", "role": "assistant",
+                             "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
+                             "usage": _usage(Usage(0))}
+                    yield _event({"type": "message_start", "message": start})
+                    yield _event({"type": "content_block_start", "index": 0,
+                                  "content_block": {"type": "text", "text": ""}})
+                    yield _event({"type": "ping"})
+                if isinstance(piece, Heartbeat):
+                    yield _event({"type": "ping"})
+                elif isinstance(piece, str):
                     yield _delta(piece)
                 else:
                     result = piece

@@ -30,18 +30,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from actors import Agent, AgentExists, AgentGone, Runtime, RuntimeClosed, RuntimeUnhealthy, TurnError
-from runtime.cache_file import InvalidAgentId, validate_agent_id
+from actors import Agent, AgentExists, AgentGone, Runtime, TurnError
 from runtime.errors import SemanticError
 
 from . import agents, anthropic, openai
 from ._aio import closing
-from .chat import Prepared, prepare, run_turn, sampling, turn_error
-from .identity import ConversationIndex
+from .chat import HEARTBEAT_S, ChatCore, ChatTurn, checked_agent_id, turn_error
 from .metrics import CONTENT_TYPE_LATEST, Metrics
-from .schema import ChatResult, RequestError, StreamItem, Usage
+from .schema import ChatResult, RequestError, StreamItem
 from .sse import EventStreamResponse
-from .tools import tool_format
 
 __all__ = ["ServerConfig", "create_app"]
 
@@ -58,14 +55,17 @@ class ServerConfig:
     disk_budget: int | None = None  # bytes the cache directory may hold (None: no cap)
     conversation_ttl_s: float | None = None  # anonymous conv-* agents unused this long are removed (None: never)
     api_key: str | None = None  # required as x-api-key or "Authorization: Bearer" when set
-    max_tokens_limit: int = 64000  # larger max_tokens get a 400 (Claude Code asks for 32000)
+    max_tokens_cap: int | None = None  # larger max_tokens are clamped to it (None: the model's context length)
+    heartbeat_s: float = HEARTBEAT_S  # a stream with nothing new this long sends a keep-alive (ping)
     max_body_bytes: int = 32 << 20
     body_timeout_s: float = 60.0  # a client must send its whole body within this
     runtime_options: dict = field(default_factory=dict)  # more Runtime.open keywords
 
     def __post_init__(self):
-        if self.max_tokens_limit < 1:
-            raise ValueError("max_tokens_limit must be >= 1")
+        if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
+            raise ValueError("max_tokens_cap must be >= 1 (None: the model's context length)")
+        if self.heartbeat_s <= 0:
+            raise ValueError("heartbeat_s must be > 0")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
         if self.body_timeout_s <= 0:
@@ -94,6 +94,7 @@ def create_app(config: ServerConfig, on_ready: Callable[[Runtime], None] | None 
     s = server
     app = Starlette(lifespan=lifespan, routes=[
         Route("/v1/messages", s.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", s.count_tokens, methods=["POST"]),
         Route("/v1/chat/completions", s.completions, methods=["POST"]),
         Route("/v1/agents", s.create_agent, methods=["POST"]),
         Route("/v1/agents", s.list_agents, methods=["GET"]),
@@ -112,7 +113,7 @@ def create_app(config: ServerConfig, on_ready: Callable[[Runtime], None] | None 
 
 def error_shape(path: str) -> Callable[[RequestError], dict]:
     """The error JSON a route's clients expect."""
-    if path.startswith("/v1/chat/"):
+    if path.startswith(("/v1/chat/", "/v1/responses")):
         return openai.error_json
     if path.startswith("/v1/agents"):
         return agents.error_json
@@ -123,41 +124,40 @@ def _error(path: str, err: RequestError, headers: dict | None = None) -> JSONRes
     return JSONResponse(error_shape(path)(err), status_code=err.status, headers=headers)
 
 
-def _agent_id(agent_id: str, where: str) -> str:
-    try:
-        return validate_agent_id(agent_id)
-    except InvalidAgentId as e:
-        shown = agent_id if len(agent_id) <= 64 else agent_id[:64] + "..."
-        raise RequestError(400, f"{where}: {e} (got {shown!r})", param=where) from None
+def _headers(request: Request) -> dict[str, str]:
+    return {k.lower(): v for k, v in request.headers.items()}
 
 
 class _Server:
-    """The routes' shared state: the runtime, the conversation index, the metrics."""
+    """The routes' shared state: the runtime, the chat core, the metrics."""
 
     def __init__(self, config: ServerConfig):
         self.config = config
         self.rt: Runtime | None = None
-        self.index = ConversationIndex()
+        self.core: ChatCore | None = None
         self.metrics = Metrics()
         self.started = time.time()
 
     async def start(self, rt: Runtime) -> None:
         self.rt = rt
-        self.index = ConversationIndex(tool_format(rt.chat_template))
+        self.core = ChatCore(rt, self.metrics, self.config.heartbeat_s)
         rt.on_pruned(self._pruned)  # before the index is built: a prune may end while it is
-        for info in await rt.agents():
-            self.index.record(info.id, info.history)
-        log.info("%d agents on disk", len(self.index))
+        await self.core.load_index()
+        log.info("%d agents on disk", len(self.core.index))
 
     def _pruned(self, agent_ids: list[str]) -> None:
         for agent_id in agent_ids:  # conversations whose files the disk budget or TTL removed
-            self.index.forget(agent_id)
+            self.core.index.forget(agent_id)
 
     @property
     def model(self) -> str:
         return self.rt.model or "unknown"
 
-    # -- the stateless chat routes ------------------------------------------------
+    @property
+    def max_tokens_cap(self) -> int:
+        return self.config.max_tokens_cap or self.rt.context_length or 1
+
+    # -- the chat routes -------------------------------------------------------------
 
     async def messages(self, request: Request) -> Response:
         return await self._chat(request, anthropic)
@@ -166,73 +166,27 @@ class _Server:
         return await self._chat(request, openai)
 
     async def _chat(self, request: Request, protocol) -> Response:
+        """A turn of a stateless chat protocol: ``protocol`` parses the body and
+        answers the turn (``response_json``, or ``events`` when streaming)."""
         try:
-            header = request.headers.get("x-agent-id")
-            agent_id = None if header is None else _agent_id(header, "X-Agent-Id")
-            req = protocol.parse_request(await request.body(), max_tokens_limit=self.config.max_tokens_limit,
-                                         agent_id=agent_id)
-            if req.agent_id is not None:
-                _agent_id(req.agent_id, "session_id")
-            prepared = prepare(req, self.rt.chat_template)
-            agent = await self._agent_for(req.agent_id, prepared)
+            req = protocol.parse_request(await request.body(), _headers(request), max_tokens_cap=self.max_tokens_cap)
+            turn = await self.core.start(req)
         except RequestError as err:
             return _error(request.url.path, err)
-        headers = {"x-agent-id": agent.id}
-        items = self._turn(agent, prepared, lambda: agent.respond(prepared.messages, tools=prepared.tools,
-                                                                    **sampling(req)))
-        if req.stream:
-            if protocol is anthropic:
-                body = _primed(items, lambda first: anthropic.message_events(
-                    first, model=self.model, usage=_start_usage(first)))
-            else:
-                body = _primed(items, lambda first: openai.completion_chunks(
-                    first, model=self.model, include_usage=req.include_usage))
-            return EventStreamResponse(body, headers=headers, error_body=protocol.error_json)
+        return await _answer(request, turn, req.stream, protocol)
+
+    async def count_tokens(self, request: Request) -> Response:
         try:
-            result = await _final(items)
-            build = anthropic.message_json if protocol is anthropic else openai.completion_json
-            return JSONResponse(build(result, model=self.model), headers=headers)
+            req = anthropic.parse_count_tokens(await request.body())
+            return JSONResponse({"input_tokens": await self.core.count_tokens(req)})
         except RequestError as err:
-            return _error(request.url.path, err, headers)
-
-    async def _agent_for(self, agent_id: str | None, prepared: Prepared) -> Agent:
-        """The agent a chat request names, or the one its conversation continues, or a new one."""
-        if agent_id is None:
-            agent_id = self.index.match(prepared.messages) or "conv-" + secrets.token_hex(8)
-        try:
-            return await self.rt.agent(agent_id)
-        except (AgentExists, AgentGone) as e:
-            raise RequestError(409, str(e)) from None
-        except (RuntimeClosed, RuntimeUnhealthy) as e:
-            raise turn_error(e) from None
-
-    async def _turn(self, agent: Agent, prepared: Prepared, start) -> AsyncIterator[StreamItem]:
-        """One turn's items (``web.chat.run_turn``), with the agent claimed in the
-        index while it runs, and the index and metrics updated when it ends."""
-        tier = self.rt.cache_tier(agent.id)
-        self.index.claim(agent.id)
-        reply = None
-        try:
-            try:
-                reply = start()
-            except (TypeError, ValueError) as e:
-                raise RequestError(400, str(e)) from None
-            except SemanticError as e:
-                raise turn_error(e) from None
-            async with closing(run_turn(reply, prepared)) as items:
-                async for item in items:
-                    yield item
-        finally:
-            self.index.release(agent.id)
-            self.index.record(agent.id, agent.history)
-            if reply is not None:
-                self.metrics.turn(reply.result, tier)
+            return _error(request.url.path, err)
 
     # -- the agent API --------------------------------------------------------------
 
     async def _known(self, agent_id: str) -> Agent:
         """An existing agent, else 404 (the agent API never creates one implicitly)."""
-        agent_id = _agent_id(agent_id, "agent id")
+        agent_id = checked_agent_id(agent_id, "agent id")
         if not await self.rt.agents(only=agent_id):
             raise RequestError(404, f"no agent {agent_id!r}; create it with POST /v1/agents")
         try:
@@ -243,7 +197,7 @@ class _Server:
     async def create_agent(self, request: Request) -> Response:
         try:
             new = agents.parse_new_agent(await request.body())
-            agent_id = _agent_id(new.id, "id")
+            agent_id = checked_agent_id(new.id, "id")
             if new.model is not None and new.model not in (self.model, self.config.model):
                 raise RequestError(400, f"model: this server runs {self.model!r}, not {new.model!r}", "model")
             existed = bool(await self.rt.agents(only=agent_id))
@@ -252,7 +206,7 @@ class _Server:
             except AgentExists as e:
                 raise RequestError(409, str(e)) from None
             [info] = await self.rt.agents(only=agent.id)
-            self.index.record(agent.id, agent.history)
+            self.core.index.record(agent.id, agent.history)
             return JSONResponse(agents.agent_json(info), status_code=200 if existed else 201)
         except RequestError as err:
             return _error(request.url.path, err)
@@ -276,13 +230,13 @@ class _Server:
             return _error(request.url.path, err)
         except SemanticError as e:
             return _error(request.url.path, turn_error(e))
-        self.index.forget(agent.id)
+        self.core.index.forget(agent.id)
         return JSONResponse({"id": agent.id, "deleted": True})
 
     async def fork_agent(self, request: Request) -> Response:
         try:
             source = await self._known(request.path_params["agent_id"])
-            target = _agent_id(agents.parse_fork(await request.body()), "id")
+            target = checked_agent_id(agents.parse_fork(await request.body()), "id")
             try:
                 forked = await source.fork(target)
             except AgentExists as e:
@@ -290,7 +244,7 @@ class _Server:
             except (TurnError, SemanticError) as e:
                 raise turn_error(e) from None
             [info] = await self.rt.agents(only=forked.id)
-            self.index.record(forked.id, forked.history)
+            self.core.index.record(forked.id, forked.history)
             return JSONResponse({**agents.agent_json(info), "forked_from": source.id}, status_code=201)
         except RequestError as err:
             return _error(request.url.path, err)
@@ -298,26 +252,12 @@ class _Server:
     async def agent_turn(self, request: Request) -> Response:
         try:
             agent = await self._known(request.path_params["agent_id"])
-            turn = agents.parse_turn(await request.body(), max_tokens_limit=self.config.max_tokens_limit)
+            turn_req = agents.parse_turn(await request.body(), max_tokens_cap=self.max_tokens_cap)
+            turn = await self.core.send(agent, turn_req.content, use_cache=turn_req.use_cache,
+                                        sampling=turn_req.sampling)
         except RequestError as err:
             return _error(request.url.path, err)
-        prepared = Prepared((), None, None, frozenset())
-        box = {}
-
-        def start():
-            box["reply"] = reply = agent.send(turn.content, use_cache=turn.use_cache, **turn.sampling)
-            return reply
-
-        items = self._turn(agent, prepared, start)
-        done = lambda result: agents.turn_json(agent.id, result, box["reply"].result)  # noqa: E731
-        headers = {"x-agent-id": agent.id}
-        if turn.stream:
-            return EventStreamResponse(agents.turn_events(items, done), headers=headers,
-                                       error_body=agents.error_json)
-        try:
-            return JSONResponse(done(await _final(items)), headers=headers)
-        except RequestError as err:
-            return _error(request.url.path, err, headers)
+        return await _answer(request, turn, turn_req.stream, agents)
 
     # -- operations -------------------------------------------------------------------
 
@@ -338,7 +278,7 @@ class _Server:
                 "context_length": rt.context_length, "memory": memory,
                 "disk": {"bytes": memory["disk_bytes"], **disk},
                 "queue_depth": stats.get("waiting", 0), "decoding": stats.get("decoding", 0),
-                "agents": len(self.index)}
+                "agents": len(self.core.index)}
         return JSONResponse(body, status_code=200 if rt.healthy else 503)
 
     async def metrics_text(self, request: Request) -> Response:
@@ -351,13 +291,15 @@ def _memory_and_disk(rt: Runtime) -> tuple[dict, dict]:
     return rt.memory(), rt.disk()
 
 
-def _start_usage(first: AsyncIterator[StreamItem]) -> Usage:
-    """The usage ``message_start`` can tell: the whole usage when the turn had
-    ended before its first event, else none yet (``message_delta`` has it all)."""
-    head = getattr(first, "head", None)
-    if isinstance(head, ChatResult):
-        return Usage(head.usage.input_tokens, head.usage.cache_read_input_tokens, 0)
-    return Usage(0)
+async def _answer(request: Request, turn: ChatTurn, stream: bool, protocol) -> Response:
+    """The turn's answer in ``protocol``'s shape: its events, or its JSON once the turn ended."""
+    headers = {"x-agent-id": turn.agent_id}
+    if stream:
+        return EventStreamResponse(_primed(turn, protocol.events), headers=headers, error_body=protocol.error_json)
+    try:
+        return JSONResponse(protocol.response_json(turn, await _final(turn.items)), headers=headers)
+    except RequestError as err:
+        return _error(request.url.path, err, headers)
 
 
 class _Peeked:
@@ -381,12 +323,13 @@ class _Peeked:
         await self._items.aclose()
 
 
-async def _primed(items: AsyncIterator[StreamItem], stream) -> AsyncIterator[bytes]:
-    """``stream(items)`` once the turn has produced its first item, so that a
-    turn refused at the start raises its ``RequestError`` before any byte."""
-    async with closing(items):
+async def _primed(turn: ChatTurn, events) -> AsyncIterator[bytes]:
+    """``events(turn, items)`` once the turn has produced its first item (a
+    heartbeat at the latest), so that a turn refused at the start raises its
+    ``RequestError`` before any byte."""
+    async with closing(turn.items) as items:
         head = await items.__anext__()
-        async with closing(stream(_Peeked(head, items))) as chunks:
+        async with closing(events(turn, _Peeked(head, items))) as chunks:
             async for chunk in chunks:
                 yield chunk
 

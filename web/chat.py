@@ -1,6 +1,17 @@
-"""One chat turn for a route: a ``ChatRequest`` becomes the runtime's
-conversation, an agent turn runs it, and its deltas and end come back as
-``StreamItem``\\ s (text deltas, then one ``ChatResult``).
+"""The chat core every protocol shares: which agent a request continues, its
+turn, and the errors a client sees.
+
+A protocol module (``web.anthropic``, ``web.openai``, ``web.responses``) only
+translates: its request body into a ``ChatRequest``, and a ``ChatTurn``'s
+items into its own JSON or events. ``ChatCore.start`` does the rest:
+
+* **identity**: the agent named (``X-Agent-Id``, ``session_id``, a response
+  id), else the one whose stored conversation the request continues
+  (``web.identity``), else a new anonymous ``conv-*`` agent;
+* **the turn**: the conversation as the model's template can take it, the
+  agent claimed in the index while it runs, the index and metrics updated
+  when it ends;
+* **errors**: every runtime error becomes a ``RequestError``.
 
 Tools depend on the model's chat template (``web.tools``):
 
@@ -15,17 +26,26 @@ Tools depend on the model's chat template (``web.tools``):
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from actors import ContextTooLong, Message, Reply, RuntimeClosed, RuntimeUnhealthy, TurnCancelled, TurnResult
+from actors import (Agent, AgentExists, AgentGone, ContextTooLong, Message, Reply, Runtime, RuntimeClosed,
+                    RuntimeUnhealthy, TurnCancelled, TurnResult)
 from runtime.agent_cache import OutOfMemory
+from runtime.cache_file import InvalidAgentId, validate_agent_id
 from runtime.errors import SemanticError
 
-from .schema import ChatRequest, ChatResult, RequestError, StreamItem, TextDelta, Usage
+from ._aio import closing
+from .identity import ConversationIndex, new_conversation_id
+from .metrics import Metrics
+from .schema import ChatRequest, ChatResult, Heartbeat, RequestError, StreamItem, TextDelta, Usage
 from .tools import ToolCallFilter, ToolFormat, finish_result, flatten_tool_messages, supports_tools, tool_format
 
-__all__ = ["Prepared", "chat_result", "prepare", "run_turn", "sampling", "turn_error"]
+__all__ = ["ChatCore", "ChatTurn", "Prepared", "chat_result", "checked_agent_id", "context_first", "prepare",
+           "sampling", "turn_error"]
+
+HEARTBEAT_S = 2.0  # a stream with nothing new for this long sends its keep-alive
 
 
 @dataclass(frozen=True)
@@ -38,9 +58,22 @@ class Prepared:
     tool_names: frozenset[str]
 
 
+@dataclass(frozen=True)
+class ChatTurn:
+    """A turn under way, for a protocol to answer: its items are ``TextDelta``
+    and ``Heartbeat`` items and then one ``ChatResult``."""
+
+    agent_id: str
+    model: str
+    request: ChatRequest | None  # None: an agent API turn
+    messages: tuple[Message, ...]  # the conversation the reply answers
+    items: AsyncIterator[StreamItem]
+    created: int
+
+
 def prepare(req: ChatRequest, chat_template: str | None) -> Prepared:
     """The conversation and tools of ``req`` as this model's template can take them."""
-    conversation = req.conversation()
+    conversation = context_first(req.conversation())
     if supports_tools(chat_template):
         tools = req.tools or None
         fmt = tool_format(chat_template) if tools else None
@@ -51,6 +84,21 @@ def prepare(req: ChatRequest, chat_template: str | None) -> Prepared:
     messages = tuple(Message(m["role"], m["content"], tuple(m.get("tool_calls") or ()), m.get("tool_call_id"),
                              m.get("name")) for m in conversation)
     return Prepared(messages, tools, fmt, req.tool_names if tools else frozenset())
+
+
+def context_first(conversation: list[dict]) -> list[dict]:
+    """``conversation`` with each system message that follows a user message
+    moved before it: Claude Code attaches its environment and reminders to the
+    user's message as a system message after it, and a model answers the
+    message it sees last (a small one continues the system text instead)."""
+    out: list[dict] = []
+    for m in conversation:
+        at = len(out)
+        if m["role"] == "system":
+            while at > 0 and out[at - 1]["role"] == "user":
+                at -= 1
+        out.insert(at, m)
+    return out
 
 
 def sampling(req: ChatRequest) -> dict:
@@ -66,8 +114,8 @@ def chat_result(result: TurnResult) -> ChatResult:
     usage = Usage(result.prefilled_tokens, result.reused_tokens, result.output_tokens)
     stop = getattr(result, "stop_sequence", None)
     if result.reason == "stop":
-        return ChatResult(result.text, "stop_sequence" if stop else "stop", usage, stop or None)
-    return ChatResult(result.text, "length" if result.reason == "length" else "cancelled", usage)
+        return ChatResult(result.text, "stop_sequence" if stop else "stop", usage, stop or None, turn=result)
+    return ChatResult(result.text, "length" if result.reason == "length" else "cancelled", usage, turn=result)
 
 
 def turn_error(e: Exception) -> RequestError:
@@ -80,18 +128,123 @@ def turn_error(e: Exception) -> RequestError:
         return RequestError(503, "the server is shutting down; try again")
     if isinstance(e, RuntimeUnhealthy):
         return RequestError(503, "the model failed and the server must be restarted; see its log")
+    if isinstance(e, (AgentExists, AgentGone)):
+        return RequestError(409, str(e))
     return RequestError(500, f"the turn failed: {e}")
 
 
-async def run_turn(reply: Reply, prepared: Prepared) -> AsyncIterator[StreamItem]:
+def checked_agent_id(agent_id: str, where: str) -> str:
+    """``agent_id`` if it may name an agent, else a 400 naming ``where``."""
+    try:
+        return validate_agent_id(agent_id)
+    except InvalidAgentId as e:
+        shown = agent_id if len(agent_id) <= 64 else agent_id[:64] + "..."
+        raise RequestError(400, f"{where}: {e} (got {shown!r})", param=where) from None
+
+
+class ChatCore:
+    """Identity, turns and errors for every route that runs a turn. One owner:
+    the app, on the event loop."""
+
+    def __init__(self, rt: Runtime, metrics: Metrics, heartbeat_s: float = HEARTBEAT_S):
+        self.rt = rt
+        self.metrics = metrics
+        self.heartbeat_s = heartbeat_s
+        self.index = ConversationIndex(tool_format(rt.chat_template))
+
+    async def load_index(self) -> None:
+        """Index every agent on disk (at start-up, so conversations survive restarts)."""
+        for info in await self.rt.agents():
+            self.index.record(info.id, info.history)
+
+    async def start(self, req: ChatRequest, agent_id: str | None = None, fork_from: str | None = None) -> ChatTurn:
+        """Start the turn ``req`` asks for, on the agent it names or continues.
+
+        ``agent_id`` (a response id's agent) overrides the request's; with
+        ``fork_from`` the turn runs on a new agent forked from that one.
+        Raises ``RequestError`` before anything runs."""
+        prepared = prepare(req, self.rt.chat_template)
+        agent_id = agent_id or req.agent_id
+        if agent_id is not None:
+            checked_agent_id(agent_id, "X-Agent-Id" if agent_id == req.agent_id else "agent")
+        if fork_from is not None:
+            agent = await self._fork(fork_from, new_conversation_id(req.hint))
+        else:
+            agent_id = agent_id or self.index.match(prepared.messages, req.hint) or new_conversation_id(req.hint)
+            agent = await self._open(agent_id)
+        return self._run(agent, req, prepared.messages, prepared,
+                         lambda: agent.respond(prepared.messages, tools=prepared.tools, **sampling(req)))
+
+    async def send(self, agent: Agent, content: str, *, use_cache: bool, sampling: dict) -> ChatTurn:
+        """A turn of the agent API: ``content`` is the new user message."""
+        prepared = Prepared((), None, None, frozenset())
+        return self._run(agent, None, agent.history, prepared,
+                         lambda: agent.send(content, use_cache=use_cache, **sampling))
+
+    async def count_tokens(self, req: ChatRequest) -> int:
+        prepared = prepare(req, self.rt.chat_template)
+        try:
+            return await self.rt.count_tokens(prepared.messages, prepared.tools)
+        except SemanticError as e:
+            raise turn_error(e) from None
+
+    async def _open(self, agent_id: str) -> Agent:
+        try:
+            return await self.rt.agent(agent_id)
+        except SemanticError as e:
+            raise turn_error(e) from None
+
+    async def _fork(self, source_id: str, target_id: str) -> Agent:
+        source = await self._open(source_id)
+        try:
+            return await source.fork(target_id)
+        except SemanticError as e:
+            raise turn_error(e) from None
+
+    def _run(self, agent: Agent, req: ChatRequest | None, messages: tuple[Message, ...], prepared: Prepared,
+             start: Callable[[], Reply]) -> ChatTurn:
+        return ChatTurn(agent.id, self.rt.model or "unknown", req, messages, self._items(agent, prepared, start),
+                        int(time.time()))
+
+    async def _items(self, agent: Agent, prepared: Prepared, start: Callable[[], Reply]) -> AsyncIterator[StreamItem]:
+        """One turn's items, with the agent claimed in the index while it runs,
+        and the index and metrics updated when it ends."""
+        tier = self.rt.cache_tier(agent.id)
+        self.index.claim(agent.id)
+        reply = None
+        try:
+            try:
+                reply = start()
+            except (TypeError, ValueError) as e:
+                raise RequestError(400, str(e)) from None
+            except SemanticError as e:
+                raise turn_error(e) from None
+            async with closing(_run_turn(reply, prepared, self.heartbeat_s)) as items:
+                async for item in items:
+                    yield item
+        finally:
+            self.index.release(agent.id)
+            self.index.record(agent.id, agent.history)
+            if reply is not None:
+                self.metrics.turn(reply.result, tier)
+
+
+async def _run_turn(reply: Reply, prepared: Prepared, heartbeat_s: float) -> AsyncIterator[StreamItem]:
     """The items of one turn: ``TextDelta`` items (tool-call markup held back),
-    then its ``ChatResult`` with tool calls parsed out.  Runtime errors become
+    a ``Heartbeat`` whenever nothing came for ``heartbeat_s``, then its
+    ``ChatResult`` with tool calls parsed out.  Runtime errors become
     ``RequestError``.  Closing the iterator, or cancelling its reader, cancels
     the turn (the agent's history stays as it was)."""
     hold = ToolCallFilter(prepared.fmt) if prepared.fmt else None
     try:
-        async for delta in reply:
-            if text := hold.feed(delta.text) if hold else delta.text:
+        while True:
+            try:
+                delta = await reply.poll(heartbeat_s)
+            except StopAsyncIteration:
+                break
+            if delta is None:
+                yield Heartbeat()
+            elif text := hold.feed(delta.text) if hold else delta.text:
                 yield TextDelta(text)
     except TurnCancelled:
         pass  # the runtime shut down under it: a "cancelled" result

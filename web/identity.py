@@ -12,6 +12,17 @@ and its calls by name and arguments (call ids are ours to invent, and the
 stored reply is the raw text the model generated); other messages by role,
 content and the tool they answer.
 
+A client's session key (Claude Code's ``X-Claude-Code-Session-Id``,
+OpenAI's ``prompt_cache_key`` or ``user``) is a *hint*, never an agent id: one
+Claude Code session holds several conversations (the main one, each
+sub-agent, the title request), each with its own agent. The hint goes into
+the ids of the agents its conversations create (``conv-<hint hash>-<n>``),
+and when no stored conversation is a prefix of the request (the client edited
+or compacted its history), the request takes over the session's agent whose
+conversation shares the most leading messages with it -- at least the first,
+the system prompt -- so its cache keeps the shared part. A conversation with
+a system prompt of its own starts its own agent.
+
 The index is built from every agent's history at start-up (so it survives
 restarts) and updated after each turn. While an agent's turn runs it is
 *claimed*: a second request with the same prefix gets another agent rather
@@ -21,14 +32,29 @@ One owner: the app, on the event loop.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
+import secrets
 from collections.abc import Iterable
 
 from actors import Message
 
 from .tools import ToolFormat, parse_tool_calls
 
-__all__ = ["ConversationIndex", "message_key"]
+__all__ = ["ConversationIndex", "message_key", "new_conversation_id"]
+
+
+_SCOPED = re.compile(r"conv-([0-9a-f]{12})-[0-9a-f]{8}")
+
+
+def _scope(hint: str) -> str:
+    return hashlib.sha256(hint.encode()).hexdigest()[:12]
+
+
+def new_conversation_id(hint: str | None = None) -> str:
+    """A fresh id for an anonymous conversation (carrying its session hint's scope)."""
+    return f"conv-{_scope(hint)}-{secrets.token_hex(4)}" if hint else "conv-" + secrets.token_hex(8)
 
 
 def message_key(m: Message, fmt: ToolFormat | None) -> tuple:
@@ -66,13 +92,23 @@ class ConversationIndex:
     def forget(self, agent_id: str) -> None:
         self._keys.pop(agent_id, None)
 
-    def match(self, messages: Iterable[Message]) -> str | None:
-        """The unclaimed agent whose conversation is the longest proper prefix of ``messages``."""
+    def match(self, messages: Iterable[Message], hint: str | None = None) -> str | None:
+        """The unclaimed agent whose conversation is the longest proper prefix of
+        ``messages``; else, with a ``hint``, the unclaimed agent of that session
+        sharing the most leading messages with it (at least the first)."""
         want = self.keys(messages)
         best, best_len = None, 0
         for agent_id, keys in self._keys.items():
             n = len(keys)
             if best_len < n < len(want) and want[:n] == keys and agent_id not in self._claimed:
+                best, best_len = agent_id, n
+        if best is not None or hint is None:
+            return best
+        scope = _scope(hint)
+        for agent_id, keys in self._keys.items():
+            if agent_id in self._claimed or not (m := _SCOPED.fullmatch(agent_id)) or m[1] != scope:
+                continue
+            if (n := _shared(keys, want)) > best_len:
                 best, best_len = agent_id, n
         return best
 
@@ -84,3 +120,10 @@ class ConversationIndex:
             self._claimed.pop(agent_id, None)
         else:
             self._claimed[agent_id] = n - 1
+
+
+def _shared(a: tuple, b: tuple) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

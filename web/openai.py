@@ -14,6 +14,13 @@ Every chunk carries ``"usage": null`` when usage was asked for, as OpenAI's
 do. A failure after the stream has begun is one ``{"error": {...}}`` chunk
 (the ``openai`` SDK raises it) and then ``[DONE]``.
 
+The stream's first chunk goes out with the first token, or after
+``HEARTBEAT_S`` while a long prompt is still prefilling; an SSE comment
+(``: keep-alive``) follows each quiet ``HEARTBEAT_S``. ``prompt_cache_key``,
+else ``user``, is the request's session hint (``web.identity``); the
+``X-Agent-Id`` header or ``session_id`` names the agent. ``max_tokens``
+above the server's cap is clamped to it.
+
 Leading ``system`` and ``developer`` messages become the system prompt; later
 ones stay where they are. Refused with a 400: images, audio and files (this
 server reads text), ``n`` other than 1, ``logprobs``, ``response_format``
@@ -26,14 +33,19 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from typing import TYPE_CHECKING
 
 from . import _validate as v
 from ._aio import closing
-from .schema import ChatRequest, ChatResult, RequestError, StreamItem, Usage, cancelled, load_json, stream_text
-from .sse import encode
+from .schema import (ChatRequest, ChatResult, Heartbeat, RequestError, StreamItem, Usage, cancelled, load_json,
+                     stream_text)
+from .sse import KEEP_ALIVE, encode
 
-__all__ = ["completion_chunks", "completion_json", "error_json", "parse_request"]
+if TYPE_CHECKING:
+    from .chat import ChatTurn
+
+__all__ = ["completion_chunks", "completion_json", "error_json", "events", "parse_request", "response_json"]
 
 log = logging.getLogger("semantic.web")
 
@@ -47,22 +59,20 @@ _DONE = encode("[DONE]")
 # --- requests -----------------------------------------------------------------
 
 
-def parse_request(body: bytes, *, max_tokens_limit: int, agent_id: str | None = None) -> ChatRequest:
+def parse_request(body: bytes, headers: Mapping[str, str] | None = None, *, max_tokens_cap: int) -> ChatRequest:
     """The ``ChatRequest`` in a ``/v1/chat/completions`` body.
 
-    ``max_completion_tokens`` (or the older ``max_tokens``) is at most
-    ``max_tokens_limit`` and defaults to it. ``agent_id`` is the
-    ``X-Agent-Id`` header, if any; the body's ``session_id`` names the agent
-    too, and the two must agree. Raises ``RequestError`` (400) naming the
-    first field that breaks a rule.
+    ``max_completion_tokens`` (or the older ``max_tokens``) is clamped to
+    ``max_tokens_cap`` and defaults to it. ``headers`` (lower-case names) may
+    name the agent (``x-agent-id``); the body's ``session_id`` names it too,
+    and the two must agree. Raises ``RequestError`` (400) naming the first
+    field that breaks a rule.
     """
     data = load_json(body)
     system, messages = _messages(data)
-    limit = {}
-    for key in ("max_tokens", "max_completion_tokens"):
-        rule = f"must be at most this server's limit of {max_tokens_limit}, not {data.get(key)}"
-        limit[key] = v.integer(data, key, lo=1, hi=max_tokens_limit, hi_rule=rule)
-    max_tokens = limit["max_completion_tokens"] or limit["max_tokens"] or max_tokens_limit
+    agent_id = (headers or {}).get("x-agent-id")
+    asked = v.integer(data, "max_completion_tokens", lo=1) or v.integer(data, "max_tokens", lo=1)
+    max_tokens = min(asked or max_tokens_cap, max_tokens_cap)
     session = v.string(data, "session_id", nonempty=True)
     if agent_id is not None and session is not None and session != agent_id:
         raise v.bad("session_id", f"names agent {session!r} but the X-Agent-Id header names {agent_id!r}")
@@ -83,10 +93,16 @@ def parse_request(body: bytes, *, max_tokens_limit: int, agent_id: str | None = 
         stream=stream,
         include_usage=stream and v.boolean(options, "include_usage", "stream_options."),
         agent_id=agent_id if agent_id is not None else session,
+        hint=session_hint(data),
         tools=tools,
         tool_choice=tool_choice,
         metadata=v.obj(data, "metadata"),
     )
+
+
+def session_hint(data: dict) -> str | None:
+    """OpenAI's cache routing hints, as a session hint: ``prompt_cache_key``, else ``user``."""
+    return v.string(data, "prompt_cache_key", nonempty=True) or v.string(data, "user", nonempty=True)
 
 
 def _refuse_unsupported(data: dict) -> None:
@@ -270,6 +286,14 @@ def error_json(err: RequestError) -> dict:
     return {"error": {"message": err.message, "type": kind, "param": err.param, "code": None}}
 
 
+def response_json(turn: ChatTurn, result: ChatResult) -> dict:
+    return completion_json(result, model=turn.model, created=turn.created)
+
+
+def events(turn: ChatTurn, items: AsyncIterable[StreamItem]) -> AsyncIterator[bytes]:
+    return completion_chunks(items, model=turn.model, include_usage=turn.request.include_usage, created=turn.created)
+
+
 async def completion_chunks(items: AsyncIterable[StreamItem], *, model: str, include_usage: bool = False,
                             completion_id: str | None = None, created: int | None = None) -> AsyncIterator[bytes]:
     """The SSE stream of one completion, encoded (see the module docstring).
@@ -288,11 +312,16 @@ async def completion_chunks(items: AsyncIterable[StreamItem], *, model: str, inc
         body = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
         return encode(body | {"usage": None} if include_usage else body)
 
-    yield chunk({"role": "assistant", "content": ""})
+    started = False
     try:
         async with closing(stream_text(items)) as pieces:
             async for piece in pieces:
-                if isinstance(piece, str):
+                if not started:
+                    started = True
+                    yield chunk({"role": "assistant", "content": ""})
+                if isinstance(piece, Heartbeat):
+                    yield KEEP_ALIVE
+                elif isinstance(piece, str):
                     yield chunk({"content": piece})
                 else:
                     result = piece

@@ -32,6 +32,7 @@ from ._aio import closing
 __all__ = [
     "ChatRequest",
     "ChatResult",
+    "Heartbeat",
     "RequestError",
     "ROLES",
     "StopReason",
@@ -100,6 +101,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False  # OpenAI's stream_options.include_usage
     agent_id: str | None = None  # None: find the agent by the conversation's text
+    hint: str | None = None  # a client's session key: conversations of one session may take over each other's agent
     tools: tuple[dict, ...] | None = None  # {"type": "function", "function": {name, description, parameters}}
     tool_choice: Literal["auto", "required"] = "auto"  # a forced tool arrives as tools=(that tool,)
     metadata: Mapping | None = None
@@ -156,6 +158,7 @@ class ChatResult:
     usage: Usage
     stop_sequence: str | None = None  # the stop string that ended it ("stop_sequence" only)
     tool_calls: tuple[ToolCall, ...] = ()  # non-empty exactly when stop_reason is "tool_use"
+    turn: object = field(default=None, compare=False)  # the runtime's record (timings), when there is one
 
     def __post_init__(self):
         if self.stop_reason not in _STOP_REASONS:
@@ -172,10 +175,16 @@ class TextDelta:
     text: str  # new text, safe to show
 
 
-# What a streaming route consumes: TextDelta items, then exactly one ChatResult.
-# The deltas joined are a prefix of the result's text; the stream builders send
-# the rest (text held back while a tool call might have been starting).
-StreamItem = TextDelta | ChatResult
+@dataclass(frozen=True)
+class Heartbeat:
+    """Nothing new for a while (a long prompt prefilling): a stream sends its keep-alive."""
+
+
+# What a streaming route consumes: TextDelta and Heartbeat items, then exactly
+# one ChatResult. The deltas joined are a prefix of the result's text; the
+# stream builders send the rest (text held back while a tool call might have
+# been starting).
+StreamItem = TextDelta | Heartbeat | ChatResult
 
 
 def cancelled() -> RequestError:
@@ -183,13 +192,17 @@ def cancelled() -> RequestError:
     return RequestError(503, "the turn was cancelled before it finished; try again")
 
 
-async def stream_text(items: AsyncIterable[StreamItem]) -> AsyncIterator[str | ChatResult]:
+async def stream_text(items: AsyncIterable[StreamItem]) -> AsyncIterator[str | Heartbeat | ChatResult]:
     """A turn's text as it streams (non-empty pieces, then what the result holds
-    beyond them), then its ``ChatResult``.  ``items`` is closed before the rest
-    of the text comes; a cancelled result raises ``cancelled()``."""
+    beyond them; heartbeats as they come), then its ``ChatResult``.  ``items``
+    is closed before the rest of the text comes; a cancelled result raises
+    ``cancelled()``."""
     parts: list[str] = []
     async with closing(items) as stream:  # closed once the result is in
         async for item in stream:
+            if isinstance(item, Heartbeat):
+                yield item
+                continue
             if isinstance(item, TextDelta):
                 if item.text:
                     parts.append(item.text)

@@ -25,7 +25,9 @@ from starlette.types import Receive, Scope, Send
 from ._aio import closing, collapsing_task_group
 from .schema import RequestError
 
-__all__ = ["EventStreamResponse", "encode"]
+__all__ = ["EventStreamResponse", "KEEP_ALIVE", "encode"]
+
+KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it, idle timeouts see bytes
 
 _HEADERS = {
     "cache-control": "no-cache",

@@ -181,3 +181,35 @@ def test_caches_survive_a_model_swap(smollm2, tmp_path):
     turn, f2 = r.turn, r.finished
     assert turn.plan.kind in (EXTEND, DIVERGE) and f2.reused_tokens >= f1.prompt_tokens
     assert back.tier("carol") == HOT
+
+
+class _JinjaTokenizer:
+    """Just enough tokenizer to render a chat template (as transformers does)."""
+
+    def __init__(self, template: str):
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        self.template = ImmutableSandboxedEnvironment().from_string(template)
+        self.raise_exception = raise_exception
+
+    def apply_chat_template(self, messages, tools=None, tokenize=False, add_generation_prompt=True):
+        return self.template.render(messages=messages, raise_exception=self.raise_exception)
+
+
+STRICT = ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+          "{{ raise_exception('System role not supported') }}{% endif %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+LENIENT = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+
+
+def test_a_template_that_refuses_a_later_system_message_gets_it_folded_into_the_user_turn():
+    convo = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "yo"}, {"role": "system", "content": "Be brief."},
+             {"role": "user", "content": "go"}]
+    assert render(_JinjaTokenizer(LENIENT), convo) == "<system>S<user>hi<assistant>yo<system>Be brief.<user>go"
+    assert render(_JinjaTokenizer(STRICT), convo) == "<system>S<user>hi<assistant>yo<user>Be brief.\n\ngo"
+    with pytest.raises(Exception, match="System role not supported"):  # nothing to fold: the template's error
+        render(_JinjaTokenizer(STRICT.replace("not loop.first", "true")), convo[:2])

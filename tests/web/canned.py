@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import anyio
 import anyio.lowlevel
@@ -58,15 +58,14 @@ def canned_app(canned: Canned) -> Starlette:
     def route(protocol):
         async def endpoint(request: Request):
             try:
-                req = protocol.parse_request(await request.body(), max_tokens_limit=LIMIT,
-                                             agent_id=request.headers.get("x-agent-id"))
+                req = protocol.parse_request(await request.body(), {k.lower(): v for k, v in request.headers.items()},
+                                             max_tokens_cap=LIMIT)
                 canned.seen.append(req)
                 fmt = canned.tool_format if req.tools else None
                 items = split_tool_calls(canned.items(), fmt, req.tool_names)
                 if req.stream:
                     if protocol is anthropic:
-                        body = anthropic.message_events(items, model=MODEL,
-                                                        usage=replace(canned.usage, output_tokens=0))
+                        body = anthropic.message_events(items, model=MODEL)
                     else:
                         body = openai.completion_chunks(items, model=MODEL, include_usage=req.include_usage)
                     return EventStreamResponse(body)

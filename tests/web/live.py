@@ -59,7 +59,7 @@ def kv_bytes(blocks: int, running: bool = True) -> int:
 @asynccontextmanager
 async def live_server(cache_dir: Path, model=None, **options) -> AsyncIterator[str]:
     """Serve a fresh app for the duration; yields its base URL once the model is loaded."""
-    options.setdefault("max_tokens_limit", LIMIT)
+    options.setdefault("max_tokens_cap", LIMIT)
     options.setdefault("budget", 256 << 20)
     config = ServerConfig(model=model or tiny_loaded(), cache_dir=cache_dir, **options)
     sock = bind("127.0.0.1", 0)

@@ -9,7 +9,7 @@ import pytest
 from pydantic import TypeAdapter
 
 from web import anthropic
-from web.schema import ChatRequest, ChatResult, RequestError, TextDelta, ToolCall, Usage
+from web.schema import ChatRequest, ChatResult, Heartbeat, RequestError, TextDelta, ToolCall, Usage
 
 from .sse_util import collect, parse_sse
 
@@ -19,9 +19,9 @@ LIMIT = 4096
 USER = [{"role": "user", "content": "hi"}]
 
 
-def parse(body: dict | bytes, **kw) -> ChatRequest:
+def parse(body: dict | bytes, **headers) -> ChatRequest:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return anthropic.parse_request(raw, max_tokens_limit=LIMIT, **kw)
+    return anthropic.parse_request(raw, {k.replace("_", "-"): v for k, v in headers.items()}, max_tokens_cap=LIMIT)
 
 
 def ok(**fields) -> dict:
@@ -40,9 +40,11 @@ BAD = [
     (ok(messages="hi"), "messages: must be an array, not a string"),
     (ok(messages=["hi"]), "messages[0]: must be an object, not a string"),
     (ok(messages=[{"content": "hi"}]), "messages[0].role: is required"),
-    (ok(messages=[{"role": "system", "content": "x"}]),
-     "messages[0].role: must be 'user' or 'assistant', not 'system' (the system prompt goes in"),
-    (ok(messages=[{"role": "tool", "content": "x"}]), "messages[0].role: must be 'user' or 'assistant'"),
+    (ok(messages=[{"role": "system", "content": "x"}]), "messages: must hold a user message, not only system"),
+    (ok(messages=[{"role": "tool", "content": "x"}]),
+     "messages[0].role: must be 'user', 'assistant' or 'system', not 'tool'"),
+    (ok(messages=[*USER, {"role": "system", "content": 3}]),
+     "messages[1].content: must be a string or an array of text blocks, not an integer"),
     (ok(messages=[{"role": 7, "content": "x"}]), "messages[0].role: must be a string, not an integer"),
     (ok(messages=[{"role": "user"}]), "messages[0].content: must be a string or an array of content blocks, not null"),
     (ok(messages=[{"role": "user", "content": 5}]), "messages[0].content: must be a string or an array"),
@@ -70,7 +72,6 @@ BAD = [
     ({"messages": USER}, "max_tokens: is required"),
     (ok(max_tokens=0), "max_tokens: must be at least 1, not 0"),
     (ok(max_tokens=-5), "max_tokens: must be at least 1, not -5"),
-    (ok(max_tokens=LIMIT + 1), f"max_tokens: must be at most this server's limit of {LIMIT}, not {LIMIT + 1}"),
     (ok(max_tokens="10"), "max_tokens: must be an integer, not a string"),
     (ok(max_tokens=1.5), "max_tokens: must be an integer, not a number"),
     (ok(max_tokens=True), "max_tokens: must be an integer, not a boolean"),
@@ -130,7 +131,7 @@ def test_a_minimal_request():
 
 def test_sampling_fields_and_stop_sequences():
     req = parse(ok(temperature=0, top_p=0.9, top_k=40, stop_sequences=["END", "\n\n"], stream=True,
-                   metadata={"user_id": "u1"}), agent_id="agent-1")
+                   metadata={"user_id": "u1"}), x_agent_id="agent-1")
     assert (req.temperature, req.top_p, req.top_k) == (0.0, 0.9, 40)
     assert req.stop == ("END", "\n\n")
     assert req.stream and req.agent_id == "agent-1" and req.metadata == {"user_id": "u1"}
@@ -231,6 +232,54 @@ def test_a_claude_code_request_parses_into_a_template_ready_conversation():
     assert (req.max_tokens, req.stream, req.temperature, req.model) == (4000, True, 1.0, "claude-sonnet-4-6")
 
 
+BILLING = "x-anthropic-billing-header: cc_version=2.1.330.a1f; cc_entrypoint=sdk-cli; cch=93be1;"
+
+
+def test_claude_codes_billing_header_is_never_part_of_the_prompt():
+    blocks = [{"type": "text", "text": BILLING}, {"type": "text", "text": "You are Claude Code."}]
+    assert parse(ok(system=blocks)).system == "You are Claude Code."
+    assert parse(ok(system=[{"type": "text", "text": BILLING}])).system is None
+    assert parse(ok(system=BILLING + "\nYou are Claude Code.")).system == "You are Claude Code."
+    assert parse(ok(system="x-anthropic-billing-header is a term")).system == "x-anthropic-billing-header is a term"
+
+
+def test_system_messages_inside_messages_stay_where_they_are():
+    req = parse(ok(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                             {"role": "system", "content": [{"type": "text", "text": "Now be brief."},
+                                                            {"type": "text", "text": "Really."}]},
+                             {"role": "user", "content": "go on"}]))
+    assert [m["role"] for m in req.messages] == ["user", "assistant", "system", "user"]
+    assert req.messages[2]["content"] == "Now be brief.\n\nReally."
+
+
+@pytest.mark.parametrize("headers, metadata, hint", [
+    ({"x_claude_code_session_id": "s-1"}, None, "s-1"),
+    ({"x_claude_code_session_id": "s-1"}, {"user_id": '{"session_id": "s-2"}'}, "s-1"),
+    ({}, {"user_id": '{"device_id": "d", "account_uuid": "", "session_id": "s-2"}'}, "s-2"),
+    ({}, {"user_id": "user_ab12_account__session_0f3c2a1e-9b7d-4c61-a1f0-2f5e3c4b5a69"},
+     "0f3c2a1e-9b7d-4c61-a1f0-2f5e3c4b5a69"),
+    ({}, {"user_id": "someone"}, None),
+    ({}, None, None),
+])
+def test_the_session_hint_comes_from_claude_codes_header_then_its_metadata(headers, metadata, hint):
+    req = parse(ok(**({"metadata": metadata} if metadata else {})), **headers)
+    assert req.hint == hint and req.agent_id is None
+
+
+def test_max_tokens_above_the_cap_is_clamped_and_what_claude_code_adds_is_accepted():
+    req = parse(ok(max_tokens=32000, thinking={"type": "adaptive"}, output_config={"effort": "high"},
+                   context_management={"edits": [{"type": "clear_tool_uses_20250919"}]}))
+    assert req.max_tokens == LIMIT
+    assert parse(ok(max_tokens=LIMIT - 1)).max_tokens == LIMIT - 1
+
+
+def test_count_tokens_needs_no_max_tokens():
+    req = anthropic.parse_count_tokens(json.dumps({"model": "m", "messages": USER, "system": "Be brief."}).encode())
+    assert req.system == "Be brief." and req.messages == ({"role": "user", "content": "hi"},)
+    with pytest.raises(RequestError, match="messages: is required"):
+        anthropic.parse_count_tokens(b'{"model": "m"}')
+
+
 @pytest.mark.parametrize("choice, names, mode", [
     ({"type": "auto"}, {"Bash", "Read"}, "auto"),
     ({"type": "any"}, {"Bash", "Read"}, "required"),
@@ -293,15 +342,15 @@ _events = TypeAdapter(sdk_types.RawMessageStreamEvent)
 
 async def items(*pieces, result: ChatResult | None = None, error: BaseException | None = None):
     for piece in pieces:
-        yield TextDelta(piece)
+        yield piece if isinstance(piece, Heartbeat) else TextDelta(piece)
     if error is not None:
         raise error
     if result is not None:
         yield result
 
 
-async def stream(source, usage=Usage(7, 30)) -> list[tuple[str, dict]]:
-    raw = await collect(anthropic.message_events(source, model="m", usage=usage, message_id="msg_1"))
+async def stream(source) -> list[tuple[str, dict]]:
+    raw = await collect(anthropic.message_events(source, model="m", message_id="msg_1"))
     events = parse_sse(raw)
     for name, data in events:
         assert name == data["type"], "the SSE event name repeats the data's type"
@@ -313,8 +362,8 @@ async def stream(source, usage=Usage(7, 30)) -> list[tuple[str, dict]]:
 START = ("message_start", {"type": "message_start", "message": {
     "id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": [],
     "stop_reason": None, "stop_sequence": None,
-    "usage": {"input_tokens": 7, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 30,
-              "output_tokens": 0}}})
+    "usage": {"input_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+              "output_tokens": 0}}})  # the head goes out before the turn ends: its usage is in message_delta
 TEXT_START = ("content_block_start", {"type": "content_block_start", "index": 0,
                                       "content_block": {"type": "text", "text": ""}})
 PING = ("ping", {"type": "ping"})
@@ -344,6 +393,13 @@ async def test_a_text_stream_is_exactly_the_documented_sequence():
     events = await stream(items("Hel", "", "lo!", result=ChatResult("Hello!", "stop", USAGE)))
     assert events == [START, TEXT_START, PING, delta("Hel"), delta("lo!"), stop(0),
                       message_delta("end_turn"), MESSAGE_STOP]
+
+
+@pytest.mark.anyio
+async def test_heartbeats_while_a_prompt_prefills_start_the_stream_and_ping():
+    events = await stream(items(Heartbeat(), Heartbeat(), "Hi", result=ChatResult("Hi", "stop", USAGE)))
+    assert events == [START, TEXT_START, PING, PING, PING, delta("Hi"), stop(0), message_delta("end_turn"),
+                      MESSAGE_STOP]
 
 
 @pytest.mark.anyio
@@ -416,7 +472,7 @@ async def test_cancellation_is_not_turned_into_an_error_event():
 
     seen = []
     with anyio.CancelScope() as scope:
-        async for chunk in anthropic.message_events(stuck(), model="m", usage=USAGE):
+        async for chunk in anthropic.message_events(stuck(), model="m"):
             seen.append(chunk)
             if b"text_delta" in chunk:
                 scope.cancel()

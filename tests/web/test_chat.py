@@ -7,8 +7,8 @@ import json
 
 from actors import Message, TurnResult
 from web.anthropic import parse_request
-from web.chat import chat_result, prepare
-from web.identity import ConversationIndex
+from web.chat import chat_result, context_first, prepare
+from web.identity import ConversationIndex, new_conversation_id
 
 from .test_anthropic import CLAUDE_CODE
 
@@ -18,7 +18,7 @@ PLAIN = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
 
 
 def claude_code():
-    return parse_request(json.dumps(CLAUDE_CODE).encode(), max_tokens_limit=64000)
+    return parse_request(json.dumps(CLAUDE_CODE).encode(), max_tokens_cap=64000)
 
 
 def test_a_template_with_tools_gets_them_and_the_tool_turns_as_they_are():
@@ -68,3 +68,34 @@ def test_the_index_finds_the_longest_proper_prefix_and_skips_claimed_agents():
     assert idx.match(request) == "long"
     idx.forget("long")
     assert idx.match((Message("system", "other"), u1)) is None
+
+
+def test_a_session_hint_lets_an_edited_conversation_keep_its_agent_but_never_another_system_prompts():
+    idx = ConversationIndex()
+    main, sub, title = Message("system", "main"), Message("system", "sub-agent"), Message("system", "titles")
+    u1, a1, u2 = Message("user", "one"), Message("assistant", "ok"), Message("user", "two")
+    main_id, sub_id, other_id = (new_conversation_id("s1"), new_conversation_id("s1"), new_conversation_id("s2"))
+    assert main_id.startswith("conv-") and main_id != sub_id and main_id[:17] == sub_id[:17] != other_id[:17]
+    idx.record(main_id, (main, u1, a1, u2, a1))
+    idx.record(sub_id, (sub, u1, a1))
+    idx.record(other_id, (main, u1, a1, u2, a1))
+    edited = (main, u1, Message("assistant", "ok (trimmed)"), u2)  # e.g. an old tool result cleared
+    assert idx.match(edited) is None  # no stored conversation is a prefix of it
+    assert idx.match(edited, "s1") == main_id  # its session's agent with the most shared messages
+    assert idx.match((sub, u2), "s1") == sub_id
+    assert idx.match((title, u1), "s1") is None  # a system prompt of its own: a new agent
+    assert idx.match(edited, "s3") is None  # nothing of another session
+    idx.claim(main_id)
+    assert idx.match(edited, "s1") is None  # a concurrent request never shares a running agent
+    assert idx.match((main, u1, a1, u2, a1, u2), "s1") == other_id  # a proper prefix wins, whatever the session
+
+
+def test_a_system_message_after_a_user_message_is_rendered_before_it():
+    convo = [{"role": "system", "content": "S"}, {"role": "user", "content": "q1"},
+             {"role": "system", "content": "env"}, {"role": "assistant", "content": "a1"},
+             {"role": "system", "content": "plan mode"}, {"role": "user", "content": "q2"},
+             {"role": "system", "content": "reminder"}]
+    assert [m["content"] for m in context_first(convo)] == ["S", "env", "q1", "a1", "plan mode", "reminder", "q2"]
+    # what a later turn sends extends what an earlier one rendered: the cache stays a prefix
+    assert context_first(convo[:3]) == context_first(convo)[:3]
+    assert [m["content"] for m in context_first(convo[1:3])] == ["env", "q1"]

@@ -20,7 +20,7 @@ USER = [{"role": "user", "content": "hi"}]
 
 def parse(body: dict | bytes, **kw) -> ChatRequest:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return openai.parse_request(raw, max_tokens_limit=LIMIT, **kw)
+    return openai.parse_request(raw, {"x-agent-id": kw["agent_id"]} if "agent_id" in kw else {}, max_tokens_cap=LIMIT)
 
 
 def ok(**fields) -> dict:
@@ -60,8 +60,6 @@ BAD = [
     (ok(messages=[*USER, CALL_MSG, {"role": "tool", "content": "18C"}]), "messages[2].tool_call_id: is required"),
     (ok(max_tokens=0), "max_tokens: must be at least 1, not 0"),
     (ok(max_completion_tokens=-1), "max_completion_tokens: must be at least 1, not -1"),
-    (ok(max_tokens=LIMIT + 1), f"max_tokens: must be at most this server's limit of {LIMIT}, not {LIMIT + 1}"),
-    (ok(max_completion_tokens=10**6), f"max_completion_tokens: must be at most this server's limit of {LIMIT}"),
     (ok(max_tokens="many"), "max_tokens: must be an integer, not a string"),
     (ok(temperature=2.5), "temperature: must be in [0, 2], not 2.5"),
     (ok(top_p=1.5), "top_p: must be in (0, 1], not 1.5"),
@@ -95,6 +93,21 @@ def test_bad_requests_are_400_with_a_clear_message(body, message):
     param = None if e.value.message.startswith("request body") else e.value.message.split(":")[0]
     assert openai.error_json(e.value) == {"error": {"message": e.value.message, "type": "invalid_request_error",
                                                     "param": param, "code": None}}
+
+
+@pytest.mark.parametrize("fields, hint", [({"prompt_cache_key": "k", "user": "u"}, "k"), ({"user": "u"}, "u"),
+                                          ({}, None)])
+def test_prompt_cache_key_then_user_is_the_session_hint(fields, hint):
+    req = parse(ok(**fields))
+    assert req.hint == hint and req.agent_id is None
+    with pytest.raises(RequestError, match="prompt_cache_key: must not be empty"):
+        parse(ok(prompt_cache_key=""))
+
+
+def test_max_tokens_above_the_cap_is_clamped():
+    assert parse(ok(max_tokens=LIMIT + 1)).max_tokens == LIMIT
+    assert parse(ok(max_completion_tokens=10**6, max_tokens=5)).max_tokens == LIMIT
+    assert parse(ok()).max_tokens == LIMIT
 
 
 def test_the_header_and_session_id_must_agree():
