@@ -1,7 +1,7 @@
 # Commands for a fresh machine (each sets up what it needs, idempotently):
 #   make serve  - the HTTP server (Anthropic, OpenAI and agent APIs) on 127.0.0.1:8000 (PORT=...)
 #   make run    - the embedded model answers a prompt (PROMPT="...")
-#   make test   - the test suite
+#   make test   - the test suite (with the Claude Code and Codex CLIs its client tests drive)
 #   make example - examples/orchestrator.py: agents on the in-process actor API
 PYTHON ?= python3
 VENV := .venv
@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 PORT ?= 8000
 
-.PHONY: serve run test example setup blas model clean
+.PHONY: serve run test example setup blas model clients clean
 
 setup: $(VENV)/.installed blas
 
@@ -23,6 +23,10 @@ $(VENV)/.installed: pyproject.toml
 blas:
 	@scripts/setup-blas.sh
 
+# Claude Code and Codex (npm, pinned) for tests/clients, under the cache home
+clients:
+	@scripts/setup-clients.sh
+
 model: setup
 	$(BIN)/semantic prepare
 
@@ -32,7 +36,7 @@ serve: model
 run: model
 	$(BIN)/semantic generate --prompt "$(PROMPT)"
 
-test: model
+test: model clients
 	$(BIN)/pytest -q
 
 example: model

@@ -1,0 +1,99 @@
+"""The real Claude Code CLI (print mode) against ``semantic serve``: a two-turn
+session (``--session-id``, then ``--resume``) whose second turn is served
+from the agent's cache.
+
+What Claude Code 2.1.330 sends is in ``tests/web/data/claude_code_requests.json``:
+unless ``--bare``, every request carries a ``system``-role message inside
+``messages`` (its environment section, after the first user message), with
+``--tools=Bash`` as with ``--tools=Bash,Agent``. SmolLM2's chat template takes
+no tools, so the server drops the definitions and the prompt is the system
+prompt and the messages (a few hundred tokens).
+
+A reply must end by itself: Claude Code answers ``stop_reason: max_tokens``
+with up to three "resume" requests and then fails the turn ("response exceeded
+the N output token maximum"). So the questions are ones SmolLM2 answers in a
+sentence under greedy decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from .conftest import MAX_OUTPUT_TOKENS, base_env, client_bin, report, run_cli
+
+pytestmark = pytest.mark.model
+
+TURN_TIMEOUT = 120
+
+# Long enough that turn 2's new tokens (the reply and a short question) are
+# under a tenth of its prompt; the rest should come from the cache.
+SYSTEM_PROMPT = " ".join([
+    "You are Terse, a careful assistant that answers in one short sentence.",
+    "You work inside a sandbox on a developer's machine and help with small questions about shell commands,",
+    "files and programs. Rules you always follow:",
+    "1. Answer the question that was asked and nothing else.",
+    "2. Never invent file names, command output or facts you have not seen.",
+    "3. When a question is ambiguous, give the most common reading and say so in a few words.",
+    "4. Prefer plain words to jargon, and short words to long ones.",
+    "5. Do not apologise, do not thank the user, do not repeat the question.",
+    "6. When asked for a greeting or a farewell, give exactly one word.",
+    "7. Keep code in backticks and keep it to one line.",
+    "8. If a command could delete or overwrite data, say so before anything else.",
+    "9. Numbers are written as digits; units follow the number with a space.",
+    "10. If you do not know, say 'I do not know.' and stop.",
+    "The user is a programmer who values brevity over completeness, reads every word you write,",
+    "and will ask a follow-up question when they need more detail. A good answer is a single line.",
+])
+
+
+def claude_env(url: str, home) -> dict:
+    return dict(
+        base_env(home),
+        ANTHROPIC_BASE_URL=url,
+        ANTHROPIC_API_KEY="none",
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+        DISABLE_AUTOUPDATER="1",
+        DISABLE_TELEMETRY="1",
+        DISABLE_ERROR_REPORTING="1",
+        CLAUDE_CODE_MAX_OUTPUT_TOKENS=str(MAX_OUTPUT_TOKENS),
+    )
+
+
+def claude_turn(claude, server, tmp_path, prompt: str, session: list[str], tools: str) -> dict:
+    """One ``claude -p`` turn; its JSON result, after checking that it succeeded."""
+    argv = [claude, "-p", prompt, *session, "--output-format", "json", "--model", "smollm2",
+            "--tools", tools, "--system-prompt", SYSTEM_PROMPT, "--max-turns", "2", "--strict-mcp-config"]
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    out = run_cli(argv, env=claude_env(server.url, tmp_path / "home"), cwd=work, timeout=TURN_TIMEOUT,
+                  server=server)
+    try:
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        pytest.fail(f"claude printed no JSON result (exit {out.returncode})\n" + report(out.stdout, out.stderr, server))
+    assert out.returncode == 0 and result.get("is_error") is False, (
+        f"claude {session[0]} turn failed (exit {out.returncode}): {result.get('result')!r}\n"
+        + report(out.stdout, out.stderr, server))
+    return result
+
+
+@pytest.mark.parametrize("tools, extra", [
+    ("Bash", ["--bare"]),  # no system-role message in `messages`
+    ("Bash", []),  # a system-role message after the first user message
+    ("Bash,Agent", []),  # the same, with the Agent tool's definition too
+], ids=["bare-Bash", "Bash", "Bash,Agent"])
+def test_two_turn_session_reads_turn_one_from_the_cache(server, tmp_path, tools, extra):
+    claude = client_bin("claude")
+    session = str(uuid.uuid5(uuid.NAMESPACE_URL, f"semantic-test-claude-code-{tools}-{extra}"))
+    first = claude_turn(claude, server, tmp_path, "What is the capital of France?",
+                        ["--session-id", session, *extra], tools)
+    assert first["session_id"] == session
+    second = claude_turn(claude, server, tmp_path, "What is the capital of Italy?", ["--resume", session, *extra], tools)
+    u = second["usage"]
+    prompt = u["input_tokens"] + u["cache_read_input_tokens"] + u["cache_creation_input_tokens"]
+    assert u["cache_read_input_tokens"] >= 0.9 * prompt, (
+        f"turn 2 read {u['cache_read_input_tokens']} of its {prompt} prompt tokens from the cache: {u}\n"
+        f"turn 1 usage: {first['usage']}\n--- server log (tail) ---\n{server.tail()}")
