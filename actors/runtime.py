@@ -190,16 +190,20 @@ class Runtime:
         loaded = self._gpu.loaded
         return getattr(loaded.tokenizer, "chat_template", None) if loaded else None
 
-    async def count_tokens(self, messages: Iterable[Message], tools: Iterable[dict] | None = None) -> int:
-        """Tokens of the prompt ``messages`` (and ``tools``) render to on the loaded
-        model, as a turn over them would prefill with an empty cache."""
+    async def prompt(self, messages: Iterable[Message], tools: Iterable[dict] | None = None) -> tuple[str, int]:
+        """The prompt ``messages`` (and ``tools``) render to on the loaded model,
+        and its length in tokens: what a turn over them prefills with an empty cache."""
         loaded = self._gpu.loaded
         if loaded is None:
             raise RuntimeClosed("no model is loaded")
         dicts = [m.as_dict() for m in messages]
         tools = tuple(tools) if tools else None
-        return await anyio.to_thread.run_sync(
-            lambda: len(encode(loaded.tokenizer, render(loaded.tokenizer, dicts, tools))))
+
+        def run() -> tuple[str, int]:
+            text = render(loaded.tokenizer, dicts, tools)
+            return text, len(encode(loaded.tokenizer, text))
+
+        return await anyio.to_thread.run_sync(run)
 
     def memory(self) -> dict:
         """Hot KV cache bytes against the budget (shared prefixes' share of them),

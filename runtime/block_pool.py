@@ -29,7 +29,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 from .errors import SemanticError
-from .model_spec import FULL, SLIDING, ModelCacheSpec, kv_bytes_per_token  # LayerKind: docstring example
+from .model_spec import FULL, SLIDING, LayerKind, ModelCacheSpec, kv_bytes_per_token  # LayerKind: docstring example
 
 WORKING = "working"  # the layer group of running sequences' float working copies
 

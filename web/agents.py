@@ -11,7 +11,8 @@ The server keeps each agent's history; a client sends only the new message.
     POST   /v1/agents/{id}/fork      {"id"}                       201 {"id", "forked_from", ...}
 
 A turn answers ``turn_json`` (or, streaming, ``event: delta`` {"text"}
-events and then ``event: done`` with the same object); errors are
+events -- ``event: reasoning`` {"text"} first for a model that reasons --
+and then ``event: done`` with the same object); errors are
 ``{"error": {"type", "message"}}`` (an ``event: error`` mid-stream).
 """
 
@@ -25,7 +26,7 @@ from actors import AgentInfo, TurnResult
 
 from . import _validate as v
 from ._aio import closing
-from .schema import ChatResult, Heartbeat, RequestError, StreamItem, TextDelta, load_json
+from .schema import ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, TextDelta, load_json
 from .sse import KEEP_ALIVE, encode
 
 if TYPE_CHECKING:
@@ -106,6 +107,7 @@ def turn_json(agent_id: str, result: ChatResult) -> dict:
         "agent_id": agent_id,
         "role": "assistant",
         "content": result.text,
+        "reasoning": result.reasoning,
         "stop_reason": _STOP[result.stop_reason],
         "stop_sequence": result.stop_sequence,
         "usage": {"prompt_tokens": u.prompt_tokens, "reused_tokens": u.cache_read_input_tokens,
@@ -139,9 +141,9 @@ async def turn_events(agent_id: str, items: AsyncIterable[StreamItem]) -> AsyncI
                 if isinstance(item, Heartbeat):
                     sent = True
                     yield KEEP_ALIVE
-                elif isinstance(item, TextDelta):
+                elif isinstance(item, (TextDelta, ReasoningDelta)):
                     sent = True
-                    yield encode({"text": item.text}, "delta")
+                    yield encode({"text": item.text}, "delta" if isinstance(item, TextDelta) else "reasoning")
                 else:
                     body = turn_json(agent_id, item)
                     sent = True

@@ -1,14 +1,15 @@
 """The Anthropic Messages API (``POST /v1/messages``): request parsing and
 validation, the message JSON, the SSE stream, and error JSON.
 
-A stream follows Anthropic's documented event sequence exactly:
+A stream follows Anthropic's documented event sequence:
 
-    message_start        the message, empty content, stop_reason null, prompt usage
-    content_block_start  index 0, {"type": "text", "text": ""}
+    message_start        the message, empty content, stop_reason null, zero usage
     ping
-    content_block_delta  index 0, text_delta ...
-    content_block_stop   index 0
-    (per tool call i:    content_block_start index i+1 tool_use with input {},
+    (a model that reasons: content_block_start thinking, thinking_delta ..., content_block_stop)
+    content_block_start  {"type": "text", "text": ""}
+    content_block_delta  text_delta ...
+    content_block_stop
+    (per tool call:      content_block_start tool_use with input {},
                          content_block_delta input_json_delta, content_block_stop)
     message_delta        stop_reason, stop_sequence, cumulative usage
     message_stop
@@ -17,10 +18,11 @@ and a failure after the stream has begun is one ``error`` event, after which
 the stream ends. The text block is always there, also when the reply is only
 tool calls (then it is empty), and the non-streaming message has the same blocks.
 
-The stream's head (``message_start``, the empty text block and a ``ping``)
-goes out with the first token, or after ``HEARTBEAT_S`` while a long prompt
-is still prefilling; then a ``ping`` follows each quiet ``HEARTBEAT_S``, so a
-client's idle timeout never fires during a prefill.
+The head goes out with the first token, or after ``HEARTBEAT_S`` while a
+long prompt is still prefilling; then a ``ping`` follows each quiet
+``HEARTBEAT_S``, so a client's idle timeout never fires during a prefill.
+A model's reasoning (``<think>...</think>``, ``web.reasoning``) comes as a
+``thinking`` block with an empty signature.
 
 Claude Code's extras: ``system`` messages inside ``messages`` (its
 mid-conversation system beta) stay where they are (``runtime.turns.render``
@@ -48,8 +50,8 @@ from typing import TYPE_CHECKING
 
 from . import _validate as v
 from ._aio import closing
-from .schema import (ChatRequest, ChatResult, Heartbeat, RequestError, StreamItem, Usage, cancelled, load_json,
-                     stream_text)
+from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, Usage, cancelled,
+                     load_json, stream_text)
 from .sse import encode
 
 if TYPE_CHECKING:
@@ -322,6 +324,10 @@ def _usage(usage: Usage) -> dict:
             "cache_read_input_tokens": usage.cache_read_input_tokens, "output_tokens": usage.output_tokens}
 
 
+def _thinking_block(thinking: str) -> dict:
+    return {"type": "thinking", "thinking": thinking, "signature": ""}  # nothing to sign: it stays local
+
+
 def _tool_block(call) -> dict:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}
 
@@ -338,7 +344,8 @@ def message_json(result: ChatResult, *, model: str, message_id: str | None = Non
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": [{"type": "text", "text": result.text}] + [_tool_block(c) for c in result.tool_calls],
+        "content": ([_thinking_block(result.reasoning)] if result.reasoning is not None else [])
+                   + [{"type": "text", "text": result.text}] + [_tool_block(c) for c in result.tool_calls],
         "stop_reason": _STOP[result.stop_reason],
         "stop_sequence": result.stop_sequence,
         "usage": _usage(result.usage),
@@ -367,16 +374,28 @@ async def message_events(items: AsyncIterable[StreamItem], *, model: str,
                          message_id: str | None = None) -> AsyncIterator[bytes]:
     """The SSE stream of one message, encoded.
 
-    The head goes out with the first item, before the prompt's usage is
-    known: ``message_start`` has zeros, the final ``message_delta`` the
-    result's cumulative counts. ``items`` are text
-    deltas and heartbeats (each a ``ping``) and then one ``ChatResult``.
+    The head (``message_start``, ``ping``) goes out with the first item, before
+    the prompt's usage is known: ``message_start`` has zeros, the final
+    ``message_delta`` the result's cumulative counts. Each block starts when
+    its first piece comes: a ``thinking`` block for the model's reasoning,
+    then the text block (always there, empty when the reply is only tool
+    calls), then one ``tool_use`` block per call. ``items`` are reasoning and
+    text deltas and heartbeats (each a ``ping``) and then one ``ChatResult``.
     A ``RequestError`` raised by ``items`` becomes an ``error`` event with its
     message, another exception an ``error`` event saying the server failed
     (and a log record), a cancelled result an ``overloaded_error`` event; the
     stream ends after any of them. Cancellation is never caught.
     """
     started = False
+    block: str | None = None  # the kind of the block open now
+    index = -1
+
+    def switch(kind: str, content: dict) -> list[bytes]:
+        nonlocal block, index
+        out = [_event({"type": "content_block_stop", "index": index})] if block is not None else []
+        block, index = kind, index + 1
+        return out + [_event({"type": "content_block_start", "index": index, "content_block": content})]
+
     try:
         async with closing(stream_text(items)) as pieces:
             async for piece in pieces:
@@ -386,13 +405,19 @@ async def message_events(items: AsyncIterable[StreamItem], *, model: str,
                              "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
                              "usage": _usage(Usage(0))}
                     yield _event({"type": "message_start", "message": start})
-                    yield _event({"type": "content_block_start", "index": 0,
-                                  "content_block": {"type": "text", "text": ""}})
                     yield _event({"type": "ping"})
                 if isinstance(piece, Heartbeat):
                     yield _event({"type": "ping"})
+                elif isinstance(piece, ReasoningDelta):
+                    for event in switch("thinking", _thinking_block("")) if block != "thinking" else ():
+                        yield event
+                    yield _event({"type": "content_block_delta", "index": index,
+                                  "delta": {"type": "thinking_delta", "thinking": piece.text}})
                 elif isinstance(piece, str):
-                    yield _delta(piece)
+                    for event in switch("text", {"type": "text", "text": ""}) if block != "text" else ():
+                        yield event
+                    yield _event({"type": "content_block_delta", "index": index,
+                                  "delta": {"type": "text_delta", "text": piece}})
                 else:
                     result = piece
     except RequestError as err:
@@ -402,17 +427,17 @@ async def message_events(items: AsyncIterable[StreamItem], *, model: str,
         log.exception("a /v1/messages stream failed")
         yield _event(error_json(RequestError(500, "the server failed while generating; see its log")))
         return
-    yield _event({"type": "content_block_stop", "index": 0})
-    for i, call in enumerate(result.tool_calls, start=1):
-        yield _event({"type": "content_block_start", "index": i, "content_block": {**_tool_block(call), "input": {}}})
-        yield _event({"type": "content_block_delta", "index": i,
+    for event in switch("text", {"type": "text", "text": ""}) if block != "text" else ():
+        yield event
+    for call in result.tool_calls:
+        for event in switch("tool_use", {**_tool_block(call), "input": {}}):
+            yield event
+        yield _event({"type": "content_block_delta", "index": index,
                       "delta": {"type": "input_json_delta", "partial_json": json.dumps(call.arguments)}})
-        yield _event({"type": "content_block_stop", "index": i})
+    yield _event({"type": "content_block_stop", "index": index})
     yield _event({"type": "message_delta",
                   "delta": {"stop_reason": _STOP[result.stop_reason], "stop_sequence": result.stop_sequence},
                   "usage": _usage(result.usage)})
     yield _event({"type": "message_stop"})
 
 
-def _delta(text: str) -> bytes:
-    return _event({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}})

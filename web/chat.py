@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from actors import (Agent, AgentExists, AgentGone, ContextTooLong, Message, Reply, Runtime, RuntimeClosed,
                     RuntimeUnhealthy, TurnCancelled, TurnResult)
@@ -39,7 +39,8 @@ from runtime.errors import SemanticError
 from ._aio import closing
 from .identity import ConversationIndex, new_conversation_id
 from .metrics import Metrics
-from .schema import ChatRequest, ChatResult, Heartbeat, RequestError, StreamItem, TextDelta, Usage
+from .reasoning import CLOSE, OPEN, ReasoningSplitter, split_reasoning
+from .schema import ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, TextDelta, Usage
 from .tools import ToolCallFilter, ToolFormat, finish_result, flatten_tool_messages, supports_tools, tool_format
 
 __all__ = ["ChatCore", "ChatTurn", "Prepared", "chat_result", "checked_agent_id", "context_first", "prepare",
@@ -151,6 +152,7 @@ class ChatCore:
         self.metrics = metrics
         self.heartbeat_s = heartbeat_s
         self.index = ConversationIndex(tool_format(rt.chat_template))
+        self._opens_thinking: dict[str | None, bool] = {}  # model -> its generation prompt opens <think>
 
     async def load_index(self) -> None:
         """Index every agent on disk (at start-up, so conversations survive restarts)."""
@@ -172,21 +174,33 @@ class ChatCore:
         else:
             agent_id = agent_id or self.index.match(prepared.messages, req.hint) or new_conversation_id(req.hint)
             agent = await self._open(agent_id)
-        return self._run(agent, req, prepared.messages, prepared,
-                         lambda: agent.respond(prepared.messages, tools=prepared.tools, **sampling(req)))
+        return await self._run(agent, req, prepared.messages, prepared,
+                               lambda: agent.respond(prepared.messages, tools=prepared.tools, **sampling(req)))
 
     async def send(self, agent: Agent, content: str, *, use_cache: bool, sampling: dict) -> ChatTurn:
         """A turn of the agent API: ``content`` is the new user message."""
         prepared = Prepared((), None, None, frozenset())
-        return self._run(agent, None, agent.history, prepared,
-                         lambda: agent.send(content, use_cache=use_cache, **sampling))
+        return await self._run(agent, None, agent.history, prepared,
+                               lambda: agent.send(content, use_cache=use_cache, **sampling))
 
     async def count_tokens(self, req: ChatRequest) -> int:
         prepared = prepare(req, self.rt.chat_template)
         try:
-            return await self.rt.count_tokens(prepared.messages, prepared.tools)
+            return (await self.rt.prompt(prepared.messages, prepared.tools))[1]
         except SemanticError as e:
             raise turn_error(e) from None
+
+    async def _reasoning(self) -> ReasoningSplitter | None:
+        """A splitter for the loaded model's replies, if it reasons (its template
+        mentions the tags); opened when its generation prompt opens one."""
+        template = self.rt.chat_template
+        if not template or (OPEN not in template and CLOSE not in template):
+            return None
+        model = self.rt.model
+        if model not in self._opens_thinking:
+            text, _ = await self.rt.prompt((Message("user", "hi"),))
+            self._opens_thinking[model] = text.rstrip().endswith(OPEN)
+        return ReasoningSplitter(self._opens_thinking[model])
 
     async def _open(self, agent_id: str) -> Agent:
         try:
@@ -201,12 +215,17 @@ class ChatCore:
         except SemanticError as e:
             raise turn_error(e) from None
 
-    def _run(self, agent: Agent, req: ChatRequest | None, messages: tuple[Message, ...], prepared: Prepared,
-             start: Callable[[], Reply]) -> ChatTurn:
-        return ChatTurn(agent.id, self.rt.model or "unknown", req, messages, self._items(agent, prepared, start),
-                        int(time.time()))
+    async def _run(self, agent: Agent, req: ChatRequest | None, messages: tuple[Message, ...], prepared: Prepared,
+                   start: Callable[[], Reply]) -> ChatTurn:
+        try:
+            reasoning = await self._reasoning()
+        except SemanticError as e:
+            raise turn_error(e) from None
+        return ChatTurn(agent.id, self.rt.model or "unknown", req, messages,
+                        self._items(agent, prepared, reasoning, start), int(time.time()))
 
-    async def _items(self, agent: Agent, prepared: Prepared, start: Callable[[], Reply]) -> AsyncIterator[StreamItem]:
+    async def _items(self, agent: Agent, prepared: Prepared, reasoning: ReasoningSplitter | None,
+                     start: Callable[[], Reply]) -> AsyncIterator[StreamItem]:
         """One turn's items, with the agent claimed in the index while it runs,
         and the index and metrics updated when it ends."""
         tier = self.rt.cache_tier(agent.id)
@@ -219,7 +238,7 @@ class ChatCore:
                 raise RequestError(400, str(e)) from None
             except SemanticError as e:
                 raise turn_error(e) from None
-            async with closing(_run_turn(reply, prepared, self.heartbeat_s)) as items:
+            async with closing(_run_turn(reply, prepared, reasoning, self.heartbeat_s)) as items:
                 async for item in items:
                     yield item
         finally:
@@ -229,13 +248,23 @@ class ChatCore:
                 self.metrics.turn(reply.result, tier)
 
 
-async def _run_turn(reply: Reply, prepared: Prepared, heartbeat_s: float) -> AsyncIterator[StreamItem]:
-    """The items of one turn: ``TextDelta`` items (tool-call markup held back),
-    a ``Heartbeat`` whenever nothing came for ``heartbeat_s``, then its
-    ``ChatResult`` with tool calls parsed out.  Runtime errors become
+async def _run_turn(reply: Reply, prepared: Prepared, reasoning: ReasoningSplitter | None,
+                    heartbeat_s: float) -> AsyncIterator[StreamItem]:
+    """The items of one turn: ``ReasoningDelta`` items (when the model reasons)
+    and ``TextDelta`` items (tool-call markup held back), a ``Heartbeat``
+    whenever nothing came for ``heartbeat_s``, then its ``ChatResult`` with
+    reasoning and tool calls parsed out.  Runtime errors become
     ``RequestError``.  Closing the iterator, or cancelling its reader, cancels
     the turn (the agent's history stays as it was)."""
     hold = ToolCallFilter(prepared.fmt) if prepared.fmt else None
+
+    def items(parts: list[tuple[str, str]]):
+        for kind, text in parts:
+            if kind == "thinking":
+                yield ReasoningDelta(text)
+            elif text := hold.feed(text) if hold else text:
+                yield TextDelta(text)
+
     try:
         while True:
             try:
@@ -244,12 +273,19 @@ async def _run_turn(reply: Reply, prepared: Prepared, heartbeat_s: float) -> Asy
                 break
             if delta is None:
                 yield Heartbeat()
-            elif text := hold.feed(delta.text) if hold else delta.text:
-                yield TextDelta(text)
+            else:
+                for item in items(reasoning.feed(delta.text) if reasoning else [("text", delta.text)]):
+                    yield item
     except TurnCancelled:
         pass  # the runtime shut down under it: a "cancelled" result
     except SemanticError as e:  # TurnError, OutOfMemory, RuntimeClosed, ...: the turn did not run
         raise turn_error(e) from None
     finally:
         reply.close()
-    yield finish_result(chat_result(reply.result), prepared.fmt, prepared.tool_names)
+    result = chat_result(reply.result)
+    if reasoning is not None:
+        for item in items(reasoning.end()):
+            yield item
+        thought, text = split_reasoning(reply.result.text, reasoning.opened)
+        result = replace(result, text=text, reasoning=thought)
+    yield finish_result(result, prepared.fmt, prepared.tool_names)

@@ -7,8 +7,8 @@ conversation plus the reply it got plus something new. Then the agent's
 cache holds everything up to the new part, and the turn prefills only that.
 
 Messages are compared by what a client sends back, not byte for byte: an
-assistant message by its text with tool-call markup parsed out (``web.tools``)
-and its calls by name and arguments (call ids are ours to invent, and the
+assistant message by its answer (reasoning cut, ``web.reasoning``) with
+tool-call markup parsed out (``web.tools``) and its calls by name and arguments (call ids are ours to invent, and the
 stored reply is the raw text the model generated); other messages by role,
 content and the tool they answer.
 
@@ -40,6 +40,7 @@ from collections.abc import Iterable
 
 from actors import Message
 
+from .reasoning import answer_text
 from .tools import ToolFormat, parse_tool_calls
 
 __all__ = ["ConversationIndex", "message_key", "new_conversation_id"]
@@ -60,7 +61,8 @@ def new_conversation_id(hint: str | None = None) -> str:
 def message_key(m: Message, fmt: ToolFormat | None) -> tuple:
     """What identifies ``m`` in a conversation a client sends back."""
     if m.role == "assistant":
-        text, parsed = parse_tool_calls(m.content, fmt) if fmt else (m.content, [])
+        content = answer_text(m.content)  # clients send reasoning back apart, if at all
+        text, parsed = parse_tool_calls(content, fmt) if fmt else (content, [])
         calls = [(c.name, c.arguments) for c in parsed] + [
             (c["function"]["name"], c["function"]["arguments"]) for c in m.tool_calls]
         return ("assistant", text.strip(), tuple((name, json.dumps(args, sort_keys=True)) for name, args in calls))

@@ -21,6 +21,10 @@ else ``user``, is the request's session hint (``web.identity``); the
 ``X-Agent-Id`` header or ``session_id`` names the agent. ``max_tokens``
 above the server's cap is clamped to it.
 
+A model's reasoning (``<think>...</think>``, ``web.reasoning``) is the
+message's ``reasoning_content`` (streamed as ``reasoning_content`` deltas),
+as DeepSeek's API and vLLM send it.
+
 Leading ``system`` and ``developer`` messages become the system prompt; later
 ones stay where they are. Refused with a 400: images, audio and files (this
 server reads text), ``n`` other than 1, ``logprobs``, ``response_format``
@@ -38,8 +42,8 @@ from typing import TYPE_CHECKING
 
 from . import _validate as v
 from ._aio import closing
-from .schema import (ChatRequest, ChatResult, Heartbeat, RequestError, StreamItem, Usage, cancelled, load_json,
-                     stream_text)
+from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, Usage, cancelled,
+                     load_json, stream_text)
 from .sse import KEEP_ALIVE, encode
 
 if TYPE_CHECKING:
@@ -266,6 +270,8 @@ def completion_json(result: ChatResult, *, model: str, completion_id: str | None
         raise cancelled()
     message = {"role": "assistant", "content": result.text or (None if result.tool_calls else ""),
                "refusal": None}
+    if result.reasoning is not None:
+        message["reasoning_content"] = result.reasoning
     if result.tool_calls:
         message["tool_calls"] = _tool_calls(result)
     return {
@@ -321,6 +327,8 @@ async def completion_chunks(items: AsyncIterable[StreamItem], *, model: str, inc
                     yield chunk({"role": "assistant", "content": ""})
                 if isinstance(piece, Heartbeat):
                     yield KEEP_ALIVE
+                elif isinstance(piece, ReasoningDelta):
+                    yield chunk({"reasoning_content": piece.text})
                 elif isinstance(piece, str):
                     yield chunk({"content": piece})
                 else:

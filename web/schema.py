@@ -33,6 +33,7 @@ __all__ = [
     "ChatRequest",
     "ChatResult",
     "Heartbeat",
+    "ReasoningDelta",
     "RequestError",
     "ROLES",
     "StopReason",
@@ -158,6 +159,7 @@ class ChatResult:
     usage: Usage
     stop_sequence: str | None = None  # the stop string that ended it ("stop_sequence" only)
     tool_calls: tuple[ToolCall, ...] = ()  # non-empty exactly when stop_reason is "tool_use"
+    reasoning: str | None = None  # what the model thought before answering (``web.reasoning``), if it did
     turn: object = field(default=None, compare=False)  # the runtime's record (timings), when there is one
 
     def __post_init__(self):
@@ -176,15 +178,20 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class ReasoningDelta:
+    text: str  # more of what the model thinks before it answers
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     """Nothing new for a while (a long prompt prefilling): a stream sends its keep-alive."""
 
 
-# What a streaming route consumes: TextDelta and Heartbeat items, then exactly
-# one ChatResult. The deltas joined are a prefix of the result's text; the
-# stream builders send the rest (text held back while a tool call might have
-# been starting).
-StreamItem = TextDelta | Heartbeat | ChatResult
+# What a streaming route consumes: ReasoningDelta, TextDelta and Heartbeat items,
+# then exactly one ChatResult. The text deltas joined are a prefix of the
+# result's text; the stream builders send the rest (text held back while a
+# tool call might have been starting).
+StreamItem = ReasoningDelta | TextDelta | Heartbeat | ChatResult
 
 
 def cancelled() -> RequestError:
@@ -192,15 +199,15 @@ def cancelled() -> RequestError:
     return RequestError(503, "the turn was cancelled before it finished; try again")
 
 
-async def stream_text(items: AsyncIterable[StreamItem]) -> AsyncIterator[str | Heartbeat | ChatResult]:
+async def stream_text(items: AsyncIterable[StreamItem]) -> AsyncIterator[str | StreamItem]:
     """A turn's text as it streams (non-empty pieces, then what the result holds
-    beyond them; heartbeats as they come), then its ``ChatResult``.  ``items``
-    is closed before the rest of the text comes; a cancelled result raises
-    ``cancelled()``."""
+    beyond them; heartbeats and reasoning as they come), then its
+    ``ChatResult``.  ``items`` is closed before the rest of the text comes; a
+    cancelled result raises ``cancelled()``."""
     parts: list[str] = []
     async with closing(items) as stream:  # closed once the result is in
         async for item in stream:
-            if isinstance(item, Heartbeat):
+            if isinstance(item, (Heartbeat, ReasoningDelta)):
                 yield item
                 continue
             if isinstance(item, TextDelta):

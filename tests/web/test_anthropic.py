@@ -9,7 +9,7 @@ import pytest
 from pydantic import TypeAdapter
 
 from web import anthropic
-from web.schema import ChatRequest, ChatResult, Heartbeat, RequestError, TextDelta, ToolCall, Usage
+from web.schema import ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, TextDelta, ToolCall, Usage
 
 from .sse_util import collect, parse_sse
 
@@ -342,7 +342,7 @@ _events = TypeAdapter(sdk_types.RawMessageStreamEvent)
 
 async def items(*pieces, result: ChatResult | None = None, error: BaseException | None = None):
     for piece in pieces:
-        yield piece if isinstance(piece, Heartbeat) else TextDelta(piece)
+        yield TextDelta(piece) if isinstance(piece, str) else piece
     if error is not None:
         raise error
     if result is not None:
@@ -391,22 +391,44 @@ MESSAGE_STOP = ("message_stop", {"type": "message_stop"})
 @pytest.mark.anyio
 async def test_a_text_stream_is_exactly_the_documented_sequence():
     events = await stream(items("Hel", "", "lo!", result=ChatResult("Hello!", "stop", USAGE)))
-    assert events == [START, TEXT_START, PING, delta("Hel"), delta("lo!"), stop(0),
+    assert events == [START, PING, TEXT_START, delta("Hel"), delta("lo!"), stop(0),
                       message_delta("end_turn"), MESSAGE_STOP]
 
 
 @pytest.mark.anyio
 async def test_heartbeats_while_a_prompt_prefills_start_the_stream_and_ping():
     events = await stream(items(Heartbeat(), Heartbeat(), "Hi", result=ChatResult("Hi", "stop", USAGE)))
-    assert events == [START, TEXT_START, PING, PING, PING, delta("Hi"), stop(0), message_delta("end_turn"),
+    assert events == [START, PING, PING, PING, TEXT_START, delta("Hi"), stop(0), message_delta("end_turn"),
                       MESSAGE_STOP]
+
+
+@pytest.mark.anyio
+async def test_reasoning_streams_as_a_thinking_block_before_the_text():
+    result = ChatResult("Paris.", "stop", USAGE, reasoning="The capital... is Paris.")
+    events = await stream(items(ReasoningDelta("The capital"), ReasoningDelta("... is Paris."), "Paris.",
+                                result=result))
+    thinking_start = ("content_block_start", {"type": "content_block_start", "index": 0, "content_block":
+                                              {"type": "thinking", "thinking": "", "signature": ""}})
+    assert events == [START, PING, thinking_start, thinking("The capital"), thinking("... is Paris."), stop(0),
+                      ("content_block_start", {"type": "content_block_start", "index": 1,
+                                               "content_block": {"type": "text", "text": ""}}),
+                      delta("Paris.", 1), stop(1), message_delta("end_turn"), MESSAGE_STOP]
+    body = anthropic.message_json(result, model="m")
+    assert body["content"][:2] == [{"type": "thinking", "thinking": "The capital... is Paris.", "signature": ""},
+                                   {"type": "text", "text": "Paris."}]
+    sdk_types.Message.model_validate(body)
+
+
+def thinking(text, index=0):
+    return ("content_block_delta", {"type": "content_block_delta", "index": index,
+                                    "delta": {"type": "thinking_delta", "thinking": text}})
 
 
 @pytest.mark.anyio
 async def test_text_held_back_arrives_before_the_block_stops():
     result = ChatResult("Hello!", "stop_sequence", USAGE, stop_sequence="END")
     events = await stream(items("Hel", result=result))
-    assert events == [START, TEXT_START, PING, delta("Hel"), delta("lo!"), stop(0),
+    assert events == [START, PING, TEXT_START, delta("Hel"), delta("lo!"), stop(0),
                       message_delta("stop_sequence", seq="END"), MESSAGE_STOP]
 
 
@@ -416,7 +438,7 @@ async def test_tool_calls_stream_as_tool_use_blocks_after_the_text():
     result = ChatResult("Checking.", "tool_use", USAGE, tool_calls=(CALL, second))
     events = await stream(items("Checking.", result=result))
     assert events == [
-        START, TEXT_START, PING, delta("Checking."), stop(0),
+        START, PING, TEXT_START, delta("Checking."), stop(0),
         ("content_block_start", {"type": "content_block_start", "index": 1, "content_block":
                                  {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {}}}),
         ("content_block_delta", {"type": "content_block_delta", "index": 1, "delta":
@@ -434,7 +456,7 @@ async def test_tool_calls_stream_as_tool_use_blocks_after_the_text():
 @pytest.mark.anyio
 async def test_an_error_mid_stream_is_one_error_event_and_the_end():
     events = await stream(items("Hel", error=RequestError(400, "prompt is 9000 tokens; the context holds 8192")))
-    assert events == [START, TEXT_START, PING, delta("Hel"),
+    assert events == [START, PING, TEXT_START, delta("Hel"),
                       ("error", {"type": "error", "error": {"type": "invalid_request_error",
                                                             "message": "prompt is 9000 tokens; the context holds 8192"}})]
 
