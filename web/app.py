@@ -6,8 +6,10 @@ agents on disk, and shuts the runtime down -- flushing every cache -- when the
 server stops.
 
 Routes are thin: parse the body into one request (``web.anthropic``,
-``web.openai``, ``web.agents``), start one agent turn (``web.chat``), and
-answer JSON or stream SSE. A request refused before its first event gets a
+``web.openai``, ``web.responses``, ``web.agents``), start one agent turn
+(``web.chat``; a Responses request's ``previous_response_id`` names the agent
+and the point of its history to go on from), and answer JSON or stream SSE.
+A request refused before its first event gets a
 plain HTTP error in its protocol's shape, streaming or not; a failure later
 in a stream is an error event. The guard in front of the routes checks the
 API key, caps the body size and the time a client may take to send it.
@@ -31,9 +33,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from actors import Agent, AgentExists, AgentGone, Runtime, TurnError
+from runtime.cache_file import InvalidAgentId
 from runtime.errors import SemanticError
 
-from . import agents, anthropic, openai
+from . import agents, anthropic, openai, responses
 from ._aio import closing
 from .chat import HEARTBEAT_S, ChatCore, ChatTurn, checked_agent_id, turn_error
 from .metrics import CONTENT_TYPE_LATEST, Metrics
@@ -96,6 +99,9 @@ def create_app(config: ServerConfig, on_ready: Callable[[Runtime], None] | None 
         Route("/v1/messages", s.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", s.count_tokens, methods=["POST"]),
         Route("/v1/chat/completions", s.completions, methods=["POST"]),
+        Route("/v1/responses", s.create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", s.get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", s.delete_response, methods=["DELETE"]),
         Route("/v1/agents", s.create_agent, methods=["POST"]),
         Route("/v1/agents", s.list_agents, methods=["GET"]),
         Route("/v1/agents/{agent_id:path}/messages", s.agent_turn, methods=["POST"]),
@@ -113,7 +119,9 @@ def create_app(config: ServerConfig, on_ready: Callable[[Runtime], None] | None 
 
 def error_shape(path: str) -> Callable[[RequestError], dict]:
     """The error JSON a route's clients expect."""
-    if path.startswith(("/v1/chat/", "/v1/responses")):
+    if path.startswith("/v1/responses"):
+        return responses.error_json
+    if path.startswith("/v1/chat/"):
         return openai.error_json
     if path.startswith("/v1/agents"):
         return agents.error_json
@@ -174,6 +182,64 @@ class _Server:
         except RequestError as err:
             return _error(request.url.path, err)
         return await _answer(request, turn, req.stream, protocol)
+
+    # -- the Responses API: response ids name agent states (web.responses) ------------
+
+    async def _history(self, state: responses.ResponseState, param: str | None = None):
+        """The history of the agent that holds ``state`` (it may have gone on), else 404."""
+        response = state.id
+        try:
+            found = await self.rt.agents(only=state.agent_id)
+        except InvalidAgentId:
+            found = []
+        if not found or not state.matches(found[0].history):
+            raise responses.not_found(response, param)
+        return found[0]
+
+    async def create_response(self, request: Request) -> Response:
+        """A turn; with ``previous_response_id``, on that response's agent when it
+        is still at that state, else on a fork of it from there."""
+        try:
+            req = responses.parse_request(await request.body(), _headers(request), max_tokens_cap=self.max_tokens_cap)
+            if req.previous_response_id is None:
+                turn = await self.core.start(req)
+            else:
+                state = responses.parse_response_id(req.previous_response_id, "previous_response_id")
+                info = await self._history(state, "previous_response_id")
+                req = responses.continued(req, info.history[:state.n])
+                at_state = len(info.history) == state.n
+                turn = await self.core.start(req, agent_id=state.agent_id if at_state else None,
+                                             fork_from=None if at_state else state.agent_id)
+        except RequestError as err:
+            return _error(request.url.path, err)
+        return await _answer(request, turn, req.stream, responses)
+
+    async def get_response(self, request: Request) -> Response:
+        """The response rebuilt from its agent's history (usage unknown: null)."""
+        response = request.path_params["response_id"]
+        try:
+            state = responses.parse_response_id(response)
+            info = await self._history(state)
+        except RequestError as err:
+            return _error(request.url.path, err)
+        body = responses.stored_json(state, info.history, model=self.model, created=int(info.last_use or 0),
+                                     fmt=self.core.index.fmt)
+        return JSONResponse(body, headers={"x-agent-id": state.agent_id})
+
+    async def delete_response(self, request: Request) -> Response:
+        """Deletes the response's agent -- the whole conversation, every response of it and its cache."""
+        response = request.path_params["response_id"]
+        try:
+            state = responses.parse_response_id(response)
+            await self._history(state)
+            agent = await self.rt.agent(state.agent_id)
+            await agent.delete()
+        except RequestError as err:
+            return _error(request.url.path, err)
+        except SemanticError as e:
+            return _error(request.url.path, turn_error(e))
+        self.core.index.forget(state.agent_id)
+        return JSONResponse(responses.deleted_json(response))
 
     async def count_tokens(self, request: Request) -> Response:
         try:

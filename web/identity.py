@@ -43,7 +43,7 @@ from actors import Message
 from .reasoning import answer_text
 from .tools import ToolFormat, parse_tool_calls
 
-__all__ = ["ConversationIndex", "message_key", "new_conversation_id"]
+__all__ = ["ConversationIndex", "message_key", "new_conversation_id", "state_hash"]
 
 
 _SCOPED = re.compile(r"conv-([0-9a-f]{12})-[0-9a-f]{8}")
@@ -56,6 +56,12 @@ def _scope(hint: str) -> str:
 def new_conversation_id(hint: str | None = None) -> str:
     """A fresh id for an anonymous conversation (carrying its session hint's scope)."""
     return f"conv-{_scope(hint)}-{secrets.token_hex(4)}" if hint else "conv-" + secrets.token_hex(8)
+
+
+def state_hash(messages: Iterable[Message]) -> str:
+    """A short digest of a conversation, exactly as stored: 12 hex digits."""
+    canonical = json.dumps([m.as_dict() for m in messages], sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:12]
 
 
 def message_key(m: Message, fmt: ToolFormat | None) -> tuple:

@@ -49,7 +49,8 @@ from .sse import KEEP_ALIVE, encode
 if TYPE_CHECKING:
     from .chat import ChatTurn
 
-__all__ = ["completion_chunks", "completion_json", "error_json", "events", "parse_request", "response_json"]
+__all__ = ["completion_chunks", "completion_json", "error_json", "events", "function_tool", "parse_request",
+           "response_json", "session_hint", "tool_arguments"]
 
 log = logging.getLogger("semantic.web")
 
@@ -187,14 +188,7 @@ def _assistant(msg: dict, at: str, names: dict[str, str]) -> dict:
         call_id = v.string(call, "id", where + ".", required=True, nonempty=True)
         function = v.obj(call, "function", where + ".", required=True)
         name = v.string(function, "name", where + ".function.", required=True, nonempty=True)
-        args = function.get("arguments")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError as e:
-                raise v.bad(where + ".function.arguments", f"is not valid JSON: {e}") from None
-        if not isinstance(args, dict):
-            raise v.bad(where + ".function.arguments", f"must encode a JSON object, not {v.jtype(args)}")
+        args = tool_arguments(function.get("arguments"), where + ".function.arguments")
         names[call_id] = name
         calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
     out = {"role": "assistant", "content": _text(msg, at, required=not calls)}
@@ -214,17 +208,7 @@ def _tools(data: dict) -> tuple[tuple[dict, ...] | None, str]:
             raise v.bad(at, f"must be an object, not {v.jtype(tool)}")
         if (kind := v.string(tool, "type", at + ".", required=True)) != "function":
             raise v.bad(at + ".type", f"only 'function' tools are supported, not {kind!r}")
-        function = v.obj(tool, "function", at + ".", required=True)
-        name = v.string(function, "name", at + ".function.", required=True, nonempty=True)
-        if name in seen:
-            raise v.bad(at + ".function.name", f"tool names must be unique; {name!r} appears twice")
-        seen.add(name)
-        clean = {"name": name}
-        if (description := v.string(function, "description", at + ".function.")) is not None:
-            clean["description"] = description
-        if (parameters := v.obj(function, "parameters", at + ".function.")) is not None:
-            clean["parameters"] = parameters
-        out.append({"type": "function", "function": clean})
+        out.append(function_tool(v.obj(tool, "function", at + ".", required=True), at + ".function.", seen))
     choice = data.get("tool_choice")
     if choice is None or choice == "auto":
         return tuple(out), "auto"
@@ -240,6 +224,34 @@ def _tools(data: dict) -> tuple[tuple[dict, ...] | None, str]:
         return tuple(t for t in out if t["function"]["name"] == name), "required"
     raise v.bad("tool_choice", "must be 'none', 'auto', 'required' or "
                                "{'type': 'function', 'function': {'name': ...}}")
+
+
+def tool_arguments(args: object, where: str) -> dict:
+    """A tool call's arguments: a JSON object, or a string encoding one (empty: ``{}``)."""
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise v.bad(where, f"is not valid JSON: {e}") from None
+    if not isinstance(args, dict):
+        raise v.bad(where, f"must encode a JSON object, not {v.jtype(args)}")
+    return args
+
+
+def function_tool(function: dict, where: str, seen: set[str]) -> dict:
+    """A function tool for the chat template, ``{"type": "function", "function": {name, description?,
+    parameters?}}``, from the object ``function`` that holds those fields (at ``where``, e.g.
+    ``tools[0].function.``); ``seen`` collects the names, which must be unique."""
+    name = v.string(function, "name", where, required=True, nonempty=True)
+    if name in seen:
+        raise v.bad(where + "name", f"tool names must be unique; {name!r} appears twice")
+    seen.add(name)
+    clean = {"name": name}
+    if (description := v.string(function, "description", where)) is not None:
+        clean["description"] = description
+    if (parameters := v.obj(function, "parameters", where)) is not None:
+        clean["parameters"] = parameters
+    return {"type": "function", "function": clean}
 
 
 # --- responses ----------------------------------------------------------------
@@ -289,7 +301,7 @@ def completion_json(result: ChatResult, *, model: str, completion_id: str | None
 def error_json(err: RequestError) -> dict:
     """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
     kind = _ERROR_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "server_error")
-    return {"error": {"message": err.message, "type": kind, "param": err.param, "code": None}}
+    return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
 
 
 def response_json(turn: ChatTurn, result: ChatResult) -> dict:

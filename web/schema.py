@@ -57,16 +57,19 @@ class RequestError(Exception):
 
     ``status`` is the HTTP status (4xx: the client's fault, 5xx: ours); each
     protocol turns it into its own error type and JSON. ``param`` names the
-    offending field when there is one (``messages[2].content``).
+    offending field when there is one (``messages[2].content``); ``code`` is a
+    machine-readable reason where a protocol defines one
+    (``previous_response_not_found``).
     """
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         if not 400 <= status <= 599:
             raise ValueError(f"an error status is 4xx or 5xx, not {status}")
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.code = code
 
     def __repr__(self) -> str:
         return f"RequestError({self.status}, {self.message!r}, param={self.param!r})"

@@ -21,7 +21,7 @@ import pytest
 
 from .conftest import base_env, client_bin, report, run_cli
 
-pytestmark = [pytest.mark.model, pytest.mark.xfail(strict=False, reason="needs /v1/responses")]
+pytestmark = [pytest.mark.model]
 
 TURN_TIMEOUT = 120
 
