@@ -28,6 +28,9 @@ A stream is ``event:``/``data:`` pairs whose ``type`` equals the event name,
 each with a ``sequence_number`` from 0:
 
     response.created, response.in_progress           (status "in_progress")
+    response.output_item.added   (reasoning)          for a model that reasons (``web.reasoning``),
+    response.reasoning_text.delta ...                 its ``<think>`` text, then
+    response.reasoning_text.done, response.output_item.done
     response.output_item.added   (message)            with the first text
     response.content_part.added  (output_text)
     response.output_text.delta ...
@@ -66,8 +69,9 @@ from . import _validate as v
 from ._aio import closing
 from .identity import state_hash
 from .openai import function_tool, session_hint, tool_arguments
-from .schema import ChatRequest, ChatResult, Heartbeat, RequestError, StreamItem, Usage, cancelled, load_json, \
-    stream_text
+from .reasoning import CLOSE, OPEN, split_reasoning
+from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, Usage, cancelled,
+                     load_json, stream_text)
 from .sse import KEEP_ALIVE, encode
 from .tools import ToolFormat, parse_tool_calls
 
@@ -362,9 +366,17 @@ def _call_item(item_id: str, call, status: str = "completed") -> dict:
             "status": status}
 
 
-def _output(result: ChatResult, message_id: str | None = None) -> list[dict]:
+def _reasoning_item(item_id: str, text: str | None) -> dict:
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content,
+            "status": "in_progress" if text is None else "completed"}
+
+
+def _output(result: ChatResult, message_id: str | None = None, reasoning_id: str | None = None) -> list[dict]:
     status = "incomplete" if result.stop_reason == "length" else "completed"
     out = []
+    if result.reasoning is not None:
+        out.append(_reasoning_item(reasoning_id or _item_id("rs"), result.reasoning))
     if result.text or not result.tool_calls:
         out.append(_message_item(message_id or _item_id("msg"), result.text, status))
     out += [_call_item(_item_id("fc"), call) for call in result.tool_calls]
@@ -426,8 +438,9 @@ def stored_json(state: ResponseState, history: tuple[Message, ...], *, model: st
     its reply, with tool calls parsed out as the model's format has them (new call ids).
     The request and its usage are not stored: ``usage`` is null, echoed fields their defaults."""
     reply = history[state.n - 1].content
+    thought, reply = split_reasoning(reply, opened=CLOSE in reply and OPEN not in reply)
     text, calls = parse_tool_calls(reply, fmt) if fmt else (reply, [])
-    result = ChatResult(text, "tool_use" if calls else "stop", Usage(0), tool_calls=tuple(calls))
+    result = ChatResult(text, "tool_use" if calls else "stop", Usage(0), tool_calls=tuple(calls), reasoning=thought)
     return _response(state.id, model=model, created=created, status="completed", output=_output(result),
                      usage=None, req=None)
 
@@ -451,7 +464,7 @@ async def response_events(items: AsyncIterable[StreamItem], *, rid: str, model: 
                           req: ResponsesRequest | None) -> AsyncIterator[bytes]:
     """The SSE stream of one response, encoded (see the module docstring).
 
-    ``items`` are text deltas and heartbeats, then one ``ChatResult``. A
+    ``items`` are reasoning and text deltas and heartbeats, then one ``ChatResult``. A
     ``RequestError`` raised by ``items`` (a cancelled result included) becomes
     an ``error`` event and ``response.failed`` with its message; another
     exception the same, saying the server failed (and a log record).
@@ -469,28 +482,48 @@ async def response_events(items: AsyncIterable[StreamItem], *, rid: str, model: 
 
     yield event("response.created", response=response("in_progress", output=[], usage=None))
     yield event("response.in_progress", response=response("in_progress", output=[], usage=None))
-    message_id = _item_id("msg")
+    message_id, reasoning_id = _item_id("msg"), _item_id("rs")
     started = False
-    text: list[str] = []
+    thought: list[str] | None = None  # the reasoning so far, while its item is open
+    index = 0  # the output index of the item streaming now
 
     def start_message():
-        yield event("response.output_item.added", output_index=0, item=_message_item(message_id, "", "in_progress"))
-        yield event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
+        yield event("response.output_item.added", output_index=index,
+                    item=_message_item(message_id, "", "in_progress"))
+        yield event("response.content_part.added", item_id=message_id, output_index=index, content_index=0,
                     part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+
+    def end_reasoning():
+        nonlocal thought, index
+        text, thought = "".join(thought), None
+        yield event("response.reasoning_text.done", item_id=reasoning_id, output_index=index, content_index=0,
+                    text=text)
+        yield event("response.output_item.done", output_index=index, item=_reasoning_item(reasoning_id, text))
+        index += 1
 
     try:
         async with closing(stream_text(items)) as pieces:
             async for piece in pieces:
                 if isinstance(piece, Heartbeat):
                     yield KEEP_ALIVE
+                elif isinstance(piece, ReasoningDelta):
+                    if thought is None:
+                        thought = []
+                        yield event("response.output_item.added", output_index=index,
+                                    item=_reasoning_item(reasoning_id, None))
+                    thought.append(piece.text)
+                    yield event("response.reasoning_text.delta", item_id=reasoning_id, output_index=index,
+                                content_index=0, delta=piece.text)
                 elif isinstance(piece, str):
+                    if thought is not None:
+                        for chunk in end_reasoning():
+                            yield chunk
                     if not started:
                         started = True
                         for chunk in start_message():
                             yield chunk
-                    text.append(piece)
-                    yield event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
-                                delta=piece, logprobs=[])
+                    yield event("response.output_text.delta", item_id=message_id, output_index=index,
+                                content_index=0, delta=piece, logprobs=[])
                 else:
                     result = piece
     except Exception as e:
@@ -504,19 +537,26 @@ async def response_events(items: AsyncIterable[StreamItem], *, rid: str, model: 
         failed = {"code": "server_error" if err.status >= 500 else "invalid_prompt", "message": err.message}
         yield event("response.failed", response=response("failed", output=[], usage=None, error=failed))
         return
-    output = _output(result, message_id)
-    index = 0
-    if output[0]["type"] == "message":
+    output = _output(result, message_id, reasoning_id)
+    if thought is not None:
+        for chunk in end_reasoning():
+            yield chunk
+    elif result.reasoning is not None:  # an empty reasoning: nothing streamed
+        yield event("response.output_item.added", output_index=index, item=_reasoning_item(reasoning_id, None))
+        yield event("response.output_item.done", output_index=index, item=output[index])
+        index += 1
+    if output[index]["type"] == "message":
         if not started:
             for chunk in start_message():
                 yield chunk
-        item = output[0]
+        item = output[index]
         part = item["content"][0]
-        yield event("response.output_text.done", item_id=message_id, output_index=0, content_index=0,
+        yield event("response.output_text.done", item_id=message_id, output_index=index, content_index=0,
                     text=part["text"], logprobs=[])
-        yield event("response.content_part.done", item_id=message_id, output_index=0, content_index=0, part=part)
-        yield event("response.output_item.done", output_index=0, item=item)
-        index = 1
+        yield event("response.content_part.done", item_id=message_id, output_index=index, content_index=0,
+                    part=part)
+        yield event("response.output_item.done", output_index=index, item=item)
+        index += 1
     for call, item in zip(result.tool_calls, output[index:]):
         yield event("response.output_item.added", output_index=index,
                     item=_call_item(item["id"], call, "in_progress"))

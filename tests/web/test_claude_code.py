@@ -6,6 +6,10 @@ prefills. (The real CLI runs in ``tests/clients``.)"""
 
 from __future__ import annotations
 
+import copy
+import json
+from pathlib import Path
+
 import anyio
 import pytest
 
@@ -106,9 +110,9 @@ async def test_a_stream_starts_and_pings_before_the_first_token(tmp_path):
                     {"role": "user", "content": long + " Again."}]) as stream:
                 final = await stream.get_final_message()
     names = [name for name, _ in parse_sse(raw)]
-    first_text = names.index("content_block_delta")
-    assert names[:3] == ["message_start", "content_block_start", "ping"]
-    assert names[3:first_text].count("ping") >= 1, names  # pings while the prompt prefilled
+    first_text = names.index("content_block_start")
+    assert names[:2] == ["message_start", "ping"]
+    assert names[2:first_text].count("ping") >= 1, names  # pings while the prompt prefilled
     assert names[-1] == "message_stop" and final.stop_reason in ("end_turn", "max_tokens")
 
 
@@ -140,3 +144,48 @@ async def test_a_client_gone_during_heartbeats_cancels_the_turn(tmp_path):
         with anyio.fail_after(30):
             while (await http.get("/health")).json()["decoding"]:
                 await anyio.sleep(0.05)
+
+
+CAPTURED = json.loads((Path(__file__).parent / "data" / "claude_code_requests.json").read_text())
+
+
+def replayed(request: dict, max_tokens: int = 24) -> tuple[dict, dict]:
+    """A captured request as JSON body and headers (not streamed: the replies are compared)."""
+    body = {**copy.deepcopy(request["body"]), "stream": False, "max_tokens": max_tokens}
+    return body, {k: v for k, v in request["headers"].items() if k.lower() not in ("content-length", "host")}
+
+
+@pytest.mark.parametrize("variant", ["Bash", "Bash,Agent"])
+async def test_a_replayed_session_with_its_title_and_sub_agent_requests_keeps_each_conversations_agent(
+        smollm2, tmp_path, variant):
+    """Claude Code 2.1.330's two requests (captured), with a title request and a
+    sub-agent's turns (its own system prompt, the same session) in between:
+    each conversation keeps its own agent, and the main turn 2 reads all of
+    turn 1's prompt from the cache."""
+    first, second = CAPTURED["sequences"][variant]
+    body1, headers = replayed(first)
+    title = {**body1, "system": [body1["system"][0], {"type": "text", "text": "Write a 3-word title."}],
+             "messages": body1["messages"][:1], "tools": []}
+    sub_agent = {**body1, "system": [body1["system"][0], {"type": "text", "text": "You are a file-search agent."}],
+                 "messages": [{"role": "user", "content": "Find main.py"}]}
+    async with live_server(tmp_path, model=smollm2) as url, client(url) as http:
+        with anyio.fail_after(600):
+            r1 = await http.post("/v1/messages?beta=true", json=body1, headers=headers)
+            assert r1.status_code == 200, r1.text
+            reply = r1.json()["content"][0]["text"]
+            rt = await http.post("/v1/messages?beta=true", json=title, headers=headers)
+            rs = await http.post("/v1/messages?beta=true", json=sub_agent, headers=headers)
+            body2, _ = replayed(second)
+            body2["messages"][len(body1["messages"])] = {"role": "assistant", "content": reply}  # as it got it
+            r2 = await http.post("/v1/messages?beta=true", json=body2, headers=headers)
+            assert r2.status_code == 200, r2.text
+            rs2 = await http.post("/v1/messages?beta=true", json={**sub_agent, "messages": [
+                *sub_agent["messages"], {"role": "assistant", "content": rs.json()["content"][0]["text"]},
+                {"role": "user", "content": "And test_main.py?"}]}, headers=headers)
+    agents = [r.headers["x-agent-id"] for r in (r1, rt, rs, r2, rs2)]
+    assert agents[0] == agents[3] and agents[2] == agents[4] and len(set(agents)) == 3, agents
+    u1, u2 = r1.json()["usage"], r2.json()["usage"]
+    prompt1 = u1["input_tokens"] + u1["cache_read_input_tokens"]
+    prompt2 = u2["input_tokens"] + u2["cache_read_input_tokens"]
+    assert u2["cache_read_input_tokens"] >= prompt1 and u2["cache_read_input_tokens"] >= 0.9 * prompt2, (u1, u2)
+    assert rs2.json()["usage"]["cache_read_input_tokens"] > 0

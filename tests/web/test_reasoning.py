@@ -80,3 +80,20 @@ async def test_reasoning_comes_back_apart_from_the_answer_on_every_route(tmp_pat
     assert completion["reasoning_content"] and completion["content"] == ""
     assert turn["reasoning"] and turn["content"] == ""
     assert '"thinking_delta"' in streamed and streamed.index('"thinking"') < streamed.index('"type":"text"')
+
+
+@pytest.mark.anyio
+async def test_reasoning_is_a_reasoning_item_in_responses(tmp_path):
+    openai = pytest.importorskip("openai")
+    async with live_server(tmp_path, thinking_model()) as url:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        plain = await client.responses.create(model="m", input="Is it raining?", max_output_tokens=6)
+        events = []
+        async with client.responses.stream(model="m", input="Is it snowing?", max_output_tokens=6) as stream:
+            async for event in stream:
+                events.append(event.type)
+        await client.close()
+    kinds = [item.type for item in plain.output]
+    assert kinds == ["reasoning", "message"] and plain.output[0].content[0].text
+    assert events.index("response.reasoning_text.delta") < events.index("response.reasoning_text.done")
+    assert events.index("response.reasoning_text.done") < events.index("response.content_part.added")

@@ -203,14 +203,14 @@ async def test_a_client_that_disconnects_mid_stream_leaves_the_agent_consistent(
 
 
 async def test_streamed_messages_follow_anthropics_sse_sequence_exactly(tmp_path):
-    async with live_server(tmp_path) as url, client(url) as http:
+    async with live_server(tmp_path, heartbeat_s=600) as url, client(url) as http:  # no keep-alive pings
         r = await http.post("/v1/messages", json={**ASK, "stream": True})
         assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream; charset=utf-8"
         events = parse_sse(r.content)
     names = [name for name, _ in events]
     n = names.count("content_block_delta")
     assert n >= 1
-    assert names == ["message_start", "content_block_start", "ping"] + ["content_block_delta"] * n + \
+    assert names == ["message_start", "ping", "content_block_start"] + ["content_block_delta"] * n + \
                     ["content_block_stop", "message_delta", "message_stop"]
     assert all(data["type"] == name for name, data in events)
     start = events[0][1]["message"]
@@ -218,7 +218,7 @@ async def test_streamed_messages_follow_anthropics_sse_sequence_exactly(tmp_path
     assert (start["type"], start["role"], start["model"], start["content"], start["stop_reason"]) == \
            ("message", "assistant", "tiny", [], None)
     assert start["id"].startswith("msg_")
-    assert events[1][1] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+    assert events[2][1] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
     for _, data in events[3:3 + n]:
         assert set(data) == {"type", "index", "delta"} and data["index"] == 0
         assert set(data["delta"]) == {"type", "text"} and data["delta"]["type"] == "text_delta"
