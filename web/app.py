@@ -207,7 +207,8 @@ class _Server:
                 state = responses.parse_response_id(req.previous_response_id, "previous_response_id")
                 info = await self._history(state, "previous_response_id")
                 req = responses.continued(req, info.history[:state.n])
-                at_state = len(info.history) == state.n
+                # a turn running on the agent will move it on: a fork keeps both
+                at_state = len(info.history) == state.n and not self.core.index.busy(state.agent_id)
                 turn = await self.core.start(req, agent_id=state.agent_id if at_state else None,
                                              fork_from=None if at_state else state.agent_id)
         except RequestError as err:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from actors import (Agent, AgentExists, AgentGone, ContextTooLong, Message, Reply, Runtime, RuntimeClosed,
@@ -170,18 +171,39 @@ class ChatCore:
         if agent_id is not None:
             checked_agent_id(agent_id, "X-Agent-Id" if agent_id == req.agent_id else "agent")
         if fork_from is not None:
-            agent = await self._fork(fork_from, new_conversation_id(req.hint))
+            agent_id = new_conversation_id(req.hint)
         else:
             agent_id = agent_id or self.index.match(prepared.messages, req.hint) or new_conversation_id(req.hint)
-            agent = await self._open(agent_id)
-        return await self._run(agent, req, prepared.messages, prepared,
-                               lambda: agent.respond(prepared.messages, tools=prepared.tools, **sampling(req)))
+        with self._claimed(agent_id) as release:  # before any await: no other request takes it meanwhile
+            agent = await (self._fork(fork_from, agent_id) if fork_from is not None else self._open(agent_id))
+            return await self._run(agent, req, prepared.messages, prepared, release,
+                                   lambda: agent.respond(prepared.messages, tools=prepared.tools, **sampling(req)))
 
     async def send(self, agent: Agent, content: str, *, use_cache: bool, sampling: dict) -> ChatTurn:
         """A turn of the agent API: ``content`` is the new user message."""
         prepared = Prepared((), None, None, frozenset())
-        return await self._run(agent, None, agent.history, prepared,
-                               lambda: agent.send(content, use_cache=use_cache, **sampling))
+        with self._claimed(agent.id) as release:
+            return await self._run(agent, None, agent.history, prepared, release,
+                                   lambda: agent.send(content, use_cache=use_cache, **sampling))
+
+    @contextmanager
+    def _claimed(self, agent_id: str):
+        """Claim ``agent_id`` in the index; the claim goes with the turn's items
+        (released when they are closed), or now if the turn does not start."""
+        self.index.claim(agent_id)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.index.release(agent_id)
+
+        try:
+            yield release
+        except BaseException:
+            release()
+            raise
 
     async def count_tokens(self, req: ChatRequest) -> int:
         prepared = prepare(req, self.rt.chat_template)
@@ -216,20 +238,18 @@ class ChatCore:
             raise turn_error(e) from None
 
     async def _run(self, agent: Agent, req: ChatRequest | None, messages: tuple[Message, ...], prepared: Prepared,
-                   start: Callable[[], Reply]) -> ChatTurn:
+                   release: Callable[[], None], start: Callable[[], Reply]) -> ChatTurn:
         try:
             reasoning = await self._reasoning()
         except SemanticError as e:
             raise turn_error(e) from None
-        return ChatTurn(agent.id, self.rt.model or "unknown", req, messages,
-                        self._items(agent, prepared, reasoning, start), int(time.time()))
+        items = _Releasing(self._items(agent, prepared, reasoning, start), release)
+        return ChatTurn(agent.id, self.rt.model or "unknown", req, messages, items, int(time.time()))
 
     async def _items(self, agent: Agent, prepared: Prepared, reasoning: ReasoningSplitter | None,
                      start: Callable[[], Reply]) -> AsyncIterator[StreamItem]:
-        """One turn's items, with the agent claimed in the index while it runs,
-        and the index and metrics updated when it ends."""
+        """One turn's items, and the index and metrics updated when it ends."""
         tier = self.rt.cache_tier(agent.id)
-        self.index.claim(agent.id)
         reply = None
         try:
             try:
@@ -242,10 +262,34 @@ class ChatCore:
                 async for item in items:
                     yield item
         finally:
-            self.index.release(agent.id)
             self.index.record(agent.id, agent.history)
             if reply is not None:
                 self.metrics.turn(reply.result, tier)
+
+
+class _Releasing:
+    """Async iterator ``items``, calling ``release`` once it is exhausted or
+    closed -- also when it was never started (a client gone before the first byte)."""
+
+    def __init__(self, items: AsyncIterator[StreamItem], release: Callable[[], None]):
+        self._items = items
+        self._release = release
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StreamItem:
+        try:
+            return await self._items.__anext__()
+        except BaseException:
+            self._release()
+            raise
+
+    async def aclose(self) -> None:
+        try:
+            await self._items.aclose()
+        finally:
+            self._release()
 
 
 async def _run_turn(reply: Reply, prepared: Prepared, reasoning: ReasoningSplitter | None,

@@ -120,6 +120,10 @@ class ConversationIndex:
                 best, best_len = agent_id, n
         return best
 
+    def busy(self, agent_id: str) -> bool:
+        """Whether a turn of ``agent_id`` runs now."""
+        return agent_id in self._claimed
+
     def claim(self, agent_id: str) -> None:
         self._claimed[agent_id] = self._claimed.get(agent_id, 0) + 1
 

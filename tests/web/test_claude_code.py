@@ -189,3 +189,26 @@ async def test_a_replayed_session_with_its_title_and_sub_agent_requests_keeps_ea
     prompt2 = u2["input_tokens"] + u2["cache_read_input_tokens"]
     assert u2["cache_read_input_tokens"] >= prompt1 and u2["cache_read_input_tokens"] >= 0.9 * prompt2, (u1, u2)
     assert rs2.json()["usage"]["cache_read_input_tokens"] > 0
+
+
+async def test_a_refused_or_abandoned_turn_leaves_its_conversation_free_for_the_next_request(tmp_path):
+    """The agent a request continues is claimed from the moment it is chosen; a
+    turn refused at the start, or a stream abandoned before its first byte,
+    gives it back (else the conversation would lose its agent for good)."""
+    convo = [{"role": "user", "content": "Name a colour."}]
+    async with live_server(tmp_path) as url, client(url) as http:
+        r1 = await http.post("/v1/messages", json={"model": "m", "max_tokens": 4, "messages": convo})
+        agent = r1.headers["x-agent-id"]
+        convo.append({"role": "assistant", "content": r1.json()["content"][0]["text"]})
+        for stream in (False, True):
+            refused = await http.post("/v1/messages", json={"model": "m", "max_tokens": 4, "stream": stream,
+                                                            "messages": [*convo, {"role": "user",
+                                                                                  "content": "word " * CONTEXT}]})
+            assert refused.status_code == 400, refused.text
+        with anyio.move_on_after(0.001):  # gone before the first byte
+            await http.post("/v1/messages", json={"model": "m", "max_tokens": 4, "stream": True,
+                                                  "messages": [*convo, {"role": "user", "content": "More?"}]})
+        await anyio.sleep(0.5)
+        r2 = await http.post("/v1/messages", json={"model": "m", "max_tokens": 4,
+                                                   "messages": [*convo, {"role": "user", "content": "Another?"}]})
+        assert r2.headers["x-agent-id"] == agent

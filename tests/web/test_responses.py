@@ -365,6 +365,23 @@ async def test_an_older_response_id_forks_and_leaves_the_original_as_it_was(tmp_
         assert (await gpt.responses.retrieve(main.id)).output_text == main.output_text
 
 
+async def test_two_requests_continuing_one_response_at_once_both_keep_their_work(tmp_path):
+    async with live_server(tmp_path) as url, sdk(url) as gpt:
+        first = await gpt.responses.create(**ASK, input="Start.")
+        replies = {}
+
+        async def go(text):
+            replies[text] = await gpt.responses.create(**ASK, input=text, previous_response_id=first.id)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(go, "Left.")
+            tg.start_soon(go, "Right.")
+        agents = {responses.parse_response_id(r.id).agent_id for r in replies.values()}
+        assert len(agents) == 2  # one ran on the agent, the other on a fork: neither overwrote the other
+        for reply in replies.values():
+            assert (await gpt.responses.retrieve(reply.id)).output_text == reply.output_text
+
+
 async def test_bad_requests_get_openai_errors_and_streams_refused_at_the_start_get_plain_http(tmp_path):
     async with live_server(tmp_path) as url, client(url) as http:
         missing = "resp_nobody_3_0123456789ab"
