@@ -94,6 +94,8 @@ def test_two_turn_session_reads_turn_one_from_the_cache(server, tmp_path, tools,
     second = claude_turn(claude, server, tmp_path, "What is the capital of Italy?", ["--resume", session, *extra], tools)
     u = second["usage"]
     prompt = u["input_tokens"] + u["cache_read_input_tokens"] + u["cache_creation_input_tokens"]
+    print(f"claude --tools {tools} {' '.join(extra)}: turn 2 read {u['cache_read_input_tokens']} of {prompt} "
+          "prompt tokens from the cache")
     assert u["cache_read_input_tokens"] >= 0.9 * prompt, (
         f"turn 2 read {u['cache_read_input_tokens']} of its {prompt} prompt tokens from the cache: {u}\n"
         f"turn 1 usage: {first['usage']}\n--- server log (tail) ---\n{server.tail()}")

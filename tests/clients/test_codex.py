@@ -106,6 +106,7 @@ def test_two_exec_turns_continue_one_session(server, tmp_path):
     # Responses-API usage: input_tokens counts the whole prompt, cached ones included.
     prompt = total["input_tokens"] - first["input_tokens"]
     cached = total["cached_input_tokens"] - first["cached_input_tokens"]
+    print(f"codex exec resume: turn 2 read {cached} of {prompt} prompt tokens from the cache")
     assert prompt > 0 and cached >= 0.9 * prompt, (
         f"turn 2 read {cached} of its {prompt} prompt tokens from the cache; usage after turn 1: {first}, "
         f"after turn 2: {total}\n--- server log (tail) ---\n{server.tail()}")
