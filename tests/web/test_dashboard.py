@@ -84,7 +84,8 @@ def test_the_page_is_package_data():
         assert (static / name).is_file(), name
     import tomllib
 
-    assert "static/*" in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["web"]
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "static/*" in setuptools["package-data"]["web"]
 
 
 # -- live: the snapshot and the stream ---------------------------------------------------
@@ -152,6 +153,15 @@ async def test_snapshot_and_events_follow_turns_tiers_and_deletes(tmp_path):
                 assert row["turns"] == 1 and row["ttft_s"] > 0 and row["reuse"] is not None
             assert [t["agent"] for t in snap["turns"]] == ["alice", "bob"]
             assert snap["batch"]["generated_tokens"] > 0 and isinstance(snap["throughput"], list)
+
+            # a longer turn: the batch shows it decoding, with its tokens so far and speed
+            t0 = time.perf_counter()
+            r = await http.post("/v1/agents/alice/messages", json={"content": "Tell me more", "max_tokens": 300})
+            took, out = time.perf_counter() - t0, r.json()["usage"]["output_tokens"]
+            decoding = [s for d in kinds("batch") for s in d["decoding"] if s["agent"] == "alice"]
+            print(f"\n[dashboard] a {out}-token turn took {took:.2f} s; the batch saw it decoding: {decoding[-1:]}")
+            if took > 1.2:  # batch events come at 2 Hz: a turn this long is seen decoding
+                assert decoding and 0 < decoding[-1]["tokens"] <= out and decoding[-1]["tokens_per_s"] > 0
 
             # demote: a tier event (hot -> warm); delete: agent_deleted
             r = await http.post("/v1/agents/bob/demote")
@@ -279,10 +289,12 @@ async def test_dashboard_in_a_browser(tmp_path):
             await wait_for(shows_both, 2.0, "both agents with their tiers and token counts")
             await wait_for(lambda d: int(d.find_element(By.ID, "kv-bar").get_attribute("data-used")) != used_before,
                            2.0, "the budget bar changed")
-            await wait_for(lambda d: d.find_elements(By.CSS_SELECTOR, '#turns tr[data-agent="alice"][data-route="agent"]')
-                           and d.find_elements(By.CSS_SELECTOR, '#turns tr[data-agent="bob"][data-route="openai"]'),
+            turns = '#turns tr[data-agent="{}"][data-route="{}"]'
+            await wait_for(lambda d: d.find_elements(By.CSS_SELECTOR, turns.format("alice", "agent"))
+                           and d.find_elements(By.CSS_SELECTOR, turns.format("bob", "openai")),
                            2.0, "the turns in recent turns")
-            print(f"\n[dashboard] agents, budget bar and recent turns shown {time.perf_counter() - t0:.2f} s after the turns")
+            shown = time.perf_counter() - t0
+            print(f"\n[dashboard] agents, budget bar and recent turns shown {shown:.2f} s after the turns")
             text = await on(lambda: driver.find_element(By.ID, "turns").text)
             assert "OpenAI" in text and "agent API" in text
 
@@ -291,8 +303,8 @@ async def test_dashboard_in_a_browser(tmp_path):
             await wait_for(lambda d: "Hello alice" in d.find_element(By.ID, "history").text, 5, "alice's history")
             await on(lambda: driver.find_element(By.ID, "chat-input").send_keys("How are you?"))
             await on(lambda: driver.find_element(By.ID, "chat-send").click())
-            await wait_for(lambda d: d.find_element(By.ID, "chat-reply").get_attribute("data-state") in ("done", "error"),
-                           30, "the streamed reply")
+            await wait_for(lambda d: d.find_element(By.ID, "chat-reply").get_attribute("data-state")
+                           in ("done", "error"), 30, "the streamed reply")
             assert await on(lambda: driver.find_element(By.ID, "chat-reply").get_attribute("data-state")) == "done"
             reply = await on(js, "return document.getElementById('chat-reply').textContent")
             history = (await http.get("/v1/agents/alice")).json()["history"]
@@ -367,5 +379,6 @@ async def test_dashboard_in_a_browser(tmp_path):
             await on(driver.save_screenshot, str(ARTIFACTS / "dashboard-300-agents.png"))
             if os.environ.get("SEMANTIC_DOCS_SCREENSHOT"):  # refresh the README's picture
                 shutil.copy(desktop, ROOT / "docs" / "dashboard.png")
+            await on(driver.get, "about:blank")  # the page's stream ends before the server does
     finally:
         await on(driver.quit)
