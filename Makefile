@@ -1,7 +1,8 @@
 # Commands for a fresh machine (each sets up what it needs, idempotently):
 #   make serve  - the HTTP server (Anthropic, OpenAI and agent APIs) on 127.0.0.1:8000 (PORT=...)
 #   make run    - the embedded model answers a prompt (PROMPT="...")
-#   make test   - the test suite (with the Claude Code and Codex CLIs its client tests drive)
+#   make test   - the test suite (with the Claude Code and Codex CLIs its client tests drive,
+#                 and chromium for the dashboard's browser test)
 #   make example - examples/orchestrator.py: agents on the in-process actor API
 PYTHON ?= python3
 VENV := .venv
@@ -9,7 +10,7 @@ BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 PORT ?= 8000
 
-.PHONY: serve run test example setup blas model clients clean
+.PHONY: serve run test example setup blas model clients browser clean
 
 setup: $(VENV)/.installed blas
 
@@ -27,6 +28,10 @@ blas:
 clients:
 	@scripts/setup-clients.sh
 
+# chromium and chromedriver (Debian) for the dashboard's browser test
+browser:
+	@scripts/setup-browser.sh
+
 model: setup
 	$(BIN)/semantic prepare
 
@@ -36,7 +41,7 @@ serve: model
 run: model
 	$(BIN)/semantic generate --prompt "$(PROMPT)"
 
-test: model clients
+test: model clients browser
 	$(BIN)/pytest -q
 
 example: model

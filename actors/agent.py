@@ -112,6 +112,7 @@ class AgentContext:
     idle_s: float
     closing: Callable[[], bool]
     release: Callable[[AgentSlot], None]  # the runtime forgets a deleted agent's slot
+    turn_ended: Callable[[str, int, TurnResult], None] = lambda agent_id, turn_id, result: None  # observers
 
 
 class AgentActor:
@@ -246,6 +247,7 @@ class AgentActor:
             self.slot.last_result = end.result
             if end.result.reason != "cancelled":
                 self._set_history((*messages, Message("assistant", end.result.text)))
+            self.ctx.turn_ended(self.agent_id, message.turn_id, end.result)
         _final(consumer, end)
 
     async def _fork(self, message: Fork) -> None:

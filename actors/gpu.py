@@ -90,7 +90,7 @@ from .messages import (
 )
 from .registry import ModelRegistry
 
-__all__ = ["GpuActor"]
+__all__ = ["BatchSnapshot", "GpuActor", "HotSnapshot", "SequenceInfo"]
 
 log = logging.getLogger("semantic.actors")
 
@@ -120,6 +120,32 @@ class HotSnapshot:
     prefix_drops: int = 0  # shared prefixes dropped to make room
 
 
+@dataclass(frozen=True)
+class SequenceInfo:
+    """One turn the GPU thread holds: queued (not admitted yet), prefilling, or decoding."""
+
+    agent_id: str
+    turn_id: int
+    phase: str  # "queued" | "prefill" | "decode"
+    prompt_tokens: int  # 0 while queued (not rendered yet)
+    tokens: int  # output tokens so far
+    tokens_per_s: float | None  # its decode speed so far (None before its second token)
+
+
+@dataclass(frozen=True)
+class BatchSnapshot:
+    """The batch as the GPU thread last saw it, for monitoring from the event loop:
+    published when its composition changes and at most every ``_BATCH_EVERY_S`` while it runs."""
+
+    sequences: tuple[SequenceInfo, ...] = ()  # admitted turns, then queued ones (the first 64)
+    queue_depth: int = 0  # turns waiting for admission
+    generated: int = 0  # output tokens of every turn since the actor started
+
+
+_BATCH_EVERY_S = 0.25
+_BATCH_QUEUED_SHOWN = 64
+
+
 class GpuActor:
     """The event-loop half: a mailbox, a health flag and the thread's lifetime."""
 
@@ -141,6 +167,7 @@ class GpuActor:
         self._accepting = False
         self.error: SemanticError | None = None  # set when the GPU actor failed
         self.hot = HotSnapshot()  # replaced (never mutated) by the GPU thread
+        self.batch = BatchSnapshot()  # likewise
         self._worker = _Worker(
             self, model, ModelRegistry(cache_root, budget_bytes, engine_options or {}),
             persistence, eviction, model_idle_s,
@@ -313,6 +340,7 @@ class _Turn:
     admitted: float | None = None
     first_token: float | None = None
     cancel_lag: int | None = None
+    generated: int = 0  # output tokens so far
     preempted: Finished | None = None  # out of the engine to free memory (its cache dropped here)
 
 
@@ -357,6 +385,9 @@ class _Worker:
         self.versions = itertools.count(1)
         self.steps = 0
         self.preemptions = 0
+        self.generated = 0  # output tokens of every turn
+        self._batch_key: tuple = ()
+        self._batch_at = 0.0
 
     # -- life ----------------------------------------------------------------
 
@@ -396,6 +427,7 @@ class _Worker:
             if not self.stopping and not self._idle():
                 self._step()
                 self._progress()
+            self._publish_batch()
 
     def _idle(self) -> bool:
         engine = self.registry.engine
@@ -617,6 +649,8 @@ class _Worker:
     def _route(self, deltas: list[EngineDelta]) -> None:
         for d in deltas:
             t = self.by_seq[d.seq_id]
+            t.generated += len(d.tokens)
+            self.generated += len(d.tokens)
             if d.text or d.tokens:
                 if t.first_token is None:
                     t.first_token = time.perf_counter()
@@ -752,6 +786,24 @@ class _Worker:
             for o in caches.idle_owners()
         )
         self.actor._post(self.eviction, HotSet(caches.budget.budget_bytes, caches.hot_bytes, agents))
+
+    def _publish_batch(self) -> None:
+        """Publish the batch for readers on other threads (one assignment, never mutated
+        after): at once when turns come or go, else at most every ``_BATCH_EVERY_S``."""
+        key = (tuple(self.turns), len(self.waiting))
+        now = time.perf_counter()
+        if key == self._batch_key and (not self.turns or now - self._batch_at < _BATCH_EVERY_S):
+            return
+        self._batch_key, self._batch_at = key, now
+        running = tuple(
+            SequenceInfo(t.cmd.agent_id, t.cmd.turn_id, "prefill" if t.first_token is None else "decode",
+                         len(t.turn.prompt) if t.turn is not None else 0, t.generated,
+                         (t.generated - 1) / (now - t.first_token)
+                         if t.first_token is not None and t.generated > 1 and now > t.first_token else None)
+            for t in self.turns.values())
+        queued = tuple(SequenceInfo(t.cmd.agent_id, t.cmd.turn_id, "queued", 0, t.generated, None)
+                       for t in itertools.islice(self.waiting, _BATCH_QUEUED_SHOWN))
+        self.actor.batch = BatchSnapshot(running + queued, len(self.waiting), self.generated)
 
     def _fork(self, source: str, target: str) -> bool:
         """Copy ``source``'s cache to ``target`` (sharing arrays until either grows).

@@ -26,6 +26,7 @@ outlives the block, and every file is written whole or not at all.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import threading
 from collections.abc import AsyncIterator, Iterable
@@ -46,10 +47,11 @@ from runtime.turns import render
 from .agent import AgentActor, AgentContext, AgentSlot, encode_history, read_history, request
 from .errors import AgentExists, AgentGone, RuntimeClosed, TurnCancelled
 from .eviction import EvictionActor
-from .gpu import GpuActor
+from .gpu import BatchSnapshot, GpuActor, HotSnapshot
 from .messages import (
     Delete,
     Delta,
+    Demote,
     Done,
     Failed,
     Flush,
@@ -68,6 +70,8 @@ from .messages import (
 from .persistence import PersistenceActor
 
 __all__ = ["Agent", "AgentInfo", "Reply", "Runtime"]
+
+log = logging.getLogger("semantic.actors")
 
 
 class Runtime:
@@ -90,8 +94,9 @@ class Runtime:
         self._closing = False
         self._started: list[object] = []  # actors whose run() has started
         self._prune_listeners: list = []
+        self._turn_listeners: list = []
         self._ctx = AgentContext(gpu, persistence.mailbox, self._histories, agent_idle_s,
-                                 lambda: self._closing, self._release)
+                                 lambda: self._closing, self._release, self._turn_ended)
 
     @classmethod
     @asynccontextmanager
@@ -228,6 +233,35 @@ class Runtime:
         anonymous conversations whole (their ids are free again)."""
         self._prune_listeners.append(callback)
 
+    def on_turn(self, callback) -> None:
+        """Call ``callback(agent_id, turn_id, result)`` on the event loop whenever a
+        turn of any agent ends (cancelled ones included; failed ones not), before
+        its reader sees the end.  ``turn_id`` is its ``Reply.turn_id``.  Callbacks
+        must be quick and must not raise."""
+        self._turn_listeners.append(callback)
+
+    def hot(self) -> HotSnapshot:
+        """The hot set as the GPU thread last published it (agent id -> tokens, bytes,
+        last use; budget, shared prefixes): an immutable snapshot; cheap."""
+        return self._gpu.hot
+
+    def batch(self) -> BatchSnapshot:
+        """The batch as the GPU thread last published it: each turn it holds (queued,
+        prefilling, decoding: agent, tokens so far, tokens/s), the queue depth and
+        the output tokens generated so far.  An immutable snapshot; cheap."""
+        return self._gpu.batch
+
+    async def demote(self, agent_id: str) -> None:
+        """Move the agent's hot cache to disk: written first if it is dirty, then
+        dropped from memory once idle (a turn running keeps it; the eviction
+        actor's rules apply).  Returns once the GPU actor has the request; the
+        hot set changes when it has been served.  Raises ``InvalidAgentId``,
+        ``RuntimeClosed``."""
+        validate_agent_id(agent_id)
+        self._check_open()
+        await self.flush()  # a clean cache is the only kind demoted (the written version stays)
+        self._gpu.submit(Demote((agent_id,)))
+
     async def agents(self, only: str | None = None) -> list[AgentInfo]:
         """Every agent that has a history (in memory or on disk), or only the one
         named ``only`` (if it exists), with its cache for the loaded model: a
@@ -319,6 +353,13 @@ class Runtime:
         slot.mailbox.send_nowait(message)
         if slot.wakeup is not None:
             slot.wakeup.set()
+
+    def _turn_ended(self, agent_id: str, turn_id: int, result: TurnResult) -> None:
+        for callback in self._turn_listeners:
+            try:
+                callback(agent_id, turn_id, result)
+            except Exception:  # an observer's bug must not end the agent's actor
+                log.exception("a turn observer failed")
 
     def _release(self, slot: AgentSlot) -> None:
         if self._slots.get(slot.agent_id) is slot:

@@ -13,6 +13,9 @@ Layout (each module one job; routes are thin and speak only ``schema`` to the ru
 - ``chat``      one turn for a route: request -> runtime conversation -> stream items
 - ``identity``  which agent a stateless request continues (longest stored prefix)
 - ``metrics``   Prometheus metrics of one server
+- ``events``    the event hub: bounded publish/subscribe, recent turns
+- ``dashboard`` the dashboard's snapshot JSON, turn observer and sampler (``/v1/events``)
+- ``static/``   the dashboard page (HTML, CSS, JS; package data)
 - ``app``       the Starlette app: routes, lifespan (opens the ``Runtime``), guard
 - ``server``    serving it with hypercorn (trio or asyncio)
 - ``_validate`` field checks shared by the parsers (private)

@@ -28,8 +28,9 @@ from pathlib import Path
 import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from actors import Agent, AgentExists, AgentGone, Runtime, TurnError
@@ -39,6 +40,8 @@ from runtime.errors import SemanticError
 from . import agents, anthropic, openai, responses
 from ._aio import closing
 from .chat import HEARTBEAT_S, ChatCore, ChatTurn, checked_agent_id, turn_error
+from .dashboard import Dashboard
+from .events import EventHub
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .schema import ChatResult, RequestError, StreamItem
 from .sse import EventStreamResponse
@@ -46,6 +49,11 @@ from .sse import EventStreamResponse
 __all__ = ["ServerConfig", "create_app"]
 
 log = logging.getLogger("semantic.web")
+
+STATIC_DIR = Path(__file__).parent / "static"  # the dashboard page (package data)
+STATIC_PREFIX = "/dashboard/static"
+_OPEN_PATHS = ("/health", "/")  # no key needed: no data there (the page asks for the key itself)
+EVENTS_KEEP_ALIVE_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -90,9 +98,12 @@ def create_app(config: ServerConfig, on_ready: Callable[[Runtime], None] | None 
         async with Runtime.open(config.model, config.cache_dir, config.budget, disk_budget=config.disk_budget,
                                 conversation_ttl_s=config.conversation_ttl_s, **config.runtime_options) as rt:
             await server.start(rt)
-            if on_ready is not None:
-                on_ready(rt)
-            yield
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(server.dashboard.run)
+                if on_ready is not None:
+                    on_ready(rt)
+                yield
+                tg.cancel_scope.cancel()
 
     s = server
     app = Starlette(lifespan=lifespan, routes=[
@@ -106,10 +117,15 @@ def create_app(config: ServerConfig, on_ready: Callable[[Runtime], None] | None 
         Route("/v1/agents", s.list_agents, methods=["GET"]),
         Route("/v1/agents/{agent_id:path}/messages", s.agent_turn, methods=["POST"]),
         Route("/v1/agents/{agent_id:path}/fork", s.fork_agent, methods=["POST"]),
+        Route("/v1/agents/{agent_id:path}/demote", s.demote_agent, methods=["POST"]),
         Route("/v1/agents/{agent_id:path}", s.get_agent, methods=["GET"]),
         Route("/v1/agents/{agent_id:path}", s.delete_agent, methods=["DELETE"]),
         Route("/v1/models", s.models, methods=["GET"]),
         Route("/health", s.health, methods=["GET"]),
+        Route("/", s.page, methods=["GET"]),
+        Mount(STATIC_PREFIX, StaticFiles(directory=STATIC_DIR), name="static"),
+        Route("/v1/dashboard", s.dashboard_state, methods=["GET"]),
+        Route("/v1/events", s.events, methods=["GET"]),
         Route("/metrics", s.metrics_text, methods=["GET"]),
     ])
     app.add_middleware(_Guard, config=config)
@@ -144,11 +160,14 @@ class _Server:
         self.rt: Runtime | None = None
         self.core: ChatCore | None = None
         self.metrics = Metrics()
+        self.hub = EventHub()
+        self.dashboard: Dashboard | None = None
         self.started = time.time()
 
     async def start(self, rt: Runtime) -> None:
         self.rt = rt
-        self.core = ChatCore(rt, self.metrics, self.config.heartbeat_s)
+        self.dashboard = Dashboard(rt, self.hub)
+        self.core = ChatCore(rt, self.metrics, self.config.heartbeat_s, observer=self.dashboard)
         rt.on_pruned(self._pruned)  # before the index is built: a prune may end while it is
         await self.core.load_index()
         log.info("%d agents on disk", len(self.core.index))
@@ -156,6 +175,7 @@ class _Server:
     def _pruned(self, agent_ids: list[str]) -> None:
         for agent_id in agent_ids:  # conversations whose files the disk budget or TTL removed
             self.core.index.forget(agent_id)
+            self.dashboard.deleted(agent_id)
 
     @property
     def model(self) -> str:
@@ -168,17 +188,17 @@ class _Server:
     # -- the chat routes -------------------------------------------------------------
 
     async def messages(self, request: Request) -> Response:
-        return await self._chat(request, anthropic)
+        return await self._chat(request, anthropic, "anthropic")
 
     async def completions(self, request: Request) -> Response:
-        return await self._chat(request, openai)
+        return await self._chat(request, openai, "openai")
 
-    async def _chat(self, request: Request, protocol) -> Response:
+    async def _chat(self, request: Request, protocol, route: str) -> Response:
         """A turn of a stateless chat protocol: ``protocol`` parses the body and
         answers the turn (``response_json``, or ``events`` when streaming)."""
         try:
             req = protocol.parse_request(await request.body(), _headers(request), max_tokens_cap=self.max_tokens_cap)
-            turn = await self.core.start(req)
+            turn = await self.core.start(req, route=route)
         except RequestError as err:
             return _error(request.url.path, err)
         return await _answer(request, turn, req.stream, protocol)
@@ -202,7 +222,7 @@ class _Server:
         try:
             req = responses.parse_request(await request.body(), _headers(request), max_tokens_cap=self.max_tokens_cap)
             if req.previous_response_id is None:
-                turn = await self.core.start(req)
+                turn = await self.core.start(req, route="responses")
             else:
                 state = responses.parse_response_id(req.previous_response_id, "previous_response_id")
                 info = await self._history(state, "previous_response_id")
@@ -210,7 +230,7 @@ class _Server:
                 # a turn running on the agent will move it on: a fork keeps both
                 at_state = len(info.history) == state.n and not self.core.index.busy(state.agent_id)
                 turn = await self.core.start(req, agent_id=state.agent_id if at_state else None,
-                                             fork_from=None if at_state else state.agent_id)
+                                             fork_from=None if at_state else state.agent_id, route="responses")
         except RequestError as err:
             return _error(request.url.path, err)
         return await _answer(request, turn, req.stream, responses)
@@ -240,6 +260,7 @@ class _Server:
         except SemanticError as e:
             return _error(request.url.path, turn_error(e))
         self.core.index.forget(state.agent_id)
+        self.dashboard.deleted(state.agent_id)
         return JSONResponse(responses.deleted_json(response))
 
     async def count_tokens(self, request: Request) -> Response:
@@ -274,6 +295,7 @@ class _Server:
                 raise RequestError(409, str(e)) from None
             [info] = await self.rt.agents(only=agent.id)
             self.core.index.record(agent.id, agent.history)
+            self.dashboard.changed(agent.id)
             return JSONResponse(agents.agent_json(info), status_code=200 if existed else 201)
         except RequestError as err:
             return _error(request.url.path, err)
@@ -298,6 +320,7 @@ class _Server:
         except SemanticError as e:
             return _error(request.url.path, turn_error(e))
         self.core.index.forget(agent.id)
+        self.dashboard.deleted(agent.id)
         return JSONResponse({"id": agent.id, "deleted": True})
 
     async def fork_agent(self, request: Request) -> Response:
@@ -312,16 +335,31 @@ class _Server:
                 raise turn_error(e) from None
             [info] = await self.rt.agents(only=forked.id)
             self.core.index.record(forked.id, forked.history)
+            self.dashboard.changed(forked.id)
             return JSONResponse({**agents.agent_json(info), "forked_from": source.id}, status_code=201)
         except RequestError as err:
             return _error(request.url.path, err)
+
+    async def demote_agent(self, request: Request) -> Response:
+        """Move the agent's cache to disk (written first); 202: the tier changes once
+        the GPU actor served it (a ``tier`` event on ``/v1/events``)."""
+        try:
+            agent = await self._known(request.path_params["agent_id"])
+            try:
+                await self.rt.demote(agent.id)
+            except SemanticError as e:
+                raise turn_error(e) from None
+        except RequestError as err:
+            return _error(request.url.path, err)
+        self.dashboard.changed(agent.id)
+        return JSONResponse({"id": agent.id, "demote": "requested"}, status_code=202)
 
     async def agent_turn(self, request: Request) -> Response:
         try:
             agent = await self._known(request.path_params["agent_id"])
             turn_req = agents.parse_turn(await request.body(), max_tokens_cap=self.max_tokens_cap)
             turn = await self.core.send(agent, turn_req.content, use_cache=turn_req.use_cache,
-                                        sampling=turn_req.sampling)
+                                        sampling=turn_req.sampling, route="agent")
         except RequestError as err:
             return _error(request.url.path, err)
         return await _answer(request, turn, turn_req.stream, agents)
@@ -347,6 +385,18 @@ class _Server:
                 "queue_depth": stats.get("waiting", 0), "decoding": stats.get("decoding", 0),
                 "agents": len(self.core.index)}
         return JSONResponse(body, status_code=200 if rt.healthy else 503)
+
+    # -- the dashboard ------------------------------------------------------------------
+
+    async def page(self, request: Request) -> Response:
+        """The dashboard (static: it holds no data, so it loads without the key)."""
+        return FileResponse(STATIC_DIR / "index.html", headers={"cache-control": "no-cache"})
+
+    async def dashboard_state(self, request: Request) -> Response:
+        return JSONResponse(await self.dashboard.snapshot())
+
+    async def events(self, request: Request) -> Response:
+        return EventStreamResponse(self.dashboard.stream(EVENTS_KEEP_ALIVE_S))
 
     async def metrics_text(self, request: Request) -> Response:
         memory, disk = await anyio.to_thread.run_sync(_memory_and_disk, self.rt)
@@ -440,7 +490,8 @@ class _Guard:
 
     def _authorize(self, scope: Scope) -> None:
         key = self.config.api_key
-        if key is None or scope["path"] == "/health":
+        path = scope["path"]
+        if key is None or path in _OPEN_PATHS or path.startswith(STATIC_PREFIX + "/"):
             return
         headers = {k.lower(): v for k, v in scope["headers"]}
         given = headers.get(b"x-api-key", b"")

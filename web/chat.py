@@ -148,9 +148,10 @@ class ChatCore:
     """Identity, turns and errors for every route that runs a turn. One owner:
     the app, on the event loop."""
 
-    def __init__(self, rt: Runtime, metrics: Metrics, heartbeat_s: float = HEARTBEAT_S):
+    def __init__(self, rt: Runtime, metrics: Metrics, heartbeat_s: float = HEARTBEAT_S, observer=None):
         self.rt = rt
         self.metrics = metrics
+        self.observer = observer or _NoObserver()  # told when each turn starts and ends (web.dashboard)
         self.heartbeat_s = heartbeat_s
         self.index = ConversationIndex(tool_format(rt.chat_template))
         self._opens_thinking: dict[str | None, bool] = {}  # model -> its generation prompt opens <think>
@@ -160,11 +161,13 @@ class ChatCore:
         for info in await self.rt.agents():
             self.index.record(info.id, info.history)
 
-    async def start(self, req: ChatRequest, agent_id: str | None = None, fork_from: str | None = None) -> ChatTurn:
+    async def start(self, req: ChatRequest, agent_id: str | None = None, fork_from: str | None = None,
+                    route: str = "api") -> ChatTurn:
         """Start the turn ``req`` asks for, on the agent it names or continues.
 
         ``agent_id`` (a response id's agent) overrides the request's; with
         ``fork_from`` the turn runs on a new agent forked from that one.
+        ``route`` names the API it came by for observers ("anthropic", ...).
         Raises ``RequestError`` before anything runs."""
         prepared = prepare(req, self.rt.chat_template)
         agent_id = agent_id or req.agent_id
@@ -176,14 +179,15 @@ class ChatCore:
             agent_id = agent_id or self.index.match(prepared.messages, req.hint) or new_conversation_id(req.hint)
         with self._claimed(agent_id) as release:  # before any await: no other request takes it meanwhile
             agent = await (self._fork(fork_from, agent_id) if fork_from is not None else self._open(agent_id))
-            return await self._run(agent, req, prepared.messages, prepared, release,
+            return await self._run(agent, req, prepared.messages, prepared, release, route,
                                    lambda: agent.respond(prepared.messages, tools=prepared.tools, **sampling(req)))
 
-    async def send(self, agent: Agent, content: str, *, use_cache: bool, sampling: dict) -> ChatTurn:
+    async def send(self, agent: Agent, content: str, *, use_cache: bool, sampling: dict,
+                   route: str = "agent") -> ChatTurn:
         """A turn of the agent API: ``content`` is the new user message."""
         prepared = Prepared((), None, None, frozenset())
         with self._claimed(agent.id) as release:
-            return await self._run(agent, None, agent.history, prepared, release,
+            return await self._run(agent, None, agent.history, prepared, release, route,
                                    lambda: agent.send(content, use_cache=use_cache, **sampling))
 
     @contextmanager
@@ -238,15 +242,15 @@ class ChatCore:
             raise turn_error(e) from None
 
     async def _run(self, agent: Agent, req: ChatRequest | None, messages: tuple[Message, ...], prepared: Prepared,
-                   release: Callable[[], None], start: Callable[[], Reply]) -> ChatTurn:
+                   release: Callable[[], None], route: str, start: Callable[[], Reply]) -> ChatTurn:
         try:
             reasoning = await self._reasoning()
         except SemanticError as e:
             raise turn_error(e) from None
-        items = _Releasing(self._items(agent, prepared, reasoning, start), release)
+        items = _Releasing(self._items(agent, prepared, reasoning, route, start), release)
         return ChatTurn(agent.id, self.rt.model or "unknown", req, messages, items, int(time.time()))
 
-    async def _items(self, agent: Agent, prepared: Prepared, reasoning: ReasoningSplitter | None,
+    async def _items(self, agent: Agent, prepared: Prepared, reasoning: ReasoningSplitter | None, route: str,
                      start: Callable[[], Reply]) -> AsyncIterator[StreamItem]:
         """One turn's items, and the index and metrics updated when it ends."""
         tier = self.rt.cache_tier(agent.id)
@@ -258,6 +262,7 @@ class ChatCore:
                 raise RequestError(400, str(e)) from None
             except SemanticError as e:
                 raise turn_error(e) from None
+            self.observer.turn_started(agent.id, route, reply.turn_id)
             async with closing(_run_turn(reply, prepared, reasoning, self.heartbeat_s)) as items:
                 async for item in items:
                     yield item
@@ -265,6 +270,15 @@ class ChatCore:
             self.index.record(agent.id, agent.history)
             if reply is not None:
                 self.metrics.turn(reply.result, tier)
+                self.observer.turn_ended(agent.id, route, reply.turn_id, reply.result, tier)
+
+
+class _NoObserver:
+    def turn_started(self, agent_id: str, route: str, turn_id: int) -> None:
+        pass
+
+    def turn_ended(self, agent_id: str, route: str, turn_id: int, result, tier: str | None) -> None:
+        pass
 
 
 class _Releasing:
