@@ -253,14 +253,9 @@ class _Server:
         try:
             state = responses.parse_response_id(response)
             await self._history(state)
-            agent = await self.rt.agent(state.agent_id)
-            await agent.delete()
+            await self._delete(await self.rt.agent(state.agent_id))
         except RequestError as err:
             return _error(request.url.path, err)
-        except SemanticError as e:
-            return _error(request.url.path, turn_error(e))
-        self.core.index.forget(state.agent_id)
-        self.dashboard.deleted(state.agent_id)
         return JSONResponse(responses.deleted_json(response))
 
     async def count_tokens(self, request: Request) -> Response:
@@ -314,14 +309,19 @@ class _Server:
     async def delete_agent(self, request: Request) -> Response:
         try:
             agent = await self._known(request.path_params["agent_id"])
-            await agent.delete()
+            await self._delete(agent)
         except RequestError as err:
             return _error(request.url.path, err)
+        return JSONResponse({"id": agent.id, "deleted": True})
+
+    async def _delete(self, agent: Agent) -> None:
+        """Delete the agent (history and every cache file) and forget it; raises ``RequestError``."""
+        try:
+            await agent.delete()
         except SemanticError as e:
-            return _error(request.url.path, turn_error(e))
+            raise turn_error(e) from None
         self.core.index.forget(agent.id)
         self.dashboard.deleted(agent.id)
-        return JSONResponse({"id": agent.id, "deleted": True})
 
     async def fork_agent(self, request: Request) -> Response:
         try:

@@ -160,19 +160,25 @@ def _text(msg: dict, at: str, required: bool) -> str:
         return ""
     if isinstance(content, str):
         return content
+    return text_parts(content, at + ".content", ("text",), ("image_url", "input_audio", "file"))
+
+
+def text_parts(content: object, at: str, text_kinds: tuple[str, ...], media_kinds: tuple[str, ...]) -> str:
+    """Content parts as one string: the text parts (and refusals' text) joined;
+    a media part is a 400 saying this server reads text, another kind a 400."""
     if not isinstance(content, list):
-        raise v.bad(at + ".content", f"must be a string or an array of content parts, not {v.jtype(content)}")
+        raise v.bad(at, f"must be a string or an array of content parts, not {v.jtype(content)}")
     texts = []
     for j, part in enumerate(content):
-        where = f"{at}.content[{j}]"
+        where = f"{at}[{j}]"
         if not isinstance(part, dict):
             raise v.bad(where, f"must be a content part object, not {v.jtype(part)}")
         kind = v.string(part, "type", where + ".", required=True)
-        if kind == "text":
+        if kind in text_kinds:
             texts.append(v.string(part, "text", where + ".", required=True))
         elif kind == "refusal":
             texts.append(v.string(part, "refusal", where + ".", required=True))
-        elif kind in ("image_url", "input_audio", "file"):
+        elif kind in media_kinds:
             raise v.bad(where + ".type", f"{kind!r} parts are not supported (this server reads text only)")
         else:
             raise v.bad(where + ".type", f"{kind!r} parts are not supported")

@@ -68,7 +68,7 @@ from actors import Message
 from . import _validate as v
 from ._aio import closing
 from .identity import state_hash
-from .openai import function_tool, session_hint, tool_arguments
+from .openai import function_tool, session_hint, text_parts, tool_arguments
 from .reasoning import CLOSE, OPEN, split_reasoning
 from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, Usage, cancelled,
                      load_json, stream_text)
@@ -288,23 +288,7 @@ def _text(item: dict, at: str) -> str:
 
 def _parts(content: object, at: str) -> str:
     """Text parts joined (``input_text``, ``output_text``; a refusal's text)."""
-    if not isinstance(content, list):
-        raise v.bad(at, f"must be a string or an array of content parts, not {v.jtype(content)}")
-    texts = []
-    for j, part in enumerate(content):
-        where = f"{at}[{j}]"
-        if not isinstance(part, dict):
-            raise v.bad(where, f"must be a content part object, not {v.jtype(part)}")
-        kind = v.string(part, "type", where + ".", required=True)
-        if kind in _TEXT_PARTS:
-            texts.append(v.string(part, "text", where + ".", required=True))
-        elif kind == "refusal":
-            texts.append(v.string(part, "refusal", where + ".", required=True))
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise v.bad(where + ".type", f"{kind!r} parts are not supported (this server reads text only)")
-        else:
-            raise v.bad(where + ".type", f"{kind!r} parts are not supported")
-    return _JOIN.join(t for t in texts if t)
+    return text_parts(content, at, _TEXT_PARTS, ("input_image", "input_file", "input_audio"))
 
 
 def _tools(data: dict) -> tuple[tuple[dict, ...], tuple[dict, ...] | None, str, object]:

@@ -22,7 +22,7 @@ import uuid
 
 import pytest
 
-from .conftest import MAX_OUTPUT_TOKENS, base_env, client_bin, report, run_cli
+from .conftest import MAX_OUTPUT_TOKENS, TERSE_RULES, base_env, client_bin, report, run_cli
 
 pytestmark = pytest.mark.model
 
@@ -30,23 +30,9 @@ TURN_TIMEOUT = 120
 
 # Long enough that turn 2's new tokens (the reply and a short question) are
 # under a tenth of its prompt; the rest should come from the cache.
-SYSTEM_PROMPT = " ".join([
-    "You are Terse, a careful assistant that answers in one short sentence.",
-    "You work inside a sandbox on a developer's machine and help with small questions about shell commands,",
-    "files and programs. Rules you always follow:",
-    "1. Answer the question that was asked and nothing else.",
-    "2. Never invent file names, command output or facts you have not seen.",
-    "3. When a question is ambiguous, give the most common reading and say so in a few words.",
-    "4. Prefer plain words to jargon, and short words to long ones.",
-    "5. Do not apologise, do not thank the user, do not repeat the question.",
-    "6. When asked for a greeting or a farewell, give exactly one word.",
-    "7. Keep code in backticks and keep it to one line.",
-    "8. If a command could delete or overwrite data, say so before anything else.",
-    "9. Numbers are written as digits; units follow the number with a space.",
-    "10. If you do not know, say 'I do not know.' and stop.",
-    "The user is a programmer who values brevity over completeness, reads every word you write,",
-    "and will ask a follow-up question when they need more detail. A good answer is a single line.",
-])
+SYSTEM_PROMPT = "You are Terse, a careful assistant that answers in one short sentence. You work inside a " \
+    "sandbox on a developer's machine and help with small questions about shell commands, files and programs. " \
+    + " ".join(TERSE_RULES)
 
 
 def claude_env(url: str, home) -> dict:
