@@ -40,7 +40,7 @@ from runtime.errors import SemanticError
 from . import agents, anthropic, openai, responses
 from ._aio import closing
 from .chat import HEARTBEAT_S, ChatCore, ChatTurn, checked_agent_id, turn_error
-from .dashboard import Dashboard
+from .dashboard import Dashboard, memory_and_disk
 from .events import EventHub
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .schema import ChatResult, RequestError, StreamItem
@@ -378,7 +378,7 @@ class _Server:
     async def health(self, request: Request) -> Response:
         rt = self.rt
         stats = rt.stats()
-        memory, disk = await anyio.to_thread.run_sync(_memory_and_disk, rt)
+        memory, disk = await anyio.to_thread.run_sync(memory_and_disk, rt)
         body = {"status": "ok" if rt.healthy else "unhealthy", "ready": rt.healthy, "model": rt.model,
                 "context_length": rt.context_length, "memory": memory,
                 "disk": {"bytes": memory["disk_bytes"], **disk},
@@ -399,13 +399,8 @@ class _Server:
         return EventStreamResponse(self.dashboard.stream(EVENTS_KEEP_ALIVE_S))
 
     async def metrics_text(self, request: Request) -> Response:
-        memory, disk = await anyio.to_thread.run_sync(_memory_and_disk, self.rt)
+        memory, disk = await anyio.to_thread.run_sync(memory_and_disk, self.rt)
         return Response(self.metrics.render(self.rt.stats(), memory, disk), media_type=CONTENT_TYPE_LATEST)
-
-
-def _memory_and_disk(rt: Runtime) -> tuple[dict, dict]:
-    """(worker thread: both ask the filesystem)"""
-    return rt.memory(), rt.disk()
 
 
 async def _answer(request: Request, turn: ChatTurn, stream: bool, protocol) -> Response:

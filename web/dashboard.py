@@ -143,7 +143,7 @@ class Dashboard:
         """Everything the page shows, now (``GET /v1/dashboard``; the first event of a stream)."""
         rt = self.rt
         infos = await rt.agents()
-        memory, disk = await anyio.to_thread.run_sync(_memory_and_disk, rt)
+        memory, disk = await anyio.to_thread.run_sync(memory_and_disk, rt)
         stats = rt.stats()
         rows = [agent_row(i, self._last.get(i.id)) for i in infos]
         for row in rows:
@@ -205,7 +205,7 @@ class Dashboard:
                 await self._publish_rows()
             if self._memory_due or now - memory_at >= MEMORY_S:
                 self._memory_due, memory_at = False, now
-                memory, disk = await anyio.to_thread.run_sync(_memory_and_disk, rt)
+                memory, disk = await anyio.to_thread.run_sync(memory_and_disk, rt)
                 if (memory, disk) != memory_seen:
                     memory_seen = (memory, disk)
                     self.hub.publish("memory", {"memory": memory, "disk": disk})
@@ -235,6 +235,6 @@ class Dashboard:
                 self.deleted(agent_id)
 
 
-def _memory_and_disk(rt: Runtime) -> tuple[dict, dict]:
+def memory_and_disk(rt: Runtime) -> tuple[dict, dict]:
     """(worker thread: both ask the filesystem)"""
     return rt.memory(), rt.disk()

@@ -8,6 +8,8 @@ over the context is cheap to send)."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -43,6 +45,16 @@ def tiny_loaded() -> LoadedModel:
     model.update(tree_map(lambda p: p * 4 if p.ndim == 2 else p, model.parameters()))  # as tests.tiny does
     mx.eval(model.parameters())
     return LoadedModel("tiny", Path(path), model, tokenizer, config, ModelCacheSpec.from_model(model), mx.float32)
+
+
+@functools.cache
+def tiny_with_template(template: str) -> LoadedModel:
+    """``tiny_loaded()`` with another chat template (its tokenizer copied, the model shared)."""
+    loaded = tiny_loaded()
+    wrapper = copy.copy(loaded.tokenizer)
+    wrapper._tokenizer = copy.copy(loaded.tokenizer._tokenizer)
+    wrapper._tokenizer.chat_template = template
+    return dataclasses.replace(loaded, tokenizer=wrapper)
 
 
 def kv_bytes(blocks: int, running: bool = True) -> int:

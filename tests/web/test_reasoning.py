@@ -4,15 +4,13 @@ the tag in its generation prompt (as DeepSeek-R1's does), on every route."""
 
 from __future__ import annotations
 
-import copy
-import functools
 
 import pytest
 
 from runtime.models import LoadedModel
 from web.reasoning import ReasoningSplitter, answer_text, split_reasoning
 
-from .live import client, live_server, tiny_loaded
+from .live import client, live_server, tiny_loaded, tiny_with_template
 
 REPLIES = [
     ("<think>\nThe user greets me.\n</think>\n\nHello!", False, "\nThe user greets me.\n", "Hello!"),
@@ -48,19 +46,11 @@ def test_a_stored_reply_is_matched_by_its_answer():
     assert answer_text("just text") == "just text"
 
 
-@functools.cache
 def thinking_model() -> LoadedModel:
     """The tiny model with a template whose generation prompt opens ``<think>``:
     its random-weight replies never close the tag, so all of a reply is reasoning."""
-    from mlx_lm.utils import load_tokenizer
-
-    tiny = tiny_loaded()
-    tokenizer = load_tokenizer(tiny.path)
-    tokenizer.chat_template = tiny.tokenizer.chat_template.replace(
-        "'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>\n'")
-    assert "<think>" in tokenizer.chat_template
-    return LoadedModel("tiny-thinking", tiny.path, tiny.model, tokenizer, copy.deepcopy(tiny.config), tiny.spec,
-                       tiny.dtype)
+    template = tiny_loaded().tokenizer.chat_template
+    return tiny_with_template(template.replace("'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>\n'"))
 
 
 @pytest.mark.anyio

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import json
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from web.chat import ChatTurn
 from web.schema import ChatResult, Heartbeat, RequestError, TextDelta, ToolCall, Usage
 from web.sse import KEEP_ALIVE
 
-from .live import client, live_server, tiny_loaded
+from .live import client, live_server, tiny_loaded, tiny_with_template
 from .sse_util import collect, parse_sse
 from .test_tools import HERMES
 
@@ -295,14 +294,9 @@ def _model():
     tiny_loaded()  # load once, outside any test's timing
 
 
-@functools.cache
 def tiny_with_tools():
     """The tiny model with a Hermes-style template that takes tools."""
-    loaded = tiny_loaded()
-    wrapper = copy.copy(loaded.tokenizer)
-    wrapper._tokenizer = copy.copy(loaded.tokenizer._tokenizer)
-    wrapper._tokenizer.chat_template = HERMES
-    return dataclasses.replace(loaded, tokenizer=wrapper)
+    return tiny_with_template(HERMES)
 
 
 def sdk(url: str):
