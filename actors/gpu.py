@@ -8,8 +8,10 @@ Two halves, one per thread:
   task starts the thread, waits (without blocking the loop) until it ends, and
   joins it.
 * ``_Worker`` runs on that thread and owns everything MLX: the model registry
-  (model, ``Engine``, the agents' hot caches and the KV budget) and reading
-  cache files.  When the engine is idle it blocks on its inbox; when busy it
+  (model, ``Engine``, the agents' hot caches and the KV budget).  It opens no
+  file: a warm cache is read by the persistence actor (``ReadCache``) while the
+  batch goes on decoding, and its turn is admitted once the bytes are here
+  (``CacheRead``).  When the engine is idle it blocks on its inbox; when busy it
   drains the inbox between steps (admitting new turns, applying cancels), runs
   one ``prefill_step`` (round-robin among pending prefills, inside the engine)
   and one ``step_once`` (one token for every decoding sequence), and posts
@@ -27,10 +29,12 @@ Caches leave the thread as bytes: when a turn ends, the blocks of its cache
 that are not on disk yet are copied out (``runtime.cache_file.snapshot``: the
 blocks from the first one whose tokens differ from what this thread last
 handed over for the same cache, plus the sliding-window rings; no hashing, no
-file I/O here) and handed to the persistence actor with a ``WriteTicket``; the
-cache is *dirty* until that exact version is durable (``CacheWritten``).  When ``AgentCaches`` must demote a dirty cache (to make
-room), ``HotCaches.write`` waits for its ticket instead of writing itself, so
-the persistence actor stays the one writer of every file.
+file I/O here) and handed to the persistence actor; the cache is *dirty*
+until that exact version is durable (``CacheWritten``).  When ``AgentCaches``
+must demote a dirty cache (to make room), it is handed over (if it was not
+already) and dropped: the persistence actor holds its bytes until they are
+written, and reads an agent only after its queued writes, so nothing here
+ever waits for the disk.
 
 Failure: an exception from an engine step is fatal (the batch's state is
 unknown): every turn in flight and waiting fails with ``RuntimeUnhealthy``, the
@@ -49,7 +53,6 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import anyio
 import mlx.core as mx
@@ -58,7 +61,7 @@ from anyio.from_thread import BlockingPortal
 from runtime import turns
 from runtime.agent_cache import AgentMemory, OutOfMemory
 from runtime.batch_cache import copy_cache
-from runtime.cache_file import BLOCK_TOKENS, CacheRecord, snapshot
+from runtime.cache_file import BLOCK_TOKENS, CacheRecord, CacheStore, snapshot
 from runtime.engine import Delta as EngineDelta
 from runtime.engine import LENGTH, Finished
 from runtime.errors import SemanticError
@@ -68,6 +71,7 @@ from .errors import ContextTooLong, RuntimeClosed, RuntimeUnhealthy, TurnError
 from .messages import (
     BeginTurn,
     CacheBlocks,
+    CacheRead,
     CacheWritten,
     CancelTurn,
     Delta,
@@ -81,12 +85,12 @@ from .messages import (
     GpuDown,
     HotAgent,
     HotSet,
+    ReadCache,
     StopGpu,
     SwapModel,
     TurnEnded,
     TurnFailed,
     TurnResult,
-    WriteTicket,
 )
 from .registry import ModelRegistry
 
@@ -94,7 +98,7 @@ __all__ = ["BatchSnapshot", "GpuActor", "HotSnapshot", "SequenceInfo"]
 
 log = logging.getLogger("semantic.actors")
 
-_DURABLE_WAIT_S = 120.0  # a dirty cache being demoted waits this long for its write
+_READ_AHEAD = 4  # waiting turns whose warm caches are read ahead (host memory held: at most this many caches)
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,7 @@ class GpuActor:
     def __init__(
         self,
         model: str | LoadedModel,
-        cache_root: Path,
+        store: CacheStore,
         budget_bytes: int | None,
         persistence,  # MemoryObjectSendStream[PersistCommand]
         eviction=None,  # MemoryObjectSendStream[EvictCommand] | None
@@ -169,7 +173,7 @@ class GpuActor:
         self.hot = HotSnapshot()  # replaced (never mutated) by the GPU thread
         self.batch = BatchSnapshot()  # likewise
         self._worker = _Worker(
-            self, model, ModelRegistry(cache_root, budget_bytes, engine_options or {}),
+            self, model, ModelRegistry(store, budget_bytes, engine_options or {}),
             persistence, eviction, model_idle_s,
         )
 
@@ -350,7 +354,6 @@ class _Pushed:
 
     version: int
     memory: weakref.ref  # the AgentMemory it encodes: clean once written, if still hot
-    ticket: WriteTicket
 
 
 @dataclass(frozen=True)
@@ -381,6 +384,8 @@ class _Worker:
         self.failed: RuntimeUnhealthy | None = None
         self.stopping = False
         self.pushed: dict[str, _Pushed] = {}
+        self.reading: set[str] = set()  # agents whose caches persistence is reading for a waiting turn or fork
+        self.forks: list[ForkCache] = []  # forks waiting for their source's cache to be read
         self.sent: dict[str, _Sent] = {}
         self.versions = itertools.count(1)
         self.steps = 0
@@ -417,8 +422,9 @@ class _Worker:
 
     def _load(self, model) -> None:
         self.registry.load(model)
-        self.registry.caches.write_through = self._write_through
+        self.registry.caches.hand_over = self._hand_over
         self.registry.caches.on_load = self._loaded
+        self.reading.clear()  # reads for another model: their answers are dropped
         self._report_hot()
 
     def _serve(self) -> None:
@@ -496,10 +502,12 @@ class _Worker:
             self._cancel(cmd)
         elif isinstance(cmd, CacheWritten):
             self._written(cmd)
+        elif isinstance(cmd, CacheRead):
+            self._read(cmd)
         elif isinstance(cmd, Demote):
             self._demote(cmd.agent_ids)
         elif isinstance(cmd, ForkCache):
-            self._answer(cmd.reply, self._fork, cmd.source, cmd.target)
+            self.forks.append(cmd)
         elif isinstance(cmd, DropCache):
             self._answer(cmd.reply, self._drop, cmd.agent_id)
         elif isinstance(cmd, FlushCaches):
@@ -530,7 +538,8 @@ class _Worker:
             self._reply(reply, Done(value))
 
     def _progress(self) -> None:
-        """Admit waiting turns, or run a pending model swap once the batch drained."""
+        """Run forks and admit waiting turns, or run a pending model swap once the batch drained."""
+        self._run_forks()
         if self.failed is not None:
             while self.waiting:
                 self._fail(self.waiting.popleft(), self.failed)
@@ -553,10 +562,54 @@ class _Worker:
         self._admit_waiting()
 
     def _admit_waiting(self, preempted_only: bool = False) -> None:
+        for t in itertools.islice(self.waiting, _READ_AHEAD):
+            self._read_ahead(t.cmd.agent_id, t.cmd.use_cache or t.preempted is not None)
         while self.waiting and (not preempted_only or self.waiting[0].preempted):
+            if self.waiting[0].cmd.agent_id in self.reading:
+                return  # its cache is on its way from disk; the batch goes on meanwhile (first come, first served)
             if not self._begin(self.waiting[0]):
-                return  # no room yet: it waits for a turn to end (first come, first served)
-            self.waiting.popleft()
+                return  # no room yet: it waits for a turn to end
+            self._forget_read(self.waiting.popleft().cmd.agent_id)  # if it failed before using it
+
+    def _read_ahead(self, agent_id: str, wanted: bool = True) -> None:
+        """Ask persistence for ``agent_id``'s cache unless it is hot, read, or on its way."""
+        caches = self.registry.caches
+        if not wanted or agent_id in self.reading or agent_id in caches.fetched or caches.peek(agent_id) is not None \
+                or caches.busy(agent_id):
+            return
+        self.reading.add(agent_id)
+        self.actor._post(self.persistence, ReadCache(agent_id, caches.model_id, caches.spec.hash))
+
+    def _read(self, cmd: CacheRead) -> None:
+        """A cache read ahead arrived: keep it for the turn or fork that wants it."""
+        caches = self.registry.caches
+        if cmd.agent_id not in self.reading or caches is None or cmd.model_id != caches.model_id:
+            return  # nobody waits for it any more (cancelled, or read for another model)
+        self.reading.discard(cmd.agent_id)
+        caches.fetched[cmd.agent_id] = cmd.cache
+
+    def _run_forks(self) -> None:
+        """Run the forks whose source cache is in memory (hot, or read ahead)."""
+        for cmd in list(self.forks):
+            if self.failed is None:
+                try:
+                    if self.registry.loaded is None:
+                        self._load(self.registry.name)  # back after an idle unload
+                except SemanticError as e:
+                    self.forks.remove(cmd)
+                    self._reply(cmd.reply, Failed(e))
+                    continue
+                self._read_ahead(cmd.source)
+                if cmd.source in self.reading:
+                    continue
+            self.forks.remove(cmd)
+            self._answer(cmd.reply, self._fork, cmd.source, cmd.target)
+
+    def _forget_read(self, agent_id: str) -> None:
+        """A waiting turn left before admission: its cache read ahead is not needed."""
+        self.reading.discard(agent_id)
+        if self.registry.caches is not None:
+            self.registry.caches.fetched.pop(agent_id, None)
 
     def _begin(self, t: _Turn) -> bool:
         """Admit a turn into the engine.  False: no room now; a failure replies and counts as done."""
@@ -635,6 +688,7 @@ class _Worker:
         for t in self.waiting:
             if t.cmd.turn_id == cmd.turn_id:
                 self.waiting.remove(t)
+                self._forget_read(t.cmd.agent_id)
                 self._drop_preempted(t)
                 self._reply(t.cmd.reply, TurnEnded(cmd.turn_id, _result(t, t.preempted, "cancelled")))
                 return
@@ -697,9 +751,8 @@ class _Worker:
             del self.sent[agent_id]
         self.sent[memory.agent_id] = _Sent(weakref.ref(memory.cache[0]), record.tokens)
         version = next(self.versions)
-        ticket = WriteTicket()
-        self.pushed[memory.agent_id] = _Pushed(version, weakref.ref(memory), ticket)
-        self.actor._post(self.persistence, CacheBlocks(memory.agent_id, record.model_id, version, update, ticket))
+        self.pushed[memory.agent_id] = _Pushed(version, weakref.ref(memory))
+        self.actor._post(self.persistence, CacheBlocks(memory.agent_id, record.model_id, version, update))
         return True
 
     def _handed_over(self, memory: AgentMemory) -> int:
@@ -721,27 +774,22 @@ class _Worker:
         del self.pushed[cmd.agent_id]
         memory, caches = p.memory(), self.registry.caches
         hot = memory is not None and caches is not None and caches.peek(cmd.agent_id) is memory
-        if not p.ticket.ok:
+        if not cmd.ok:
             self.sent.pop(cmd.agent_id, None)  # what it carried may not be on disk
-            if p.ticket.stale and hot:
+            if cmd.stale and hot:
                 self._push(memory)  # whole, this time
+            elif not hot:  # demoted: the file keeps the last good version, the next turn resumes from it
+                log.warning("the newest cache of %s could not be written and has left memory; its file keeps "
+                            "the last good version", cmd.agent_id)
         elif hot:
             memory.dirty = False
             self._report_hot()
 
-    def _write_through(self, memory: AgentMemory) -> None:
-        """``HotCaches.write``: make ``memory`` durable through persistence (blocks this
-        thread until its write is done; only demotion of a dirty cache gets here)."""
+    def _hand_over(self, memory: AgentMemory) -> None:
+        """``HotCaches.write``: a dirty cache leaves memory; persistence holds its bytes until written."""
         p = self.pushed.get(memory.agent_id)
-        if (p is None or p.memory() is not memory) and self._push(memory):
-            p = self.pushed[memory.agent_id]
-        if p is not None and p.memory() is memory and p.ticket.done.wait(_DURABLE_WAIT_S) and p.ticket.ok:
-            memory.dirty = False
-            return
-        # The disk is full or failing (persistence said why): the memory is needed, so this
-        # version goes; the file keeps the last good one and the next turn resumes from it.
-        log.warning("the newest cache of %s could not be written; it leaves memory unwritten "
-                    "(its file keeps the last good version)", memory.agent_id)
+        if p is None or p.memory() is not memory:
+            self._push(memory)
 
     def _hand_over_dirty(self) -> int:
         """Hand every dirty hot cache not handed over yet to persistence (no waiting)."""
@@ -753,13 +801,6 @@ class _Worker:
             if memory.dirty and (p is None or p.memory() is not memory):
                 n += self._push(memory)
         return n
-
-    def _make_durable(self) -> None:
-        """Block until every hot cache is on disk (before a model goes away)."""
-        caches = self.registry.caches
-        for memory in caches.hot_memories() if caches else ():
-            if memory.dirty:
-                self._write_through(memory)
 
     def _demote(self, agent_ids) -> None:
         caches = self.registry.caches
@@ -808,13 +849,10 @@ class _Worker:
     def _fork(self, source: str, target: str) -> bool:
         """Copy ``source``'s cache to ``target`` (sharing arrays until either grows).
         True if there was a cache to copy."""
-        if self.registry.loaded is None:
-            self._load(self.registry.name)  # back after an idle unload
         caches = self.registry.caches
-        if caches.tier(target) is not None:  # a stale cache under the new id
-            self.pushed.pop(target, None)
-            self.sent.pop(target, None)
-            caches.delete(target)
+        self.pushed.pop(target, None)  # a stale cache under the new id: the fork's files replace its files
+        self.sent.pop(target, None)
+        caches.delete(target)
         memory = caches.checkout(source)
         if memory is None:
             caches.abandon(source)
@@ -843,7 +881,7 @@ class _Worker:
         cmd, self.swap = self.swap, None
         previous = self.registry.name  # by name: holding the old weights would double peak memory
         try:
-            self._make_durable()
+            self._hand_over_dirty()
             self.registry.unload()
             self._load(cmd.model)
         except SemanticError as e:
@@ -856,7 +894,7 @@ class _Worker:
     def _idle_unload(self) -> None:
         if self.registry.loaded is None or self.turns or self.waiting or self.swap is not None:
             return
-        self._make_durable()
+        self._hand_over_dirty()
         self.registry.unload()
         log.info("model %s unloaded after %g s idle", self.registry.name, self.model_idle_s)
 
@@ -877,6 +915,9 @@ class _Worker:
         if self.swap is not None:
             self._reply(self.swap.reply, Failed(closed))
             self.swap = None
+        for cmd in self.forks:
+            self._reply(cmd.reply, Failed(closed))
+        self.forks.clear()
         self.stopping = True
 
     def _fatal(self, error: Exception) -> None:

@@ -17,7 +17,6 @@ No MLX array ever travels in a message: the GPU actor turns caches into bytes
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
@@ -27,15 +26,15 @@ from runtime.errors import SemanticError
 if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectSendStream as Sink
 
-    from runtime.cache_file import BlockUpdate
+    from runtime.cache_file import BlockUpdate, HostCache
     from runtime.models import LoadedModel
 
 __all__ = [
-    "AgentCommand", "BeginTurn", "CacheBlocks", "CacheWritten", "CancelTurn", "Delta", "Demote",
+    "AgentCommand", "BeginTurn", "CacheBlocks", "CacheRead", "CacheWritten", "CancelTurn", "Delta", "Demote",
     "DropCache", "Done", "EvictCommand", "Failed", "FlushCaches", "ForkCache", "Forget", "Fork",
     "Flush", "GpuCommand", "GpuDown", "HistoryBytes", "HotAgent", "HotSet", "Message", "Open",
-    "PersistCommand", "Send", "StopGpu", "Stop", "SwapModel", "TurnEnded", "TurnEvent",
-    "TurnFailed", "TurnResult", "Delete", "WriteTicket",
+    "PersistCommand", "ReadCache", "Send", "StopGpu", "Stop", "SwapModel", "TurnEnded", "TurnEvent",
+    "TurnFailed", "TurnResult", "Delete",
 ]
 
 
@@ -168,10 +167,24 @@ class CancelTurn:
 
 @dataclass(frozen=True)
 class CacheWritten:
-    """Persistence wrote ``version`` of an agent's cache (or failed to: ``ticket.ok``)."""
+    """Persistence wrote ``version`` of an agent's cache (the newest it had), or
+    failed to (``ok`` False; ``stale``: blocks it left out are not on disk, so
+    the GPU actor should hand over the whole cache)."""
 
     agent_id: str
     version: int
+    ok: bool = True
+    stale: bool = False
+
+
+@dataclass(frozen=True)
+class CacheRead:
+    """An agent's cache for ``model_id`` as the persistence actor read it (``ReadCache``):
+    in host memory, checked; None when there is none (or it was unusable: quarantined)."""
+
+    agent_id: str
+    model_id: str
+    cache: HostCache | None
 
 
 @dataclass(frozen=True)
@@ -217,7 +230,7 @@ class StopGpu:
     """Cancel every turn, hand every dirty cache to persistence, end the thread."""
 
 
-GpuCommand = Union[BeginTurn, CancelTurn, CacheWritten, Demote, ForkCache, DropCache, FlushCaches, SwapModel, StopGpu]
+GpuCommand = Union[BeginTurn, CancelTurn, CacheWritten, CacheRead, Demote, ForkCache, DropCache, FlushCaches, SwapModel, StopGpu]
 
 
 @dataclass(frozen=True)
@@ -270,32 +283,27 @@ AgentCommand = Union[Open, Send, Fork, Delete]
 # -- the persistence actor's mailbox ---------------------------------------------
 
 
-@dataclass(eq=False)
-class WriteTicket:
-    """Set once a version of a cache is durable on disk (or its write failed).
-
-    Shared by the GPU thread (waits on it before it may drop a dirty cache) and
-    the persistence actor (the only one that sets it): a ``threading.Event``,
-    because one side is not on the event loop.
-    """
-
-    done: threading.Event = field(default_factory=threading.Event)
-    ok: bool = False
-    stale: bool = False  # not written because blocks it left out are not on disk: hand over the whole cache
-
-
 @dataclass(frozen=True)
 class CacheBlocks:
     """A version of an agent's cache as bytes (``runtime.cache_file.snapshot``):
     the blocks from ``update.first`` on.  A newer version of the same agent
     replaces a pending older one, taking over the blocks only the older one
-    carried (its ticket is settled with the newer)."""
+    carried."""
 
     agent_id: str
     model_id: str
     version: int
     update: BlockUpdate
-    ticket: WriteTicket
+
+
+@dataclass(frozen=True)
+class ReadCache:
+    """Read an agent's cache for a model into host memory, after any write of it
+    already queued; answer the GPU actor with ``CacheRead``."""
+
+    agent_id: str
+    model_id: str
+    spec_hash: str
 
 
 @dataclass(frozen=True)
@@ -326,7 +334,7 @@ class Stop:
     """Finish the pending work, then end (persistence, eviction)."""
 
 
-PersistCommand = Union[CacheBlocks, HistoryBytes, Forget, Flush, Stop]
+PersistCommand = Union[CacheBlocks, ReadCache, HistoryBytes, Forget, Flush, Stop]
 
 
 # -- the eviction actor's mailbox -------------------------------------------------

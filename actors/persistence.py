@@ -2,7 +2,7 @@
 
 It is the one writer of every cache and history file, so writes of one file
 happen in the order they were made and an older version never lands after a
-newer one.  It receives bytes (the GPU actor copies out the blocks of a cache
+newer one, and the one reader of caches: the GPU thread never opens a file.  It receives bytes (the GPU actor copies out the blocks of a cache
 that are new since what it last handed over, ``CacheBlocks``; agent actors
 encode their histories) and writes them on a worker thread, one agent at a
 time, so no turn waits on the disk: ``CacheStore.write`` hashes the blocks,
@@ -11,25 +11,29 @@ writes those not on disk and then the manifest; histories go through
 
 * **Coalescing**: pending writes are keyed by file; a newer version replaces
   a pending older one in place (latest wins), taking over the older one's
-  blocks that it left out, and the older one's ticket is settled when the
-  newer is written.
+  blocks that it left out; the GPU actor hears of the newer one only.
 * **Stale blocks**: a cache version whose left-out blocks are not on disk
-  (an earlier write failed, or the files went) is not written; its ticket
+  (an earlier write failed, or the files went) is not written; ``CacheWritten``
   says so (``stale``) and the GPU actor hands over the whole cache.
 * **Bounded delay**: pending files are written first come, first served, so a
   turn's cache is durable at most (files pending before it) x (one write)
   after the turn ends.  ``Flush`` answers when nothing is pending.
 * **Clean**: after writing a cache it tells the GPU actor (``CacheWritten``),
   which marks that version clean -- free to demote without writing.
+* **Reads** (``ReadCache``): a warm cache is read and checked into host memory
+  on a worker thread, beside the writes (a turn's load never waits for other
+  agents' writes), but after any write or delete of the same agent queued
+  before it, which it moves to the front of the line; the bytes go to the
+  GPU actor (``CacheRead``).  An unusable cache is quarantined here.
 * **Shutdown**: ``Stop`` writes everything pending, then ends.  A write in
   progress is never abandoned: worker threads are not cancellable, and every
   write is a temp file renamed into place.
 * **No room**: a file is written only if its filesystem keeps ``FREE_MARGIN``
   free after it; otherwise (or when the write fails, e.g. ENOSPC) the last
-  good file stays, one log line names the agent, and a cache's ticket
-  settles with ``ok=False`` (the GPU actor keeps that cache dirty in memory
-  and hands it over again); a history is tried again after the next write
-  that succeeds.
+  good file stays, one log line names the agent, and a cache's write
+  is reported with ``ok=False`` (the GPU actor keeps that cache dirty in memory
+  and hands it over again, if it is still there); a history is tried again
+  after the next write that succeeds.
 * **Bounded disk** (``runtime.disk``): at start, then at most once every
   ``prune_interval_s`` after writes or when a conversation's TTL ends (an
   idle actor sleeps until then), and at once when the next write would take
@@ -38,8 +42,8 @@ writes those not on disk and then the manifest; histories go through
   down to 90% of the budget.  Pruning runs between writes, never beside one,
   and leaves alone every file of an agent with a write pending, the files of
   a conversation live in the runtime (``live``: the TTL waits for its actor
-  to retire), and the cache files of agents whose caches are in memory
-  (``hot``).
+  to retire), the cache files of agents whose caches are in memory
+  (``hot``) and those being read.
 """
 
 from __future__ import annotations
@@ -59,7 +63,9 @@ from runtime.cache_file import CacheStore, StaleBlocks, merged, tree_bytes, writ
 from runtime.disk import NoRoom, history_path
 from runtime.errors import SemanticError
 
-from .messages import CacheBlocks, CacheWritten, Done, Failed, Flush, Forget, HistoryBytes, PersistCommand, Stop, WriteTicket
+from .messages import (
+    CacheBlocks, CacheRead, CacheWritten, Done, Failed, Flush, Forget, HistoryBytes, PersistCommand, ReadCache, Stop,
+)
 
 __all__ = ["PersistenceActor", "history_path"]
 
@@ -85,7 +91,10 @@ class PersistenceActor:
         self.mailbox, self._inbox = anyio.create_memory_object_stream[PersistCommand](math.inf)
         # Owned by run(): file key -> the latest bytes for it, oldest first.
         self._pending: OrderedDict[tuple, CacheBlocks | HistoryBytes] = OrderedDict()
-        self._superseded: dict[tuple, list[WriteTicket]] = {}
+        self._writing: tuple | None = None  # the key being written or deleted
+        self._pruning = False
+        self._reading: dict[str, int] = {}  # agent id -> reads in progress
+        self._settled = anyio.Event()  # set (and replaced) when a write, delete or prune ends
         self._flushes: list = []
         self._unwritten: dict[str, HistoryBytes] = {}  # histories whose write failed: retried after a success
         self.writes = 0  # caches and histories written (for tests and benchmarks)
@@ -101,7 +110,7 @@ class PersistenceActor:
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         with self.mailbox:  # once this actor ends, sending to it raises ClosedResourceError
-            async with self._inbox:
+            async with self._inbox, anyio.create_task_group() as self._readers:
                 await self._serve()
 
     async def _serve(self) -> None:
@@ -109,10 +118,13 @@ class PersistenceActor:
         while True:
             stopping = self._take_all() or stopping
             if self._prune_due():
+                self._pruning = True
                 await self._prune()
+                self._settle()
                 continue
             if self._pending:
                 await self._write_one()
+                self._settle()
                 continue
             for reply in self._flushes:
                 _answer(reply, Done())
@@ -141,6 +153,11 @@ class PersistenceActor:
         if isinstance(message, CacheBlocks):
             key = ("cache", message.agent_id, message.model_id)
             self._queue(key, message)
+        elif isinstance(message, ReadCache):
+            ahead = [k for k in self._pending if self._holds_up(k, message.agent_id)]
+            for key in reversed(ahead):
+                self._pending.move_to_end(key, last=False)  # first in line, in their order
+            self._readers.start_soon(self._read, message)
         elif isinstance(message, HistoryBytes):
             self._unwritten.pop(message.agent_id, None)
             self._queue(("history", message.agent_id), message)
@@ -159,12 +176,40 @@ class PersistenceActor:
         if old is not None:
             self.coalesced += 1
             if isinstance(old, CacheBlocks):
-                self._superseded.setdefault(key, []).append(old.ticket)
                 item = replace(item, update=merged(old.update, item.update))
         self._pending[key] = item  # replacing keeps the file's place in line
 
+    def _settle(self) -> None:
+        self._writing, self._pruning = None, False
+        self._settled.set()
+        self._settled = anyio.Event()
+
+    @staticmethod
+    def _holds_up(key: tuple | None, agent_id: str) -> bool:
+        """A read of ``agent_id`` waits for this pending (or running) write or delete."""
+        return key is not None and key[0] in ("cache", "forget") and key[1] == agent_id
+
+    async def _read(self, message: ReadCache) -> None:
+        """Read one agent's cache for the GPU actor, after its own queued writes and deletes."""
+        agent = message.agent_id
+        while self._pruning or any(self._holds_up(k, agent) for k in (self._writing, *self._pending)):
+            await self._settled.wait()
+        self._reading[agent] = self._reading.get(agent, 0) + 1  # pruning leaves its files alone
+        try:
+            cache = await anyio.to_thread.run_sync(self.store.read, agent, message.model_id, message.spec_hash)
+        except Exception as e:  # an invalid id (never admitted), or a bug: the agent starts cold
+            log.error("could not read the cache of agent %r: %r; it starts cold", agent, e)
+            cache = None
+        finally:
+            self._reading[agent] -= 1
+            if not self._reading[agent]:
+                del self._reading[agent]
+        if self.gpu is not None:
+            self.gpu.submit(CacheRead(agent, message.model_id, cache))
+
     async def _write_one(self) -> None:
         key, item = self._pending.popitem(last=False)
+        self._writing = key
         if isinstance(item, Forget):
             await self._forget(item)
             return
@@ -191,12 +236,8 @@ class PersistenceActor:
         if not ok and isinstance(item, HistoryBytes):
             self._unwritten[item.agent_id] = item
         self._next_prune = min(self._next_prune, self._last_prune + self.prune_interval_s)
-        if isinstance(item, CacheBlocks):
-            for ticket in (*self._superseded.pop(key, ()), item.ticket):
-                ticket.ok, ticket.stale = ok, stale
-                ticket.done.set()
-            if self.gpu is not None:
-                self.gpu.submit(CacheWritten(item.agent_id, item.version))
+        if isinstance(item, CacheBlocks) and self.gpu is not None:
+            self.gpu.submit(CacheWritten(item.agent_id, item.version, ok, stale))
 
     def _retry_histories(self) -> None:
         """A write succeeded, so there may be room again: queue the histories that failed."""
@@ -248,7 +289,7 @@ class PersistenceActor:
 
     async def _prune(self) -> None:
         """Apply the disk budget and the conversations' TTL (``runtime.disk.plan``)."""
-        protected = frozenset({*(k[1] for k in self._pending), *self._unwritten})
+        protected = frozenset({*(k[1] for k in self._pending), *self._unwritten, *self._reading})
         live = frozenset(self.live())
         budget = self.disk_budget
         try:
@@ -302,10 +343,7 @@ class PersistenceActor:
         agent_id = message.agent_id
         self._unwritten.pop(agent_id, None)
         for key in [k for k in self._pending if k[1] == agent_id and k[0] != "forget"]:
-            item = self._pending.pop(key)
-            for ticket in (*self._superseded.pop(key, ()), *([item.ticket] if isinstance(item, CacheBlocks) else ())):
-                ticket.done.set()  # ok stays False: that version will never be on disk
-
+            del self._pending[key]
         try:
             await anyio.to_thread.run_sync(disk.remove_agent, self.store, self.histories, agent_id)
         except OSError as e:

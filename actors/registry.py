@@ -13,11 +13,11 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable
-from pathlib import Path
 
 import mlx.core as mx
 
 from runtime.agent_cache import AgentCaches, AgentMemory, open_caches
+from runtime.cache_file import CacheStore, HostCache
 from runtime.engine import Engine
 from runtime.models import LoadedModel, load
 
@@ -27,15 +27,25 @@ log = logging.getLogger("semantic.actors")
 
 
 class HotCaches(AgentCaches):
-    """``AgentCaches`` whose writes are made durable through the persistence actor.
+    """``AgentCaches`` whose files only the persistence actor touches.
 
-    ``AgentCaches`` writes a dirty cache when it demotes it (to make room, or
-    on request); here ``write`` goes through ``write_through`` (set by the GPU
-    actor), so one writer -- the persistence actor -- orders every write of a
-    file and an older version can never land after a newer one.
+    The GPU actor reads nothing itself: a warm cache arrives in host memory
+    from the persistence actor (``fetched``) before its turn is admitted, and
+    ``read`` takes it from there (an agent with nothing fetched starts cold).
+    Demoting a dirty cache hands it to persistence (``hand_over``, set by the
+    GPU actor) instead of writing it, and deleting forgets only the hot copy,
+    so one writer orders every write of a file and an older version can
+    never land after a newer one.
     """
 
-    write_through: Callable[[AgentMemory], None] | None = None
+    hand_over: Callable[[AgentMemory], None] = staticmethod(lambda memory: None)
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.fetched: dict[str, HostCache | None] = {}  # agent id -> its cache as read from disk (None: none)
+
+    def read(self, agent_id: str) -> HostCache | None:
+        return self.fetched.pop(agent_id, None)
 
     def delete(self, agent_id: str) -> None:
         """Forget the hot copy; the persistence actor deletes the files (``Forget``),
@@ -43,17 +53,14 @@ class HotCaches(AgentCaches):
         self.forget(agent_id)
 
     def write(self, memory: AgentMemory) -> None:
-        if self.write_through is None:
-            super().write(memory)
-        else:
-            self.write_through(memory)
+        self.hand_over(memory)
 
 
 class ModelRegistry:
     """The loaded model, its ``Engine`` and its ``HotCaches`` (GPU thread only)."""
 
-    def __init__(self, cache_root: Path, budget_bytes: int | None, engine_options: dict):
-        self.cache_root = cache_root
+    def __init__(self, store: CacheStore, budget_bytes: int | None, engine_options: dict):
+        self.store = store
         self.budget_bytes = budget_bytes
         self.engine_options = engine_options
         self.loaded: LoadedModel | None = None
@@ -68,8 +75,7 @@ class ModelRegistry:
         assert self.loaded is None, "load() over a loaded model: unload() first"
         loaded = model if isinstance(model, LoadedModel) else load(model, progress=False)
         engine = Engine(loaded.model, loaded.tokenizer, **self.engine_options)
-        base = open_caches(loaded, self.cache_root, self.budget_bytes, working_copy=engine.float_attention)
-        caches = HotCaches(base.store, base.model_id, base.spec, base.budget)
+        caches = open_caches(loaded, self.store, self.budget_bytes, working_copy=engine.float_attention, cls=HotCaches)
         caches.demotions, caches.prefix_drops = self._counts
         self.loaded, self.caches, self.name, self.engine = loaded, caches, loaded.name, engine
         log.info("model %s loaded; KV budget %.0f MiB", loaded.name, caches.budget.budget_bytes / 2**20)

@@ -146,7 +146,7 @@ class Runtime:
         persistence = PersistenceActor(store, root / "histories", disk_budget=disk_budget,
                                        conversation_ttl_s=conversation_ttl_s, prune_interval_s=prune_interval_s)
         eviction = EvictionActor(*eviction_watermarks)
-        gpu = GpuActor(model, root, budget, persistence.mailbox, eviction.mailbox,
+        gpu = GpuActor(model, store, budget, persistence.mailbox, eviction.mailbox,
                        engine_options={"max_chunk": prefill_chunk}, model_idle_s=model_idle_s)
         persistence.gpu = eviction.gpu = gpu
         try:

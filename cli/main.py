@@ -105,6 +105,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=8, help="tokens per reply (default 8)")
     _add_json(p, "the results")
 
+    p = bench.add_parser("overlap", help="a warm load and a large write while another agent decodes: its step time")
+    _add_model(p)
+    p.add_argument("--context", type=int, default=4096, help="tokens of the cache loaded and written (default 4096)")
+    p.add_argument("--tokens", type=int, default=48, help="tokens the decoding agent generates (default 48)")
+    p.add_argument("--rounds", type=int, default=10, help="rounds; medians are reported (default 10)")
+    _add_json(p, "the results")
+
     p = bench.add_parser("compare", help="`semantic serve` against mlx_lm.server over HTTP, side by side")
     _add_model(p)
     p.add_argument("--quick", action="store_true", help="a reduced set (< 10 minutes on 2 cores; full run < 45)")

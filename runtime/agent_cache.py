@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from .batch_cache import copy_cache
 from .block_pool import KVBudget, default_budget
-from .cache_file import FORMAT_VERSION, CacheRecord, CacheStore
+from .cache_file import FORMAT_VERSION, CacheRecord, CacheStore, HostCache
 from .errors import SemanticError
 from .model_spec import ModelCacheSpec
 
@@ -109,29 +109,29 @@ class AgentCaches:
     # -- a turn's life: checkout, then checkin (or abandon)
 
     def checkout(self, agent_id: str) -> AgentMemory | None:
-        """Take an agent's cache for a turn: hot, else loaded from disk (warm),
-        else None (cold).  A warm cache's blocks are reserved before it is
-        loaded.  Raises OutOfMemory when it can never fit."""
+        """Take an agent's cache for a turn: hot, else read from disk (warm),
+        else None (cold).  A warm cache's blocks are reserved before its MLX
+        arrays are made.  Raises OutOfMemory when it can never fit."""
         self._busy.add(agent_id)
         if (memory := self._hot.pop(agent_id, None)) is not None:
             return memory
         try:
-            if not self.store.exists(agent_id, self.model_id):
+            host = self.read(agent_id)
+            if host is None:  # none on disk, or unusable (quarantined): start cold
                 return None
-            if (info := self.store.info(agent_id, self.model_id)) is not None:
-                self._admit(agent_id, info["tokens"])  # before loading: the manifest says how big it is
-            # (else load() below quarantines it and says why)
-            record = self.store.load(agent_id, self.model_id, self.spec.hash)
+            self._admit(agent_id, len(host.tokens))
+            record = host.build()
         except BaseException:
             self.abandon(agent_id)
             raise
-        if record is None:  # quarantined: start cold
-            self._release(agent_id)
-            return None
         memory = AgentMemory(agent_id, record.tokens, record.text, record.cache, record.created, record.updated, False)
         if record.format_version == FORMAT_VERSION:
             self.on_load(memory)
         return memory
+
+    def read(self, agent_id: str) -> HostCache | None:
+        """The agent's warm cache from disk, in host memory (None: none, or unusable)."""
+        return self.store.read(agent_id, self.model_id, self.spec.hash)
 
     def grow(self, agent_id: str, tokens: int) -> None:
         """Reserve room for a running turn's cache to grow to ``tokens``, with its
@@ -283,9 +283,10 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def open_caches(loaded, root=None, budget_bytes: int | None = None, working_copy: bool = False) -> AgentCaches:
-    """The agent caches of a loaded model (``runtime.models.LoadedModel``) under
-    ``root`` (default: the user's cache directory), in ``budget_bytes`` of hot
+def open_caches(loaded, root=None, budget_bytes: int | None = None, working_copy: bool = False,
+                cls: type[AgentCaches] = AgentCaches) -> AgentCaches:
+    """The agent caches (a ``cls``) of a loaded model (``runtime.models.LoadedModel``)
+    in ``root``, a directory or a ``CacheStore`` (default: the user's cache directory), in ``budget_bytes`` of hot
     memory (default: device memory less the weights less headroom).
     ``working_copy``: running turns attend through a float copy of their full
     layers (``Engine.float_attention``), which their reservations include;
@@ -302,4 +303,5 @@ def open_caches(loaded, root=None, budget_bytes: int | None = None, working_copy
         budget_bytes = default_budget(loaded.spec, weights, memory, sliding_dtype_bytes=loaded.dtype.size)
     working = loaded.dtype.size if working_copy or loaded.spec.attention_sinks else 0
     budget = KVBudget(loaded.spec, budget_bytes, sliding_dtype_bytes=loaded.dtype.size, working_dtype_bytes=working)
-    return AgentCaches(CacheStore(root or agents_dir()), loaded.name, loaded.spec, budget)
+    store = root if isinstance(root, CacheStore) else CacheStore(root or agents_dir())
+    return cls(store, loaded.name, loaded.spec, budget)

@@ -165,6 +165,29 @@ class CacheRecord:
     format_version: int = FORMAT_VERSION  # of the files it was loaded from
 
 
+@dataclass(eq=False)
+class HostCache:
+    """A cache read from its files into host memory and checked, before any MLX
+    array exists: what the reader (any thread) hands to the thread that owns
+    MLX, which ``build``s the caches from it (a copy; no file I/O)."""
+
+    record: CacheRecord  # everything but the cache (``cache`` is empty)
+    layers: list[dict]  # the manifest's layer entries
+    arrays: dict[str, np.ndarray]  # "layer_{i}_{name}" -> its data
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.record.tokens
+
+    def build(self) -> CacheRecord:
+        """The ``CacheRecord`` with its caches, as the engine would hold them after the same tokens."""
+        arrays, cache = self.arrays, []
+        for i, e in enumerate(self.layers):  # each layer's host buffers go as its arrays are made
+            names = [k for k in arrays if k.startswith(f"layer_{i}_")]
+            cache.append(_rebuild(i, e, {k: _to_mx(arrays.pop(k)) for k in names}))
+        return dataclasses.replace(self.record, cache=cache)
+
+
 class StaleBlocks(Exception):
     """An update leaves out blocks that the manifest on disk does not hold: the
     writer needs the whole cache (``snapshot(record)``)."""
@@ -486,15 +509,20 @@ def _ring_size(layers: list[dict]) -> int:
 # -- reading -------------------------------------------------------------------
 
 
-def load(directory: os.PathLike | str, *, model_id: str, spec_hash: str, agent_id: str | None = None,
-         keep: bool = True) -> CacheRecord | dict:
+def load(directory: os.PathLike | str, *, model_id: str, spec_hash: str, agent_id: str | None = None) -> CacheRecord:
     """Read an agent directory back as a ``CacheRecord`` whose caches continue
-    exactly as the saved ones would (with ``keep=False``: check every file, build
-    nothing, return the manifest). Checks the manifest, that it is for this model,
-    spec (and agent, if given), and every file it names: present, of the size
-    the layers imply, its sha256 equal to its name, its token ids those the
-    manifest's chain says. Raises ``CacheFileError`` on any failure, never
-    anything else."""
+    exactly as the saved ones would (``read``, then ``HostCache.build``)."""
+    return read(directory, model_id=model_id, spec_hash=spec_hash, agent_id=agent_id).build()
+
+
+def read(directory: os.PathLike | str, *, model_id: str | None, spec_hash: str | None, agent_id: str | None = None,
+         keep: bool = True) -> HostCache | dict:
+    """Read an agent directory into host memory (with ``keep=False``: check every
+    file, keep nothing, return the manifest). No MLX here: any thread may call it.
+    Checks the manifest, that it is for this model, spec (and agent, if given),
+    and every file it names: present, of the size the layers imply, its sha256
+    equal to its name, its token ids those the manifest's chain says. Raises
+    ``CacheFileError`` on any failure, never anything else."""
     directory = Path(directory)
     m = read_manifest(directory)
     for reason, want, have in (
@@ -541,11 +569,8 @@ def load(directory: os.PathLike | str, *, model_id: str, spec_hash: str, agent_i
         raise CacheFileError(directory, "bad layout", "the text pieces do not make the text")
     if not keep:
         return m
-    cache = []
-    for i, e in enumerate(layers):  # each layer's buffers go as its arrays are made: memory stays ~ the cache
-        names = [k for k in arrays if k.startswith(f"layer_{i}_")]
-        cache.append(_rebuild(i, e, {k: _to_mx(arrays.pop(k)) for k in names}))
-    return CacheRecord(m["agent_id"], m["model_id"], m["spec_hash"], tokens, text, m["created"], m["updated"], cache)
+    record = CacheRecord(m["agent_id"], m["model_id"], m["spec_hash"], tokens, text, m["created"], m["updated"], [])
+    return HostCache(record, layers, arrays)
 
 
 def _to_mx(x: np.ndarray) -> mx.array:
@@ -707,20 +732,25 @@ class CacheStore:
         return written
 
     def load(self, agent_id: str, model_id: str, spec_hash: str) -> CacheRecord | None:
-        """The agent's cache for this model, or None: absent, or unusable. An unusable
-        cache is moved to quarantine with one warning on ``semantic.cache``; the agent
-        starts cold. Raises only ``InvalidAgentId``."""
+        """``read``, built into MLX caches (on the thread that owns MLX)."""
+        host = self.read(agent_id, model_id, spec_hash)
+        return None if host is None else host.build()
+
+    def read(self, agent_id: str, model_id: str, spec_hash: str) -> HostCache | None:
+        """The agent's cache for this model in host memory, or None: absent, or
+        unusable. An unusable cache is moved to quarantine with one warning on
+        ``semantic.cache``; the agent starts cold. No MLX: any thread may call it.
+        Raises only ``InvalidAgentId``."""
         d = self.agent_dir(agent_id, model_id)
         legacy = self.legacy_path(agent_id, model_id)
         try:
             if (d / MANIFEST).exists() or not legacy.exists():
-                return load(d, model_id=model_id, spec_hash=spec_hash, agent_id=agent_id)
-            record = cache_v1.load(legacy, model_id=model_id, spec_hash=spec_hash, agent_id=agent_id)
+                return read(d, model_id=model_id, spec_hash=spec_hash, agent_id=agent_id)
+            return cache_v1.read(legacy, model_id=model_id, spec_hash=spec_hash, agent_id=agent_id)
         except CacheFileError as e:
             if e.reason != "missing":
                 self._quarantine(d if (d / MANIFEST).exists() else legacy, agent_id, e)
             return None
-        return record
 
     def info(self, agent_id: str, model_id: str) -> dict | None:
         """``entries()``'s dict for one agent, or None (no cache, or its manifest is unusable)."""
@@ -757,7 +787,7 @@ class CacheStore:
             agent = path.name.rsplit(".", 1)[0]
             try:
                 if path.is_dir():
-                    m = load(path, model_id=None, spec_hash=None, agent_id=agent, keep=False)
+                    m = read(path, model_id=None, spec_hash=None, agent_id=agent, keep=False)
                 else:
                     m = cache_v1.verify(path, agent_id=agent)
                 if model_key(m["model_id"]) != path.parent.name:

@@ -24,14 +24,13 @@ import struct
 from dataclasses import dataclass
 from typing import BinaryIO
 
-import mlx.core as mx
 import numpy as np
 
 from .cache_file import (
-    _DTYPES, _FLOATS, _PARTS, DEQUANTIZING, FORMAT, QUANTIZED, ROTATING, CacheFileError, CacheRecord, _open, _rebuild,
+    _DTYPES, _FLOATS, _PARTS, DEQUANTIZING, FORMAT, QUANTIZED, ROTATING, CacheFileError, CacheRecord, HostCache, _open,
 )
 
-__all__ = ["SUFFIX", "VERSION", "load", "read_meta", "verify"]
+__all__ = ["SUFFIX", "VERSION", "load", "read", "read_meta", "verify"]
 
 SUFFIX = ".safetensors"
 VERSION = 1
@@ -96,7 +95,18 @@ def load(
     agent_id: str | None = None,
 ) -> CacheRecord:
     """Read a cache file back as a ``CacheRecord`` whose caches continue exactly
-    as the saved ones would.
+    as the saved ones would (``read``, then ``HostCache.build``)."""
+    return read(path, model_id=model_id, spec_hash=spec_hash, agent_id=agent_id).build()
+
+
+def read(
+    path: os.PathLike | str,
+    *,
+    model_id: str,
+    spec_hash: str,
+    agent_id: str | None = None,
+) -> HostCache:
+    """Read a cache file into host memory (no MLX: any thread may call it).
 
     Checks the format version, model id, spec hash (and agent id if given),
     that every tensor's dtype and shape match the layer metadata, and the
@@ -107,8 +117,7 @@ def load(
     with _open(path) as f:
         header, info = _checked_header(path, f, model_id, spec_hash, agent_id)
         arrays = _read_tensors(path, f, header, info["checksum"], keep=True)
-    cache = [_rebuild(i, layer, arrays) for i, layer in enumerate(info["layers"])]
-    return CacheRecord(
+    record = CacheRecord(
         agent_id=info["agent_id"],
         model_id=info["model_id"],
         spec_hash=info["spec_hash"],
@@ -116,9 +125,10 @@ def load(
         text=info["text"],
         created=info["created"],
         updated=info["updated"],
-        cache=cache,
+        cache=[],
         format_version=VERSION,
     )
+    return HostCache(record, info["layers"], arrays)
 
 
 def _read_exact(path, f: BinaryIO, n: int, what: str) -> bytes:
@@ -282,9 +292,9 @@ def _check_layout(path, info: dict, tensors: dict[str, _Tensor]) -> None:
         raise bad(f"unexpected tensors {sorted(extra)[:3]}")
 
 
-def _read_tensors(path, f: BinaryIO, header: _Header, checksum: str, *, keep: bool) -> dict[str, mx.array]:
-    """Stream the data region in file order, hashing as we go; with ``keep`` build
-    each tensor as an MLX array. Raises ``CacheFileError`` (bad checksum, truncated)."""
+def _read_tensors(path, f: BinaryIO, header: _Header, checksum: str, *, keep: bool) -> dict[str, np.ndarray]:
+    """Stream the data region in file order, hashing as we go; with ``keep`` keep
+    each tensor (bfloat16 as uint16). Raises ``CacheFileError`` (bad checksum, truncated)."""
     digest = hashlib.sha256(header.raw[:_SUM_AT] + _ZERO_SUM.encode() + header.raw[_SUM_AT + 64 :])
     scratch = None if keep else bytearray(_CHUNK)
     arrays = {}
@@ -301,9 +311,7 @@ def _read_tensors(path, f: BinaryIO, header: _Header, checksum: str, *, keep: bo
             digest.update(view[:k])
             got += k
         if keep:
-            mx_dtype, np_dtype = _DTYPES[t.dtype]
-            a = mx.array(buf.view(np_dtype).reshape(t.shape))
-            arrays[t.name] = a.view(mx.bfloat16) if mx_dtype == mx.bfloat16 else a
+            arrays[t.name] = buf.view(_DTYPES[t.dtype][1]).reshape(t.shape)
     if "sha256:" + digest.hexdigest() != checksum:
         raise CacheFileError(path, "bad checksum", "the bytes are not the ones written")
     return arrays

@@ -1,5 +1,6 @@
-"""The persistence actor without a model: latest version wins, every ticket is
-settled, deletes wait for earlier writes, flush and stop leave nothing pending;
+"""The persistence actor without a model: latest version wins, every write is
+reported, reads come after the same agent's writes, deletes wait for earlier
+writes, flush and stop leave nothing pending;
 a full disk keeps the last good files; the disk budget and the conversations'
 TTL are kept."""
 
@@ -16,7 +17,7 @@ import anyio
 import pytest
 
 from actors.agent import request
-from actors.messages import CacheBlocks, CacheWritten, Done, Flush, Forget, HistoryBytes, Stop, WriteTicket
+from actors.messages import CacheBlocks, CacheRead, CacheWritten, Done, Flush, Forget, HistoryBytes, ReadCache, Stop
 from actors.persistence import PersistenceActor, history_path
 from runtime import cache_file, disk
 from runtime.cache_file import CacheStore, snapshot
@@ -33,10 +34,10 @@ class FakeGpu:
         self.commands.append(command)
 
 
-def blocks(agent: str, version: int, ticket: WriteTicket | None = None) -> CacheBlocks:
+def blocks(agent: str, version: int) -> CacheBlocks:
     """A 16-token cache of ``agent`` whose text names the version."""
     rec = dataclasses.replace(cache_writer.record(0), agent_id=agent, model_id="m", text=f"{agent}{version}")
-    return CacheBlocks(agent, "m", version, snapshot(rec), ticket or WriteTicket())
+    return CacheBlocks(agent, "m", version, snapshot(rec))
 
 
 def text_of(store: CacheStore, agent: str) -> str | None:
@@ -50,12 +51,11 @@ def actor_in(tmp_path) -> PersistenceActor:
     return actor
 
 
-async def test_latest_version_wins_and_every_ticket_is_settled(tmp_path):
+async def test_latest_version_wins_and_is_reported(tmp_path):
     actor = actor_in(tmp_path)
-    tickets = [WriteTicket() for _ in range(4)]
-    for version, ticket in enumerate(tickets[:3], 1):  # queued before the actor runs: coalesced
-        actor.mailbox.send_nowait(blocks("a", version, ticket))
-    actor.mailbox.send_nowait(blocks("b", 4, tickets[3]))
+    for version in (1, 2, 3):  # queued before the actor runs: coalesced
+        actor.mailbox.send_nowait(blocks("a", version))
+    actor.mailbox.send_nowait(blocks("b", 4))
     actor.mailbox.send_nowait(HistoryBytes("a", b"h1"))
     actor.mailbox.send_nowait(HistoryBytes("a", b"h2"))
     actor.mailbox.send_nowait(Stop())
@@ -63,47 +63,42 @@ async def test_latest_version_wins_and_every_ticket_is_settled(tmp_path):
     store = actor.store
     assert text_of(store, "a") == "a3" and text_of(store, "b") == "b4"
     assert history_path(actor.histories, "a").read_bytes() == b"h2"
-    assert all(t.done.is_set() and t.ok for t in tickets)
     assert (actor.writes, actor.coalesced) == (3, 3)
     assert actor.gpu.commands == [CacheWritten("a", 3), CacheWritten("b", 4)]  # written in arrival order
     assert not list(tmp_path.rglob(".tmp-*"))
 
 
-def grown(version: int, tokens: int, first: int, ticket: WriteTicket) -> CacheBlocks:
+def grown(version: int, tokens: int, first: int) -> CacheBlocks:
     """Version ``version`` of agent a3 at ``tokens`` tokens, from block ``first`` on."""
     rec = dataclasses.replace(cache_writer.record(3), tokens=cache_writer.token_ids(3, tokens),
                               cache=cache_writer.layers(3, tokens), model_id="m", text=f"v{version}")
-    return CacheBlocks("a3", "m", version, snapshot(rec, first), ticket)
+    return CacheBlocks("a3", "m", version, snapshot(rec, first))
 
 
 async def test_a_newer_pending_version_takes_over_the_blocks_it_left_out(tmp_path):
     actor = actor_in(tmp_path)
-    tickets = [WriteTicket() for _ in range(3)]
-    actor.mailbox.send_nowait(grown(1, 600, 0, tickets[0]))  # blocks 0-2
-    actor.mailbox.send_nowait(grown(2, 1100, 2, tickets[1]))  # blocks 2-4: 0 and 1 were handed over
-    actor.mailbox.send_nowait(grown(3, 1300, 4, tickets[2]))  # blocks 4-5
+    actor.mailbox.send_nowait(grown(1, 600, 0))  # blocks 0-2
+    actor.mailbox.send_nowait(grown(2, 1100, 2))  # blocks 2-4: 0 and 1 were handed over
+    actor.mailbox.send_nowait(grown(3, 1300, 4))  # blocks 4-5
     actor.mailbox.send_nowait(Stop())
     await actor.run()
-    assert (actor.writes, actor.coalesced) == (1, 2) and all(t.ok for t in tickets)
+    assert (actor.writes, actor.coalesced) == (1, 2) and actor.gpu.commands == [CacheWritten("a3", 3)]
     back = actor.store.load("a3", "m", cache_writer.SPEC)
     assert back.text == "v3" and back.tokens == cache_writer.token_ids(3, 1300)
 
 
 async def test_a_version_whose_left_out_blocks_are_not_on_disk_is_refused_as_stale(tmp_path):
     actor = actor_in(tmp_path)
-    ticket = WriteTicket()
-    actor.mailbox.send_nowait(grown(1, 600, 1, ticket))  # block 0 was never written
+    actor.mailbox.send_nowait(grown(1, 600, 1))  # block 0 was never written
     actor.mailbox.send_nowait(Stop())
     await actor.run()
-    assert ticket.done.is_set() and not ticket.ok and ticket.stale
-    assert actor.gpu.commands == [CacheWritten("a3", 1)] and not actor.store.exists("a3", "m")
+    assert actor.gpu.commands == [CacheWritten("a3", 1, ok=False, stale=True)] and not actor.store.exists("a3", "m")
 
 
 async def test_forget_deletes_after_earlier_writes_and_flush_waits(tmp_path):
     actor = actor_in(tmp_path)
     async with anyio.create_task_group() as tg:
         await tg.start(actor.run)
-        late = WriteTicket()
         actor.mailbox.send_nowait(blocks("a", 1))
         actor.mailbox.send_nowait(HistoryBytes("a", b"h"))
         actor.mailbox.send_nowait(blocks("b", 2))
@@ -111,9 +106,39 @@ async def test_forget_deletes_after_earlier_writes_and_flush_waits(tmp_path):
         assert not actor.store.exists("a", "m") and not history_path(actor.histories, "a").exists()
         assert isinstance(await request(lambda r: actor.mailbox.send_nowait(Flush(r))), Done)
         assert text_of(actor.store, "b") == "b2"
-        actor.mailbox.send_nowait(blocks("c", 3, late))
+        actor.mailbox.send_nowait(blocks("c", 3))
         actor.mailbox.send_nowait(Stop())
-    assert late.done.is_set() and late.ok  # stop writes what is pending first
+    assert actor.gpu.commands[-1] == CacheWritten("c", 3)  # stop writes what is pending first
+
+
+async def test_a_read_comes_after_the_agents_queued_writes_and_beside_the_others(tmp_path):
+    actor = actor_in(tmp_path)
+    for agent, version in (("x", 1), ("y", 2), ("a", 3), ("z", 4)):
+        actor.mailbox.send_nowait(blocks(agent, version))
+    actor.mailbox.send_nowait(ReadCache("a", "m", cache_writer.SPEC))  # a's write moves up; x, y, z wait
+    actor.mailbox.send_nowait(ReadCache("nobody", "m", cache_writer.SPEC))
+    actor.mailbox.send_nowait(Stop())
+    await actor.run()
+    written = [c.agent_id for c in actor.gpu.commands if isinstance(c, CacheWritten)]
+    reads = {c.agent_id: c for c in actor.gpu.commands if isinstance(c, CacheRead)}
+    assert written[0] == "a" and sorted(written) == ["a", "x", "y", "z"]
+    assert reads["a"].cache.record.text == "a3" and reads["nobody"].cache is None
+    assert reads["a"].cache.build().text == "a3"  # host bytes become the caches on the MLX side
+
+
+async def test_a_read_of_an_unusable_cache_quarantines_it_and_says_none(tmp_path, caplog):
+    actor = actor_in(tmp_path)
+    actor.mailbox.send_nowait(blocks("a", 1))
+    actor.mailbox.send_nowait(Stop())
+    await actor.run()
+    (actor.store.agent_dir("a", "m") / cache_file.MANIFEST).write_text("{not json")
+    actor = actor_in(tmp_path)
+    actor.mailbox.send_nowait(ReadCache("a", "m", cache_writer.SPEC))
+    actor.mailbox.send_nowait(Stop())
+    await actor.run()
+    assert actor.gpu.commands == [CacheRead("a", "m", None)]
+    assert list((tmp_path / CacheStore.QUARANTINE).iterdir()) and not actor.store.exists("a", "m")
+    assert sum("starts cold" in r.getMessage() for r in caplog.records) == 1
 
 
 # -- a full disk ---------------------------------------------------------------------------
@@ -134,12 +159,10 @@ async def test_a_write_without_room_keeps_the_last_good_file(tmp_path, monkeypat
         actor.mailbox.send_nowait(HistoryBytes("alice", b"h1"))
         await request(lambda r: actor.mailbox.send_nowait(Flush(r)))
         no_room(monkeypatch)
-        ticket = WriteTicket()
-        actor.mailbox.send_nowait(blocks("alice", 2, ticket))
+        actor.mailbox.send_nowait(blocks("alice", 2))
         actor.mailbox.send_nowait(HistoryBytes("alice", b"h2"))
         assert isinstance(await request(lambda r: actor.mailbox.send_nowait(Flush(r))), Done)
-        assert ticket.done.is_set() and not ticket.ok  # settled: the GPU actor keeps the cache dirty
-        assert actor.gpu.commands[-1] == CacheWritten("alice", 2)
+        assert actor.gpu.commands[-1] == CacheWritten("alice", 2, ok=False)  # the GPU actor keeps the cache dirty
         assert text_of(actor.store, "alice") == "alice1"
         assert history_path(actor.histories, "alice").read_bytes() == b"h1"
         warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
@@ -166,11 +189,10 @@ async def test_a_write_that_fails_midway_removes_its_temp_file(tmp_path, monkeyp
 
     monkeypatch.setattr(cache_file, "_fsync", disk_full)
     actor = actor_in(tmp_path)
-    ticket = WriteTicket()
-    actor.mailbox.send_nowait(blocks("alice", 2, ticket))
+    actor.mailbox.send_nowait(blocks("alice", 2))
     actor.mailbox.send_nowait(Stop())
     await actor.run()
-    assert ticket.done.is_set() and not ticket.ok
+    assert actor.gpu.commands == [CacheWritten("alice", 2, ok=False)]
     assert text_of(actor.store, "alice") == "alice1"
     assert not list(tmp_path.rglob(".tmp-*"))
     assert any("'alice'" in r.getMessage() and "No space left" in r.getMessage() for r in caplog.records)
@@ -229,10 +251,9 @@ async def test_a_write_that_cannot_be_made_room_for_is_written_anyway_without_sp
         await tg.start(actor.run)
         with anyio.fail_after(10):
             for i, agent in enumerate("ab"):
-                ticket = WriteTicket()
-                actor.mailbox.send_nowait(blocks(agent, i, ticket))
+                actor.mailbox.send_nowait(blocks(agent, i))
                 await request(lambda r: actor.mailbox.send_nowait(Flush(r)))
-                assert ticket.ok
+                assert actor.gpu.commands[-1] == CacheWritten(agent, i)
         actor.mailbox.send_nowait(Stop())
     assert sorted(e["agent"] for e in actor.store.entries()) == ["a", "b"] and actor.pruned == 0
 
