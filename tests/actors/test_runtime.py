@@ -420,12 +420,12 @@ async def test_a_follow_up_hands_over_and_writes_only_its_new_blocks(open_runtim
     of context as after ~300."""
     from pathlib import Path
 
-    from actors import gpu
+    from actors import write_behind
     from runtime.cache_file import BLOCK_TOKENS
 
     handed = []  # (tokens, first block copied out) per hand-over
-    real = gpu.snapshot
-    monkeypatch.setattr(gpu, "snapshot", lambda record, first=0: handed.append((len(record.tokens), first))
+    real = write_behind.snapshot
+    monkeypatch.setattr(write_behind, "snapshot", lambda record, first=0: handed.append((len(record.tokens), first))
                         or real(record, first))
     words = (Path(__file__).parents[2] / "bench" / "data" / "lighthouses.txt").read_text().split()
     written, whole = {}, {}

@@ -1,0 +1,335 @@
+"""(GPU thread) The turns: waiting for the engine, then in it.
+
+* ``ReadAhead``: a waiting turn's warm cache is read by the persistence actor
+  (``ReadCache``) while the batch goes on; the bytes come back (``CacheRead``).
+* ``Admission``: waiting turns enter the engine first come, first served, once
+  their cache is in memory and their prompt fits the budget.
+* ``Scheduler``: routes each engine delta to its turn's reply stream, stores a
+  finished turn's cache and hands it to persistence, cancels, and reserves
+  each decoding turn's next token -- preempting the newest turn when the
+  budget runs out.
+
+None of them waits, touches a file or knows the thread: they call the
+engine, the agents' caches and ``post`` (which queues a message for the event
+loop), so a test can drive them on a tiny model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from runtime import turns
+from runtime.agent_cache import OutOfMemory
+from runtime.engine import Delta as EngineDelta
+from runtime.engine import LENGTH, Finished
+from runtime.errors import SemanticError
+
+from .errors import ContextTooLong, TurnError
+from .messages import BeginTurn, CacheRead, CancelTurn, Delta, ReadCache, TurnEnded, TurnFailed, TurnResult
+
+__all__ = ["Admission", "GpuTurn", "ReadAhead", "Scheduler"]
+
+log = logging.getLogger("semantic.actors")
+
+READ_AHEAD = 4  # waiting turns whose warm caches are read ahead (host memory held: at most this many caches)
+
+
+@dataclass(eq=False)
+class GpuTurn:
+    """A turn the GPU thread has received: waiting for admission, then running."""
+
+    cmd: BeginTurn
+    received: float = field(default_factory=time.perf_counter)
+    turn: turns.Turn | None = None
+    seq_id: int | None = None
+    admitted: float | None = None
+    first_token: float | None = None
+    cancel_lag: int | None = None
+    generated: int = 0  # output tokens so far
+    preempted: Finished | None = None  # out of the engine to free memory (its cache dropped here)
+
+    def result(self, f: Finished | None, reason: str) -> TurnResult:
+        now = time.perf_counter()
+        admitted = self.admitted or now
+        return TurnResult(
+            reason=reason,
+            text=f.text if f else "",
+            prompt_tokens=f.prompt_tokens if f else 0,
+            reused_tokens=f.reused_tokens if f else 0,
+            prefilled_tokens=f.prefilled_tokens if f else 0,
+            output_tokens=len(f.output_tokens) if f else 0,
+            queued_s=admitted - self.received,
+            ttft_s=None if self.first_token is None else self.first_token - self.received,
+            cancel_lag_steps=self.cancel_lag,
+            prefill_s=None if self.first_token is None else self.first_token - admitted,
+            decode_s=None if self.first_token is None else now - self.first_token,
+            stop_sequence=f.stop_sequence if f else None,
+        )
+
+
+class ReadAhead:
+    """Warm caches on their way from disk, for waiting turns and forks."""
+
+    def __init__(self, registry, post, persistence):
+        self.registry, self.post, self.persistence = registry, post, persistence
+        self.reading: set[str] = set()  # agent ids asked for, not arrived
+
+    def want(self, agent_id: str) -> None:
+        """Ask persistence for ``agent_id``'s cache unless it is in memory or on its way."""
+        caches = self.registry.caches
+        if agent_id in self.reading or agent_id in caches.fetched or caches.peek(agent_id) is not None \
+                or caches.busy(agent_id):
+            return
+        self.reading.add(agent_id)
+        self.post(self.persistence, ReadCache(agent_id, caches.model_id, caches.spec.hash))
+
+    def arrived(self, cmd: CacheRead) -> None:
+        """Keep a cache read ahead for whoever asked for it (``HotCaches.read`` takes it)."""
+        caches = self.registry.caches
+        if cmd.agent_id not in self.reading or caches is None or cmd.model_id != caches.model_id:
+            return  # nobody waits for it any more (cancelled, or read for another model)
+        self.reading.discard(cmd.agent_id)
+        caches.fetched[cmd.agent_id] = cmd.cache
+
+    def forget(self, agent_id: str) -> None:
+        """Whoever asked left before using it: drop it (or its answer, when it comes)."""
+        self.reading.discard(agent_id)
+        if self.registry.caches is not None:
+            self.registry.caches.fetched.pop(agent_id, None)
+
+
+class Admission:
+    """Waiting turns, and how one enters the engine."""
+
+    def __init__(self, registry, reads: ReadAhead, post):
+        self.registry, self.reads, self.post = registry, reads, post
+        self.waiting: deque[GpuTurn] = deque()  # received, not yet admitted; preempted ones first
+
+    def next(self, crowded: bool, preempted_only: bool = False) -> GpuTurn | None:
+        """Admit waiting turns in order until one is admitted (returned) or one must
+        wait (None): for its cache to arrive, or, while others run (``crowded``), for room."""
+        for t in itertools.islice(self.waiting, READ_AHEAD):
+            if t.cmd.use_cache or t.preempted is not None:
+                self.reads.want(t.cmd.agent_id)
+        while self.waiting and (not preempted_only or self.waiting[0].preempted):
+            t = self.waiting[0]
+            if t.cmd.agent_id in self.reads.reading:
+                return None  # its cache is on its way from disk; the batch goes on meanwhile
+            admitted = self._resume(t, crowded) if t.preempted is not None else self._start(t, crowded)
+            if admitted is False:
+                return None
+            self.waiting.popleft()
+            self.reads.forget(t.cmd.agent_id)  # if it failed before using it
+            if admitted:
+                return t
+        return None
+
+    def _start(self, t: GpuTurn, crowded: bool) -> bool | None:
+        """True: in the engine; False: no room while others run; None: failed (replied)."""
+        cmd, reg = t.cmd, self.registry
+        caches, tokenizer = reg.caches, reg.loaded.tokenizer
+        assert not caches.busy(cmd.agent_id), "two turns of one agent at once: the agent actor serialises them"
+        try:
+            messages = [m.as_dict() for m in cmd.messages]
+            text = turns.render(tokenizer, messages, cmd.tools)
+            prefix = turns.system_prefix(tokenizer, messages, text)
+            turn = turns.begin(caches, tokenizer, cmd.agent_id, text, prefix, use_cache=cmd.use_cache,
+                               context_length=reg.context_length)
+        except (ContextTooLong, OutOfMemory) as e:
+            return False if crowded and isinstance(e, OutOfMemory) else self.fail(t, e)
+        except Exception as e:
+            log.exception("turn %d of %s could not start", cmd.turn_id, cmd.agent_id)
+            return self.fail(t, TurnError(f"the turn could not start: {e!r}"))
+        limit, n = reg.context_length, len(turn.prompt)
+        # A reply that would run past the context stops at its end (reason "length").
+        sampling = cmd.sampling if n + cmd.sampling.max_tokens <= limit else replace(cmd.sampling, max_tokens=limit - n)
+        try:
+            t.seq_id = reg.engine.add(turn.prompt, sampling, turn.cache, turn.plan.keep)
+        except Exception as e:
+            caches.abandon(cmd.agent_id)
+            return self.fail(t, TurnError(f"the turn could not start: {e!r}"))
+        t.turn, t.admitted = turn, time.perf_counter()
+        return True
+
+    def _resume(self, t: GpuTurn, crowded: bool) -> bool | None:
+        """Put a preempted turn back into the engine with its cache (hot, or read
+        back from disk; recomputed if it was lost)."""
+        caches, agent, covered = self.registry.caches, t.cmd.agent_id, list(t.preempted.cache_tokens)
+        memory = None
+        try:
+            memory = caches.checkout(agent)
+            caches.grow(agent, len(covered) + 1)
+        except OutOfMemory as e:
+            caches.putback(agent, memory)
+            if crowded:
+                return False
+            self.discard(t)
+            return self.fail(t, e)
+        except Exception as e:
+            log.exception("turn %d of %s could not resume", t.cmd.turn_id, agent)
+            caches.abandon(agent)
+            self.discard(t)
+            return self.fail(t, TurnError(f"the turn could not resume: {e!r}"))
+        if memory is not None and memory.tokens != covered:
+            log.warning("the cache of %s changed while its turn was preempted; recomputing it", agent)
+            memory = None
+        self.registry.engine.resume(t.seq_id, memory and memory.cache, len(covered) if memory else 0)
+        t.preempted = None
+        return True
+
+    def cancel(self, turn_id: int) -> bool:
+        """End a waiting turn cancelled; False if none waits with that id."""
+        for t in self.waiting:
+            if t.cmd.turn_id == turn_id:
+                self.waiting.remove(t)
+                self.reads.forget(t.cmd.agent_id)
+                self.discard(t)
+                self.post(t.cmd.reply, TurnEnded(turn_id, t.result(t.preempted, "cancelled")), True)
+                return True
+        return False
+
+    def close(self, error: SemanticError, cancel_started: bool = False) -> None:
+        """End every waiting turn with ``error``; with ``cancel_started``, one that
+        started (preempted) ends cancelled instead, its cache kept."""
+        while self.waiting:
+            t = self.waiting.popleft()
+            self.reads.forget(t.cmd.agent_id)
+            if cancel_started and t.preempted is not None:
+                self.post(t.cmd.reply, TurnEnded(t.cmd.turn_id, t.result(t.preempted, "cancelled")), True)
+            else:
+                self.fail(t, error)
+
+    def discard(self, t: GpuTurn) -> None:
+        """Forget a preempted turn's place in the engine."""
+        if t.preempted is not None and self.registry.engine is not None:
+            self.registry.engine.discard(t.seq_id)
+
+    def fail(self, t: GpuTurn, error: SemanticError) -> None:
+        self.post(t.cmd.reply, TurnFailed(t.cmd.turn_id, error), True)
+
+
+class Scheduler:
+    """The turns in the engine, and the waiting ones (``admission``)."""
+
+    def __init__(self, registry, post, persistence, write_behind, on_hot_changed):
+        self.registry, self.post = registry, post
+        self.write_behind = write_behind
+        self.on_hot_changed = on_hot_changed
+        self.reads = ReadAhead(registry, post, persistence)
+        self.admission = Admission(registry, self.reads, post)
+        self.turns: dict[int, GpuTurn] = {}  # admitted, by turn id
+        self.by_seq: dict[int, GpuTurn] = {}  # admitted, by engine sequence id
+        self.preemptions = 0
+        self.generated = 0  # output tokens of every turn
+
+    @property
+    def waiting(self) -> deque[GpuTurn]:
+        return self.admission.waiting
+
+    def receive(self, cmd: BeginTurn) -> None:
+        self.waiting.append(GpuTurn(cmd))
+
+    def admit(self, preempted_only: bool = False) -> None:
+        while (t := self.admission.next(bool(self.turns), preempted_only)) is not None:
+            self.turns[t.cmd.turn_id] = t
+            self.by_seq[t.seq_id] = t
+
+    def step(self) -> None:
+        """One engine step: a prefill chunk, then a token for every decoding turn."""
+        engine = self.registry.engine
+        self.route(engine.prefill_step())
+        self._reserve_next_tokens()
+        self.route(engine.step_once())
+
+    def _reserve_next_tokens(self) -> None:
+        """Reserve each decoding turn's next token (a new block every 256).  When
+        the rest of the budget is held by turns in progress, the newest turn is
+        preempted (its cache becomes an idle one that can go to disk; it resumes
+        first when room returns); a turn alone that still cannot grow ends there
+        (reason ``length``)."""
+        caches, engine = self.registry.caches, self.registry.engine
+        for seq_id, tokens in engine.decode_lengths().items():
+            while (t := self.by_seq.get(seq_id)) is not None:
+                try:
+                    caches.grow(t.cmd.agent_id, tokens)
+                    break
+                except OutOfMemory:
+                    if len(self.turns) == 1:
+                        log.warning("turn %d of %s stops at %d tokens: the KV budget holds no more",
+                                    t.cmd.turn_id, t.cmd.agent_id, tokens - 1)
+                        self.route([engine.cancel(seq_id, LENGTH)])
+                    else:
+                        self._preempt(max(self.turns.values(), key=lambda u: u.admitted))
+
+    def _preempt(self, t: GpuTurn) -> None:
+        finished = self.registry.engine.preempt(t.seq_id)
+        del self.turns[t.cmd.turn_id], self.by_seq[t.seq_id]
+        reg = self.registry
+        memory = turns.end(reg.caches, reg.loaded.tokenizer, t.turn, finished)
+        self.write_behind.push(memory)  # written behind, so that demoting it is cheap
+        t.preempted = replace(finished, cache=[])  # what it covered; the cache itself is the agent's now
+        self.preemptions += 1
+        self.waiting.appendleft(t)
+        log.info("turn %d of %s preempted at %d tokens to free KV memory", t.cmd.turn_id, t.cmd.agent_id,
+                 len(finished.cache_tokens))
+
+    def cancel(self, cmd: CancelTurn, steps: int) -> None:
+        """Cancel a turn wherever it is; ``steps``: the engine steps run so far."""
+        if self.admission.cancel(cmd.turn_id):
+            return
+        t = self.turns.get(cmd.turn_id)
+        if t is None or self.registry.engine is None:
+            return  # already ended: nothing to do
+        t.cancel_lag = steps - cmd.at_step
+        delta = self.registry.engine.cancel(t.seq_id)
+        assert delta is not None, "an admitted turn is unknown to the engine"
+        self.route([delta])
+
+    def route(self, deltas: list[EngineDelta]) -> None:
+        for d in deltas:
+            t = self.by_seq[d.seq_id]
+            t.generated += len(d.tokens)
+            self.generated += len(d.tokens)
+            if d.text or d.tokens:
+                if t.first_token is None:
+                    t.first_token = time.perf_counter()
+                self.post(t.cmd.reply, Delta(d.text, d.tokens))
+            if d.finished is not None:
+                self._end(t, d.finished)
+
+    def _end(self, t: GpuTurn, finished: Finished) -> None:
+        """Store a finished (or cancelled) turn's cache, hand it to persistence, reply."""
+        del self.turns[t.cmd.turn_id], self.by_seq[t.seq_id]
+        reg = self.registry
+        try:
+            memory = turns.end(reg.caches, reg.loaded.tokenizer, t.turn, finished)
+        except Exception as e:
+            log.exception("turn %d of %s: its cache could not be stored", t.cmd.turn_id, t.cmd.agent_id)
+            reg.caches.abandon(t.cmd.agent_id)
+            self.admission.fail(t, TurnError(f"the turn's cache could not be stored: {e!r}"))
+            return
+        self.write_behind.push(memory)
+        self.on_hot_changed()  # first: whoever sees the turn end sees its cache hot
+        self.post(t.cmd.reply, TurnEnded(t.cmd.turn_id, t.result(finished, finished.reason)), True)
+
+    def cancel_all(self) -> None:
+        """Cancel every turn in the engine (their caches are kept)."""
+        engine = self.registry.engine
+        for t in list(self.turns.values()):
+            delta = engine.cancel(t.seq_id) if engine is not None else None
+            if delta is not None:
+                self.route([delta])
+
+    def fail_all(self, error: SemanticError) -> None:
+        """The engine failed: every turn in it fails; the files keep their last good versions."""
+        caches = self.registry.caches
+        for t in self.turns.values():
+            if caches is not None:
+                caches.abandon(t.cmd.agent_id)
+            self.admission.fail(t, error)
+        self.turns.clear()
+        self.by_seq.clear()
