@@ -63,6 +63,7 @@ from runtime.engine import Delta as EngineDelta
 from runtime.engine import LENGTH, Finished
 from runtime.errors import SemanticError
 from runtime.models import LoadedModel
+from runtime.outcome import TurnResult
 
 from .errors import ContextTooLong, RuntimeClosed, RuntimeUnhealthy, TurnError
 from .messages import (
@@ -85,7 +86,6 @@ from .messages import (
     SwapModel,
     TurnEnded,
     TurnFailed,
-    TurnResult,
     WriteTicket,
 )
 from .registry import ModelRegistry
@@ -899,21 +899,8 @@ class _Worker:
 
 def _result(t: _Turn, f: Finished | None, reason: str) -> TurnResult:
     now = time.perf_counter()
-    admitted = t.admitted or now
-    return TurnResult(
-        reason=reason,
-        text=f.text if f else "",
-        prompt_tokens=f.prompt_tokens if f else 0,
-        reused_tokens=f.reused_tokens if f else 0,
-        prefilled_tokens=f.prefilled_tokens if f else 0,
-        output_tokens=len(f.output_tokens) if f else 0,
-        queued_s=admitted - t.received,
-        ttft_s=None if t.first_token is None else t.first_token - t.received,
-        cancel_lag_steps=t.cancel_lag,
-        prefill_s=None if t.first_token is None else t.first_token - admitted,
-        decode_s=None if t.first_token is None else now - t.first_token,
-        stop_sequence=f.stop_sequence if f else None,
-    )
+    return TurnResult.measured(f, reason, arrived=t.received, admitted=t.admitted or now, first_token=t.first_token,
+                               ended=now, cancel_lag_steps=t.cancel_lag)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -22,7 +22,8 @@ from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from actors import AgentInfo, TurnResult
+from actors import AgentInfo
+from runtime.outcome import TurnResult
 
 from . import _validate as v
 from ._aio import closing
