@@ -17,6 +17,8 @@ Layout (each module one job; only this file's names are public):
 See ``docs/architecture.md`` ("The actor runtime") for who owns what.
 """
 
+from runtime.outcome import TurnResult  # what Reply.result holds
+
 from .errors import (
     AgentExists,
     AgentGone,
@@ -26,7 +28,7 @@ from .errors import (
     TurnCancelled,
     TurnError,
 )
-from .messages import Delta, Message, TurnResult
+from .messages import Delta, Message
 from .runtime import Agent, AgentInfo, Reply, Runtime
 
 __all__ = [

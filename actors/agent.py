@@ -50,6 +50,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from runtime.errors import SemanticError
+from runtime.outcome import TurnResult
 
 from .errors import AgentExists, AgentGone, RuntimeClosed, TurnError
 from .messages import (
@@ -70,7 +71,6 @@ from .messages import (
     TurnEnded,
     TurnEvent,
     TurnFailed,
-    TurnResult,
 )
 from .persistence import history_path
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Union
 
 from runtime.engine import SamplingParams
 from runtime.errors import SemanticError
+from runtime.outcome import TurnResult  # re-exported: a turn's reply stream ends with it
 
 if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectSendStream as Sink
@@ -81,31 +82,6 @@ class Delta:
 
     text: str
     tokens: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class TurnResult:
-    """How a turn ended: ``reason`` is ``stop``, ``length`` or ``cancelled``."""
-
-    reason: str
-    text: str  # the whole reply (a cancelled turn: what was generated)
-    prompt_tokens: int
-    reused_tokens: int  # prompt tokens served from the agent's cache
-    prefilled_tokens: int
-    output_tokens: int
-    queued_s: float  # from reaching the GPU actor to being admitted (memory, model swap)
-    ttft_s: float | None  # from reaching the GPU actor to the first token
-    # Cancelled turns: engine steps completed between the cancel request and the cancel; 0 or 1
-    # (the step in progress when it was asked), as no step starts before the inbox is drained.
-    cancel_lag_steps: int | None = None
-    prefill_s: float | None = None  # admitted -> first token (its prefill, interleaved with others' decoding)
-    decode_s: float | None = None  # first token -> end
-    stop_sequence: str | None = None  # the stop string that ended it (reason "stop")
-
-    @property
-    def decode_tps(self) -> float | None:
-        """Tokens per second after the first (None when fewer than two were generated)."""
-        return (self.output_tokens - 1) / self.decode_s if self.decode_s and self.output_tokens > 1 else None
 
 
 # -- generic replies ---------------------------------------------------------

@@ -40,6 +40,7 @@ from runtime import disk
 from runtime.cache_file import CacheStore, validate_agent_id
 from runtime.engine import SamplingParams
 from runtime.models import LoadedModel
+from runtime.outcome import TurnResult
 from runtime.paths import agents_dir
 from runtime.prefix import encode
 from runtime.turns import render
@@ -65,7 +66,6 @@ from .messages import (
     SwapModel,
     TurnEnded,
     TurnEvent,
-    TurnResult,
 )
 from .persistence import PersistenceActor
 

@@ -27,9 +27,10 @@ from runtime.agent_cache import OutOfMemory
 from runtime.engine import Delta as EngineDelta
 from runtime.engine import LENGTH, Finished
 from runtime.errors import SemanticError
+from runtime.outcome import TurnResult
 
 from .errors import ContextTooLong, TurnError
-from .messages import BeginTurn, CacheRead, CancelTurn, Delta, ReadCache, TurnEnded, TurnFailed, TurnResult
+from .messages import BeginTurn, CacheRead, CancelTurn, Delta, ReadCache, TurnEnded, TurnFailed
 
 __all__ = ["Admission", "GpuTurn", "ReadAhead", "Scheduler"]
 
@@ -54,21 +55,8 @@ class GpuTurn:
 
     def result(self, f: Finished | None, reason: str) -> TurnResult:
         now = time.perf_counter()
-        admitted = self.admitted or now
-        return TurnResult(
-            reason=reason,
-            text=f.text if f else "",
-            prompt_tokens=f.prompt_tokens if f else 0,
-            reused_tokens=f.reused_tokens if f else 0,
-            prefilled_tokens=f.prefilled_tokens if f else 0,
-            output_tokens=len(f.output_tokens) if f else 0,
-            queued_s=admitted - self.received,
-            ttft_s=None if self.first_token is None else self.first_token - self.received,
-            cancel_lag_steps=self.cancel_lag,
-            prefill_s=None if self.first_token is None else self.first_token - admitted,
-            decode_s=None if self.first_token is None else now - self.first_token,
-            stop_sequence=f.stop_sequence if f else None,
-        )
+        return TurnResult.measured(f, reason, arrived=self.received, admitted=self.admitted or now,
+                                   first_token=self.first_token, ended=now, cancel_lag_steps=self.cancel_lag)
 
 
 class ReadAhead:

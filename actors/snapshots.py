@@ -8,6 +8,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from runtime.outcome import decode_rate
+
 from .messages import HotAgent, HotSet
 
 __all__ = ["BatchSnapshot", "HotSnapshot", "Publisher", "SequenceInfo"]
@@ -88,8 +90,7 @@ class Publisher:
         sequences = tuple(
             SequenceInfo(t.cmd.agent_id, t.cmd.turn_id, "prefill" if t.first_token is None else "decode",
                          len(t.turn.prompt) if t.turn is not None else 0, t.generated,
-                         (t.generated - 1) / (now - t.first_token)
-                         if t.first_token is not None and t.generated > 1 and now > t.first_token else None)
+                         None if t.first_token is None else decode_rate(t.generated, now - t.first_token))
             for t in running.values())
         queued = tuple(SequenceInfo(t.cmd.agent_id, t.cmd.turn_id, "queued", 0, t.generated, None)
                        for t in itertools.islice(waiting, _BATCH_QUEUED_SHOWN))

@@ -16,11 +16,16 @@ from dataclasses import dataclass
 
 import httpx
 
+from runtime.outcome import decode_rate
+
 __all__ = ["Turn", "chat"]
 
 
 @dataclass
 class Turn:
+    """A turn as the client saw it: its own clock, and whatever usage the server sent
+    (a peer may send none).  The server-side view of a turn is ``runtime.outcome.TurnResult``."""
+
     ttft: float  # seconds from send to the first content chunk
     e2e: float  # seconds from send to the end of the stream
     text: str
@@ -32,9 +37,9 @@ class Turn:
     end: float = 0.0
 
     @property
-    def decode_tps(self) -> float:
-        """This stream's tokens/s after its first token."""
-        return (self.completion_tokens - 1) / max(self.end - self.first, 1e-9)
+    def decode_tps(self) -> float | None:
+        """This stream's tokens/s after its first token (None: fewer than two)."""
+        return decode_rate(self.completion_tokens, self.end - self.first)
 
 
 def chat(client: httpx.Client, url: str, agent: str, messages: list[dict], max_tokens: int,

@@ -296,7 +296,7 @@ class Bench:
         start, end = min(t.start for t in turns), max(t.end for t in turns)
         return {
             "system_tps": sum(t.completion_tokens for t in turns) / (end - start),
-            "per_stream_tps": statistics.median(t.decode_tps for t in turns),
+            "per_stream_tps": statistics.median(t.decode_tps or 0.0 for t in turns),
             "ttft": statistics.median(t.ttft for t in turns),
             "tokens": sum(t.completion_tokens for t in turns),
         }

@@ -28,6 +28,7 @@ import zlib
 from pathlib import Path
 
 import runtime  # noqa: F401  (fast BLAS before mlx)
+from runtime.outcome import decode_rate
 
 TEXT = Path(__file__).parent / "data" / "lighthouses.txt"
 ASK = "Retell the text above in detail, paragraph by paragraph."
@@ -93,7 +94,7 @@ async def scaling_round(rt, tokenizer, n: int, context: int, tokens: int, tag: s
     end = max(r["last"] for r in runs)
     return {
         "system_tps": sum(r["tokens"] for r in runs) / (end - start),
-        "per_stream_tps": statistics.median((r["tokens"] - 1) / max(r["last"] - r["first"], 1e-9) for r in runs),
+        "per_stream_tps": statistics.median(decode_rate(r["tokens"], r["last"] - r["first"]) or 0.0 for r in runs),
         "ttft_ms": statistics.median((r["first"] - start) * 1000 for r in runs),
         "prompt_tokens": statistics.median(r["prompt"] for r in runs),
         "tokens": sum(r["tokens"] for r in runs),

@@ -77,10 +77,10 @@ def warm_worker(spec: dict) -> dict:
     del record
     result = run_turn(engine, caches, spec["agent"], spec["messages"], SamplingParams(max_tokens=1))
     return {
-        "warm_ms": result.ttft * 1000,
+        "warm_ms": result.ttft_s * 1000,
         "load_ms": load_ms,
-        "reused": result.finished.reused_tokens,
-        "prefilled": result.finished.prefilled_tokens,
+        "reused": result.reused_tokens,
+        "prefilled": result.prefilled_tokens,
     }
 
 
@@ -96,16 +96,16 @@ def measure(loaded, context: int, repeats: int, root: Path) -> dict:
         agent = f"ctx{context}-{r}"
         messages = conversation(loaded.tokenizer, context)
         first = run_turn(engine, caches, agent, messages, SamplingParams(max_tokens=8))
-        cold.append(first.ttft * 1000)
-        tokens = first.finished.prompt_tokens
+        cold.append(first.ttft_s * 1000)
+        tokens = first.prompt_tokens
         follow = messages + [
-            {"role": "assistant", "content": first.finished.text},
+            {"role": "assistant", "content": first.text},
             {"role": "user", "content": FOLLOW_UP},
         ]
         caches.flush()  # on disk for the warm run, before this process extends it
         hot_turn = run_turn(engine, caches, agent, follow, SamplingParams(max_tokens=1))
-        hot.append(hot_turn.ttft * 1000)
-        assert hot_turn.finished.prefilled_tokens < 80, "the follow-up reused the cache"
+        hot.append(hot_turn.ttft_s * 1000)
+        assert hot_turn.prefilled_tokens < 80, "the follow-up reused the cache"
         spec = {"model": loaded.name, "root": str(root), "agent": agent, "messages": follow}
         out = subprocess.run(
             [sys.executable, "-m", "bench.ttft", json.dumps(spec)],
@@ -117,14 +117,14 @@ def measure(loaded, context: int, repeats: int, root: Path) -> dict:
         load_ms.append(w["load_ms"])
         caches.flush()  # the hot turn's cache (the warm run needed the one before)
         short = follow + [
-            {"role": "assistant", "content": hot_turn.finished.text},
+            {"role": "assistant", "content": hot_turn.text},
             {"role": "user", "content": SHORT_FOLLOW_UP},
         ]
         before = caches.store.bytes_written
         short_turn = run_turn(engine, caches, agent, short, SamplingParams(max_tokens=1))
         caches.flush()
         written.append(caches.store.bytes_written - before)
-        short_tokens.append(short_turn.finished.prefilled_tokens)
+        short_tokens.append(short_turn.prefilled_tokens)
         on_disk.append(caches.store.info(agent, loaded.name)["bytes"])
     med = statistics.median
     return {"tokens": tokens, "cold": med(cold), "hot": med(hot), "warm": med(warm), "load": med(load_ms),

@@ -3,7 +3,8 @@
 ``begin`` decides what the engine must prefill for a prompt given the
 agent's cache (hot, warm on disk, a shared prefix, or nothing); ``end`` turns
 the engine's ``Finished`` record into the agent's new memory.  ``run_turn``
-drives an engine to completion for synchronous callers (tests, benchmarks);
+drives an engine to completion for synchronous callers (tests, benchmarks)
+and reports the turn as the runtime does (a ``TurnResult``);
 the actor runtime calls ``begin``/``end`` around its own scheduling.
 """
 
@@ -17,9 +18,10 @@ from jinja2 import TemplateError
 from .agent_cache import AgentCaches, AgentMemory, OutOfMemory
 from .engine import Engine, Finished, SamplingParams
 from .errors import ContextTooLong
+from .outcome import TurnResult
 from .prefix import COLD, PrefixPlan, encode, plan
 
-__all__ = ["Turn", "TurnResult", "begin", "end", "fold_system", "render", "run_turn", "system_prefix"]
+__all__ = ["Turn", "begin", "end", "fold_system", "render", "run_turn", "system_prefix"]
 
 
 def render(tokenizer, messages: list[dict], tools: list[dict] | tuple[dict, ...] | None = None) -> str:
@@ -152,13 +154,6 @@ def end(caches: AgentCaches, tokenizer, turn: Turn, finished: Finished) -> Agent
     return memory
 
 
-@dataclass(frozen=True)
-class TurnResult:
-    turn: Turn
-    finished: Finished
-    ttft: float  # seconds from the call to the first generated token (or the end)
-
-
 def run_turn(
     engine: Engine,
     caches: AgentCaches,
@@ -168,22 +163,26 @@ def run_turn(
     use_cache: bool = True,
 ) -> TurnResult:
     """Run one turn to completion on an otherwise idle engine (its whole reply
-    is reserved up front: nothing else runs)."""
+    is reserved up front: nothing else runs).  Its times count from the call:
+    ``queued_s`` covers rendering the prompt and checking out the agent's cache."""
     start = time.perf_counter()
     tokenizer = engine.tokenizer
     text = render(tokenizer, messages)
     turn = begin(caches, tokenizer, agent_id, text, system_prefix(tokenizer, messages, text), use_cache=use_cache)
-    ttft = finished = None
+    first = finished = None
     try:
         caches.grow(agent_id, len(turn.prompt) + sampling.max_tokens)  # alone: the whole reply up front
         sid = engine.add(turn.prompt, sampling, turn.cache, turn.plan.keep)
+        admitted = time.perf_counter()
         while finished is None:
             for d in engine.prefill_step() + engine.step_once():
                 if d.seq_id == sid:
-                    ttft = ttft or time.perf_counter() - start
+                    first = first or time.perf_counter()  # the first token (or an empty reply's end)
                     finished = d.finished
     except BaseException:
         caches.abandon(agent_id)
         raise
+    now = time.perf_counter()
     end(caches, tokenizer, turn, finished)
-    return TurnResult(turn, finished, ttft)
+    return TurnResult.measured(finished, finished.reason, arrived=start, admitted=admitted, first_token=first,
+                               ended=now)

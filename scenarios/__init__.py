@@ -3,7 +3,7 @@
 Layout (dependencies point down; nothing here imports MLX):
 
 * ``schema``  the YAML format -> frozen ``Scenario`` (or ``ScenarioError`` with file:line)
-* ``backend`` the seam: ``Backend`` / ``AgentHandle`` protocols, ``Sampling``, ``TurnStats``
+* ``backend`` the seam: ``Backend`` / ``AgentHandle`` protocols, ``Sampling``, ``TextDelta``
 * ``plan``    who hears what and when: the schedule, cache keys, each agent's next prompt
 * ``runner``  ``run(scenario, backend)``: plays the turns, emits events, returns a ``Result``
 * ``report``  the per-turn report (JSON) and the transcript (JSON, Markdown)
@@ -18,13 +18,13 @@ The names below are re-exported lazily, so importing ``scenarios.cli`` for
 import importlib
 
 __all__ = [
-    "AgentHandle", "Backend", "Result", "Sampling", "Scenario", "ScenarioError", "TextDelta", "TurnStats",
-    "load", "loads", "run",
+    "AgentHandle", "Backend", "Result", "Sampling", "Scenario", "ScenarioError", "TextDelta", "load", "loads",
+    "run",
 ]
 
 _HOME = {
     "AgentHandle": "backend", "Backend": "backend", "Sampling": "backend", "TextDelta": "backend",
-    "TurnStats": "backend", "Scenario": "schema", "ScenarioError": "schema", "load": "schema", "loads": "schema",
+    "Scenario": "schema", "ScenarioError": "schema", "load": "schema", "loads": "schema",
     "Result": "runner", "run": "runner",
 }
 

@@ -12,7 +12,8 @@ turn n+1, rendered by the chat template, starts with the prompt + reply of
 turn n, and a caching backend can EXTEND the agent's cache instead of
 re-reading it.
 
-Nothing here imports MLX, anyio or an HTTP client.
+Nothing here imports MLX, anyio or an HTTP client: a turn ends with the
+runtime's own ``TurnResult`` (``runtime.outcome``, plain data).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["AgentHandle", "Backend", "Sampling", "TextDelta", "TurnEvent", "TurnStats"]
+from runtime.outcome import TurnResult
+
+__all__ = ["AgentHandle", "Backend", "Sampling", "TextDelta", "TurnEvent"]
 
 
 @dataclass(frozen=True)
@@ -42,26 +45,7 @@ class TextDelta:
     text: str
 
 
-@dataclass(frozen=True)
-class TurnStats:
-    """What one turn cost, as the engine measured it.  Always the last event of a turn.
-
-    ``prompt_tokens == reused_tokens + prefilled_tokens``: reused tokens came
-    from the agent's cache, prefilled ones were computed in this turn.
-    ``text`` is the whole reply (the deltas joined, stop strings cut).
-    """
-
-    prompt_tokens: int
-    reused_tokens: int
-    prefilled_tokens: int
-    ttft_ms: float  # turn submitted -> first token
-    prefill_ms: float  # time spent prefilling this turn's new tokens
-    generated_tokens: int
-    decode_tps: float  # generated tokens / decode seconds (0 when nothing was decoded)
-    text: str
-
-
-TurnEvent = TextDelta | TurnStats
+TurnEvent = TextDelta | TurnResult  # deltas, then the result
 
 
 class AgentHandle(Protocol):
@@ -73,9 +57,10 @@ class AgentHandle(Protocol):
         An async generator (``async def`` with ``yield``): the runner closes
         it with ``aclose()`` when it stops early.
 
-        Yields ``TextDelta``s, then exactly one ``TurnStats``, then stops.
+        Yields ``TextDelta``s, then exactly one ``runtime.outcome.TurnResult``
+        (its ``text`` the whole reply, stop strings cut), then stops.
         On success the reply becomes the next assistant message.  Cancelled
-        (or closed) before ``TurnStats`` is yielded, the conversation is left
+        (or closed) before the result is yielded, the conversation is left
         as it was before the call: neither the prompt nor a partial reply is
         kept (the cache may keep what it computed; a later prompt that
         extends it may reuse that).  Raises ``runtime.errors.SemanticError`` for failures a user

@@ -25,7 +25,7 @@ def compare(cached: Result, uncached: Result) -> dict:
     for a, b in zip(cached.turns, uncached.turns):
         conversation = _conversation(a)
         same_input = same_so_far.get(conversation, True) and a.prompt == b.prompt
-        same_text = a.text == b.text
+        same_text = a.result.text == b.result.text
         same_so_far[conversation] = same_input and same_text
         rows.append({"index": a.index, "agent": a.agent, "phase": a.phase, "identical": same_text,
                      "cause": None if same_text else ("numerics" if same_input else "input")})

@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 
 from actors import Agent, Runtime
 
-from .backend import Sampling, TextDelta, TurnEvent, TurnStats
+from .backend import Sampling, TextDelta, TurnEvent
 
 __all__ = ["LocalAgent", "LocalBackend", "local_backend"]
 
@@ -45,18 +45,10 @@ class LocalAgent:
         async with reply:  # closing early cancels the turn; the history stays as it was
             async for delta in reply:
                 yield TextDelta(delta.text)
-        yield stats(reply.result)
+        yield reply.result
 
     async def close(self) -> None:
         if not self.closed:
             self.closed = True
             await self.agent.delete()
 
-
-def stats(r) -> TurnStats:
-    """``TurnStats`` from an ``actors.TurnResult``."""
-    return TurnStats(
-        prompt_tokens=r.prompt_tokens, reused_tokens=r.reused_tokens, prefilled_tokens=r.prefilled_tokens,
-        ttft_ms=1000 * (r.ttft_s or 0.0), prefill_ms=1000 * (r.prefill_s or 0.0),
-        generated_tokens=r.output_tokens, decode_tps=r.decode_tps or 0.0, text=r.text,
-    )

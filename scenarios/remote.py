@@ -17,8 +17,9 @@ from contextlib import asynccontextmanager
 import httpx
 
 from runtime.errors import SemanticError
+from runtime.outcome import TurnResult
 
-from .backend import Sampling, TextDelta, TurnEvent, TurnStats
+from .backend import Sampling, TextDelta, TurnEvent
 
 __all__ = ["RemoteAgent", "RemoteBackend", "remote_backend"]
 
@@ -64,7 +65,7 @@ class RemoteAgent:
                     if event == "delta":
                         yield TextDelta(data["text"])
                     elif event == "done":
-                        yield _stats(data)
+                        yield _result(data)
                         return
                     elif event == "error":
                         raise SemanticError(f"the server failed the turn: {data['error']['message']}")
@@ -110,10 +111,24 @@ async def _events(response: httpx.Response) -> AsyncIterator[tuple[str, dict]]:
             data.append(line[5:].removeprefix(" "))
 
 
-def _stats(done: dict) -> TurnStats:
+def _result(done: dict) -> TurnResult:
+    """The turn as the server's ``done`` event reports it (ms there, seconds here; None: not measured)."""
     usage, timing = done["usage"], done["timing"]
-    return TurnStats(
-        prompt_tokens=usage["prompt_tokens"], reused_tokens=usage["reused_tokens"],
-        prefilled_tokens=usage["prefilled_tokens"], ttft_ms=timing["ttft_ms"], prefill_ms=timing["prefill_ms"],
-        generated_tokens=usage["output_tokens"], decode_tps=timing["decode_tps"], text=done["content"],
+
+    def seconds(name: str) -> float | None:
+        ms = timing[f"{name}_ms"]
+        return None if ms is None else ms / 1000
+
+    return TurnResult(
+        reason="length" if done["stop_reason"] == "max_tokens" else "stop",  # a cancelled turn is an error there
+        text=done["content"],
+        prompt_tokens=usage["prompt_tokens"],
+        reused_tokens=usage["reused_tokens"],
+        prefilled_tokens=usage["prefilled_tokens"],
+        output_tokens=usage["output_tokens"],
+        queued_s=seconds("queued"),
+        ttft_s=seconds("ttft"),
+        prefill_s=seconds("prefill"),
+        decode_s=seconds("decode"),
+        stop_sequence=done["stop_sequence"],
     )

@@ -4,31 +4,36 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 
 from .runner import Result, TurnRecord
 
-__all__ = ["report", "totals", "transcript", "transcript_markdown", "write"]
+__all__ = ["report", "totals", "transcript", "transcript_markdown", "turn_row", "write"]
+
+
+def _ms(seconds: float | None) -> float:
+    """Milliseconds, 0 for a time not measured (nothing was decoded)."""
+    return 1000 * (seconds or 0.0)
 
 
 def totals(turns: Sequence[TurnRecord]) -> dict:
     """Sums over ``turns``; ``reuse`` is reused / prompt tokens, ``decode_tps`` is
-    generated tokens over the summed decode time."""
-    prompt = sum(t.prompt_tokens for t in turns)
-    reused = sum(t.reused_tokens for t in turns)
-    generated = sum(t.generated_tokens for t in turns)
-    decode_s = sum(t.generated_tokens / t.decode_tps for t in turns if t.decode_tps > 0)
+    the turns' decode rates weighted by their decode time."""
+    results = [t.result for t in turns]
+    prompt = sum(r.prompt_tokens for r in results)
+    reused = sum(r.reused_tokens for r in results)
+    decoding = [r for r in results if r.decode_tps is not None]
+    decode_s = sum(r.decode_s for r in decoding)
     return {
         "turns": len(turns),
         "prompt_tokens": prompt,
         "reused_tokens": reused,
-        "prefilled_tokens": sum(t.prefilled_tokens for t in turns),
+        "prefilled_tokens": sum(r.prefilled_tokens for r in results),
         "reuse": round(reused / prompt, 4) if prompt else 0.0,
-        "ttft_ms": round(sum(t.ttft_ms for t in turns), 1),
-        "prefill_ms": round(sum(t.prefill_ms for t in turns), 1),
-        "generated_tokens": generated,
-        "decode_tps": round(generated / decode_s, 1) if decode_s else 0.0,
+        "ttft_ms": round(sum(_ms(r.ttft_s) for r in results), 1),
+        "prefill_ms": round(sum(_ms(r.prefill_s) for r in results), 1),
+        "generated_tokens": sum(r.output_tokens for r in results),
+        "decode_tps": round(sum(r.decode_tps * r.decode_s for r in decoding) / decode_s, 1) if decode_s else 0.0,
     }
 
 
@@ -39,7 +44,7 @@ def report(result: Result, **meta) -> dict:
     agents = {}
     for key, agent in result.scenario.agents.items():
         mine = [t for t in result.turns if t.agent == key]
-        later = [t.reuse for t in mine if t.agent_turn > 1]
+        later = [t.result.reuse for t in mine if t.agent_turn > 1]
         agents[key] = {"lifecycle": agent.lifecycle, **totals(mine),
                        "min_reuse_after_first_turn": round(min(later), 4) if later else None}
     return {
@@ -49,17 +54,23 @@ def report(result: Result, **meta) -> dict:
         "use_cache": result.use_cache,
         "seed": result.seed,
         **meta,
-        "turns": [_turn(t) for t in result.turns],
+        "turns": [turn_row(t) for t in result.turns],
         "totals": totals(result.turns),
         "agents": agents,
     }
 
 
-def _turn(t: TurnRecord) -> dict:
-    d = asdict(t)
-    d["reuse"] = round(t.reuse, 4)
-    d["ttft_ms"], d["prefill_ms"], d["decode_tps"] = round(t.ttft_ms, 1), round(t.prefill_ms, 1), round(t.decode_tps, 1)
-    return d
+def turn_row(t: TurnRecord) -> dict:
+    """One turn of the report: the scenario's fields, then its result in the report's units."""
+    r = t.result
+    return {
+        "index": t.index, "phase": t.phase, "agent": t.agent, "name": t.name, "round": t.round,
+        "lifecycle": t.lifecycle, "cache_key": t.cache_key, "agent_turn": t.agent_turn,
+        "prompt_tokens": r.prompt_tokens, "reused_tokens": r.reused_tokens, "prefilled_tokens": r.prefilled_tokens,
+        "ttft_ms": round(_ms(r.ttft_s), 1), "prefill_ms": round(_ms(r.prefill_s), 1),
+        "generated_tokens": r.output_tokens, "decode_tps": round(r.decode_tps or 0.0, 1),
+        "prompt": t.prompt, "text": r.text, "reuse": round(r.reuse, 4),
+    }
 
 
 def transcript(result: Result) -> dict:

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field, replace
 
 import anyio
 
-from .backend import AgentHandle, Backend, TextDelta, TurnStats
+from runtime.outcome import TurnResult
+
+from .backend import AgentHandle, Backend, TextDelta
 from .plan import Line, Prompts, Slot, cache_key, schedule
 from .schema import Phase, Scenario
 
@@ -24,7 +26,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class TurnRecord:
-    """One turn as the report shows it."""
+    """One turn of the scenario: where it stands in the run, and its result (reply, tokens, times)."""
 
     index: int
     phase: str
@@ -34,20 +36,8 @@ class TurnRecord:
     lifecycle: str
     cache_key: str
     agent_turn: int  # 1 for the first turn on this cache key, 2 for the next, ...
-    prompt_tokens: int
-    reused_tokens: int
-    prefilled_tokens: int
-    ttft_ms: float
-    prefill_ms: float
-    generated_tokens: int
-    decode_tps: float
     prompt: str  # the new user message of this turn
-    text: str
-
-    @property
-    def reuse(self) -> float:
-        """Share of the prompt's tokens that came from the cache."""
-        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+    result: TurnResult
 
 
 @dataclass(frozen=True)
@@ -140,7 +130,7 @@ async def run(
                     with contextlib.suppress(Exception):
                         await handle.close()
     said = r.prompts.transcript
-    verdict = r.records[-1].text if scenario.phases[-1].judge is not None else None
+    verdict = r.records[-1].result.text if scenario.phases[-1].judge is not None else None
     return Result(scenario, run_id, use_cache, seed, tuple(r.records),
                   {p.name: tuple(said[p.name]) for p in scenario.phases}, verdict)
 
@@ -173,25 +163,23 @@ class _Run:
         sampling = slot.phase.sampling[slot.agent]
         if self.seed is not None:
             sampling = replace(sampling, seed=self.seed + slot.index)
-        stats = None
+        result = None
         prompt = self.prompts.take(slot.agent)
         async with contextlib.aclosing(self.handles[key].turn(prompt, sampling)) as events:
             async for event in events:
                 match event:
                     case TextDelta(text=text):
                         self.emit(TurnText(slot.agent, text))
-                    case TurnStats():
-                        stats = event
-        assert stats is not None, "a backend's turn must end with TurnStats"
-        assert stats.prompt_tokens == stats.reused_tokens + stats.prefilled_tokens, "backend token counts do not add up"
+                    case TurnResult():
+                        result = event
+        assert result is not None, "a backend's turn must end with a TurnResult"
+        assert result.prompt_tokens == result.reused_tokens + result.prefilled_tokens, \
+            "backend token counts do not add up"
         self.turns_on[key] = self.turns_on.get(key, 0) + 1
-        record = TurnRecord(
-            slot.index, slot.phase.name, slot.agent, agent.name, slot.round, agent.lifecycle, key, self.turns_on[key],
-            stats.prompt_tokens, stats.reused_tokens, stats.prefilled_tokens, stats.ttft_ms, stats.prefill_ms,
-            stats.generated_tokens, stats.decode_tps, prompt, stats.text,
-        )
+        record = TurnRecord(slot.index, slot.phase.name, slot.agent, agent.name, slot.round, agent.lifecycle, key,
+                            self.turns_on[key], prompt, result)
         self.records.append(record)
-        self.prompts.said(slot.phase, Line(slot.phase.name, slot.agent, slot.round, stats.text.strip()))
+        self.prompts.said(slot.phase, Line(slot.phase.name, slot.agent, slot.round, result.text.strip()))
         self.emit(TurnFinished(record))
 
     async def end_phase(self, phase: Phase) -> None:

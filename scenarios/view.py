@@ -18,7 +18,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from .report import totals
+from .report import totals, turn_row
 from .runner import Event, PhaseFinished, PhaseStarted, Result, TurnFinished, TurnRecord, TurnStarted, TurnText
 from .schema import Scenario
 
@@ -26,8 +26,10 @@ __all__ = ["View"]
 
 
 def stats_line(t: TurnRecord) -> str:
-    return (f"[{t.agent} #{t.agent_turn}] prompt {t.prompt_tokens} tok · reused {t.reused_tokens} "
-            f"({t.reuse:.0%}) · prefilled {t.prefilled_tokens} · ttft {t.ttft_ms:.0f} ms · {t.decode_tps:.1f} tok/s")
+    r = turn_row(t)  # the report's figures: the two agree
+    return (f"[{t.agent} #{t.agent_turn}] prompt {r['prompt_tokens']} tok · reused {r['reused_tokens']} "
+            f"({r['reuse']:.0%}) · prefilled {r['prefilled_tokens']} · ttft {r['ttft_ms']:.0f} ms · "
+            f"{r['decode_tps']:.1f} tok/s")
 
 
 class View:
@@ -79,7 +81,7 @@ class View:
             case TurnFinished(record=t):
                 self._done += 1
                 self._speaker, self._text = None, []
-                text = " ".join(t.text.split()) or "(says nothing)"
+                text = " ".join(t.result.text.split()) or "(says nothing)"
                 if self._live_mode:
                     self._console.print(Text.assemble((f"{t.name}: ", "bold"), text))
                     self._console.print(Text("   " + stats_line(t), style=_reuse_style(t)))
@@ -95,7 +97,7 @@ class View:
         rows = []
         for key, agent in self._scenario.agents.items():
             mine = [t for t in result.turns if t.agent == key]
-            later = [t.reuse for t in mine if t.agent_turn > 1]
+            later = [t.result.reuse for t in mine if t.agent_turn > 1]
             rows.append((agent.name, agent.lifecycle, totals(mine), f"{min(later):.0%}" if later else "-"))
         total = totals(result.turns)
         if not self._live_mode:
@@ -147,4 +149,4 @@ class View:
 def _reuse_style(t: TurnRecord) -> str:
     if t.agent_turn == 1:
         return "dim"
-    return "green" if t.reuse >= 0.9 else "yellow" if t.reuse >= 0.5 else "red"
+    return "green" if t.result.reuse >= 0.9 else "yellow" if t.result.reuse >= 0.5 else "red"

@@ -22,7 +22,8 @@ from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from actors import AgentInfo, TurnResult
+from actors import AgentInfo
+from runtime.outcome import TurnResult
 
 from . import _validate as v
 from ._aio import closing
@@ -96,11 +97,12 @@ def turn_json(agent_id: str, result: ChatResult) -> dict:
     """A finished turn (``result`` as ``web.chat`` builds it, with the runtime's record)."""
     if result.stop_reason == "cancelled":
         raise RequestError(503, "the turn was cancelled before it finished; try again")
-    timing = {"ttft_ms": None, "queued_ms": None, "prefill_ms": None, "decode_tps": None}
+    timing = {"ttft_ms": None, "queued_ms": None, "prefill_ms": None, "decode_ms": None, "decode_tps": None}
     turn: TurnResult | None = result.turn
     if turn is not None:
         ms = lambda s: None if s is None else round(s * 1000, 3)  # noqa: E731
         timing = {"ttft_ms": ms(turn.ttft_s), "queued_ms": ms(turn.queued_s), "prefill_ms": ms(turn.prefill_s),
+                  "decode_ms": ms(turn.decode_s),
                   "decode_tps": None if turn.decode_tps is None else round(turn.decode_tps, 3)}
     u = result.usage
     return {

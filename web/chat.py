@@ -32,10 +32,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from actors import (Agent, AgentExists, AgentGone, ContextTooLong, Message, Reply, Runtime, RuntimeClosed,
-                    RuntimeUnhealthy, TurnCancelled, TurnResult)
+                    RuntimeUnhealthy, TurnCancelled)
 from runtime.agent_cache import OutOfMemory
 from runtime.cache_file import InvalidAgentId, validate_agent_id
 from runtime.errors import SemanticError
+from runtime.outcome import TurnResult
 
 from ._aio import closing
 from .identity import ConversationIndex, new_conversation_id

@@ -31,9 +31,10 @@ from collections.abc import AsyncIterator
 
 import anyio
 
-from actors import AgentInfo, Runtime, TurnResult
+from actors import AgentInfo, Runtime
 from actors.gpu import BatchSnapshot
 from runtime.cache_file import InvalidAgentId
+from runtime.outcome import TurnResult
 
 from .events import EventHub
 from .sse import KEEP_ALIVE, encode

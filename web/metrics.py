@@ -32,7 +32,7 @@ import math
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from actors import TurnResult
+from runtime.outcome import TurnResult
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 

@@ -53,8 +53,8 @@ def one_at_a_time(smollm2, tmp_path_factory) -> dict[str, list[str]]:
         for q in QUESTIONS:
             messages.append({"role": "user", "content": q})
             r = run_turn(engine, caches, f"a{i}", messages, SamplingParams(max_tokens=TOKENS))
-            texts[f"a{i}"].append(r.finished.text)
-            messages.append({"role": "assistant", "content": r.finished.text})
+            texts[f"a{i}"].append(r.text)
+            messages.append({"role": "assistant", "content": r.text})
     return texts
 
 

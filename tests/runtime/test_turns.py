@@ -10,7 +10,7 @@ from runtime.agent_cache import HOT, WARM, AgentCaches, OutOfMemory
 from runtime.block_pool import KVBudget
 from runtime.cache_file import CacheStore
 from runtime.engine import Engine, SamplingParams
-from runtime.prefix import DIVERGE, EXTEND, encode
+from runtime.prefix import encode
 from runtime.turns import render, run_turn
 
 pytestmark = pytest.mark.model
@@ -32,14 +32,14 @@ def caches_for(smollm2, root, budget_bytes=256 << 20, model_id="smollm2"):
 
 
 def chat(engine, caches, agent, questions, sampling=GREEDY, use_cache=True, system="You are a concise assistant."):
-    """A multi-turn chat; yields (messages, turn, finished) per turn."""
+    """A multi-turn chat; yields (messages, tokens cached before the turn, result) per turn."""
     messages = [{"role": "system", "content": system}]
     for q in questions:
         messages.append({"role": "user", "content": q})
+        before = caches.peek(agent)
         r = run_turn(engine, caches, agent, messages, sampling, use_cache=use_cache)
-        turn, finished = r.turn, r.finished
-        yield list(messages), turn, finished
-        messages.append({"role": "assistant", "content": finished.text})
+        yield list(messages), [] if before is None else before.tokens, r
+        messages.append({"role": "assistant", "content": r.text})
 
 
 def test_follow_up_turns_prefill_only_their_new_tokens(smollm2, tmp_path):
@@ -48,13 +48,13 @@ def test_follow_up_turns_prefill_only_their_new_tokens(smollm2, tmp_path):
     caches = caches_for(smollm2, tmp_path)
     previous = None
     report = []
-    for n, (messages, turn, f) in enumerate(chat(engine, caches, "alice", QUESTIONS)):
+    for n, (messages, cached, f) in enumerate(chat(engine, caches, "alice", QUESTIONS)):
         if previous is not None:
             # What is new this turn: the template's close of the reply, the user's message, the opener.
             new_part = render(tok, messages)[len(previous):]
-            assert turn.plan.kind == EXTEND
+            assert f.reused_tokens == len(cached), "the prompt extends the cache: every cached token is kept"
             assert f.prefilled_tokens <= len(encode(tok, new_part)) + 8
-            assert f.reused_tokens == len(turn.prompt) - f.prefilled_tokens
+            assert f.reused_tokens == f.prompt_tokens - f.prefilled_tokens
         report.append((n + 1, f.prompt_tokens, f.reused_tokens, f.prefilled_tokens))
         previous = render(tok, messages) + f.text
     print("\nturn prompt reused prefilled:", report)
@@ -65,11 +65,13 @@ def test_cached_turns_against_cold_turns(smollm2, tmp_path):
     the assertion is only that every turn's reply is sensible text."""
     tok = smollm2.tokenizer
     engine = Engine(smollm2.model, tok)
-    cached = list(chat(engine, caches_for(smollm2, tmp_path / "a"), "bob", QUESTIONS))
+    caches = caches_for(smollm2, tmp_path / "a")
+    cached = [(messages, caches.peek("bob").tokens[:f.prompt_tokens], f)  # the prompt as the cache holds it
+              for messages, _, f in chat(engine, caches, "bob", QUESTIONS)]
     same_tokens = same_text = 0
-    for messages, turn, f in cached:
+    for messages, prompt, f in cached:
         cold_ids = encode(tok, render(tok, messages))
-        same_tokens += turn.prompt == cold_ids
+        same_tokens += prompt == cold_ids
         cold = Engine(smollm2.model, tok)
         sid = cold.add(cold_ids, GREEDY)
         while not cold.idle:
@@ -100,10 +102,10 @@ def test_budget_demotes_to_disk_and_outputs_do_not_change(smollm2, tmp_path):
         for a in agents:
             for mode, caches in (("tight", tight), ("roomy", roomy)):
                 was = caches.tier(a)
-                f = run_turn(engine, caches, a, histories[mode][a], sampling).finished
+                f = run_turn(engine, caches, a, histories[mode][a], sampling)
                 histories[mode][a] += [{"role": "assistant", "content": f.text},
                                        {"role": "user", "content": "And one more?"}]
-                outputs[mode].append(f.output_tokens)
+                outputs[mode].append(f.text)
                 if mode == "tight":
                     assert caches.budget.used_bytes <= caches.budget.budget_bytes
                     assert len(caches.hot_agents()) <= 3
@@ -140,7 +142,7 @@ def test_a_shared_system_prompt_is_prefilled_once(smollm2, tmp_path):
     prefilled = []
     for i in range(4):
         messages = [{"role": "system", "content": system}, {"role": "user", "content": f"Report {i}?"}]
-        f = run_turn(engine, caches, f"analyst-{i}", messages, SamplingParams(max_tokens=4)).finished
+        f = run_turn(engine, caches, f"analyst-{i}", messages, SamplingParams(max_tokens=4))
         prefilled.append(f.prefilled_tokens)
     assert prefilled[0] >= prefix_tokens
     assert all(p < 20 for p in prefilled[1:]), prefilled
@@ -160,7 +162,7 @@ def test_shared_prefixes_fill_only_free_room_and_give_it_back(smollm2, tmp_path)
         caches.demote(f"agent-{i}")  # idle and written: the eviction actor's job
     assert len(caches.prefixes()) == 2 and caches.hot_agents() == []  # the budget is 2/3 prefixes
     long = [{"role": "user", "content": "Summarise: " + "the lighthouse log was quiet " * 60}]  # > 256 tokens
-    f = run_turn(engine, caches, "reader", long, SamplingParams(max_tokens=4)).finished
+    f = run_turn(engine, caches, "reader", long, SamplingParams(max_tokens=4))
     assert f.prompt_tokens > 256 and caches.prefix_drops >= 1
     assert caches.budget.used_bytes <= caches.budget.budget_bytes
 
@@ -170,16 +172,15 @@ def test_caches_survive_a_model_swap(smollm2, tmp_path):
     engine = Engine(smollm2.model, tok)
     first = caches_for(smollm2, tmp_path, model_id="smollm2")
     msgs = [{"role": "user", "content": "Remember the word lantern."}]
-    f1 = run_turn(engine, first, "carol", msgs, SamplingParams(max_tokens=6)).finished
+    f1 = run_turn(engine, first, "carol", msgs, SamplingParams(max_tokens=6))
     first.flush()
     other = caches_for(smollm2, tmp_path, model_id="another-model")
     assert other.tier("carol") is None  # its cache is tagged by model: nothing to use here
     back = caches_for(smollm2, tmp_path, model_id="smollm2")
     assert back.tier("carol") == WARM
     msgs += [{"role": "assistant", "content": f1.text}, {"role": "user", "content": "Which word?"}]
-    r = run_turn(engine, back, "carol", msgs, SamplingParams(max_tokens=6))
-    turn, f2 = r.turn, r.finished
-    assert turn.plan.kind in (EXTEND, DIVERGE) and f2.reused_tokens >= f1.prompt_tokens
+    f2 = run_turn(engine, back, "carol", msgs, SamplingParams(max_tokens=6))
+    assert f2.reused_tokens >= f1.prompt_tokens  # read back from the file
     assert back.tier("carol") == HOT
 
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import anyio
 import anyio.lowlevel
 
-from scenarios.backend import Sampling, TextDelta, TurnEvent, TurnStats
+from runtime.outcome import TurnResult
+from scenarios.backend import Sampling, TextDelta, TurnEvent
 from scenarios.runner import Event, PhaseStarted
 
 MARKER = re.compile(r"«(\w+)\|(\w+)\|(\d+)»")
@@ -114,9 +115,11 @@ class FakeHandle:
         prompt_tokens = words(text)
         b.received.append(
             Received(self.agent, self.cache_key, b.phase, prompt, text, reply, sampling, reused, prompt_tokens))
-        prefilled = prompt_tokens - reused
-        yield TurnStats(prompt_tokens, reused, prefilled, ttft_ms=1.0 + 0.5 * prefilled, prefill_ms=0.5 * prefilled,
-                        generated_tokens=words(reply), decode_tps=100.0, text=reply)
+        prefilled, generated = prompt_tokens - reused, words(reply)
+        # 0.5 ms a prefilled word, 1 ms before it, 100 words/s after the first.
+        yield TurnResult("stop", reply, prompt_tokens, reused, prefilled, generated, queued_s=0.0,
+                         ttft_s=(1.0 + 0.5 * prefilled) / 1000, prefill_s=0.5 * prefilled / 1000,
+                         decode_s=(generated - 1) / 100.0)
 
     async def close(self) -> None:
         if not self.closed:

@@ -4,6 +4,7 @@ from dataclasses import replace
 
 import pytest
 
+from runtime.outcome import TurnResult
 from scenarios import compare
 from scenarios.runner import Result, TurnRecord
 from scenarios.schema import loads
@@ -14,8 +15,9 @@ SCENARIO = loads(BASE)
 
 
 def record(index, agent, phase, prompt, text, lifecycle="permanent", reused=0, prompt_tokens=10):
-    return TurnRecord(index, phase, agent, agent.title(), 1, lifecycle, f"key.{agent}", 1, prompt_tokens, reused,
-                      prompt_tokens - reused, 5.0, 4.0, 3, 10.0, prompt, text)
+    return TurnRecord(index, phase, agent, agent.title(), 1, lifecycle, f"key.{agent}", 1, prompt,
+                      TurnResult("stop", text, prompt_tokens, reused, prompt_tokens - reused, 3, queued_s=0.0,
+                                 ttft_s=0.005, prefill_s=0.004, decode_s=0.2))
 
 
 def result(turns) -> Result:
@@ -25,13 +27,13 @@ def result(turns) -> Result:
 def test_a_difference_is_numerics_until_the_conversation_differs():
     cached = [record(0, "alice", "p", "hi", "A"), record(1, "bob", "p", "hi", "B"),
               record(2, "alice", "p", "more", "C"), record(3, "bob", "p", "more", "D")]
-    uncached = [replace(cached[0], text="A2"), cached[1], cached[2], replace(cached[3], prompt="more!")]
+    uncached = [record(0, "alice", "p", "hi", "A2"), cached[1], cached[2], replace(cached[3], prompt="more!")]
     c = compare.compare(result(cached), result(uncached))
     assert [r["cause"] for r in c["turns"]] == ["numerics", None, None, None]
     assert c["identical_turns"] == 3 and c["identical_share"] == 0.75
     # alice's first reply differed, so her next turn saw other tokens even with an equal prompt and reply text.
-    uncached[2] = replace(cached[2], text="C2")
-    uncached[3] = replace(cached[3], prompt="more!", text="D2")
+    uncached[2] = record(2, "alice", "p", "more", "C2")
+    uncached[3] = record(3, "bob", "p", "more!", "D2")
     c = compare.compare(result(cached), result(uncached))
     assert [r["cause"] for r in c["turns"]] == ["numerics", None, "input", "input"]
     assert c["differ_by"] == {"input": 2, "numerics": 1}

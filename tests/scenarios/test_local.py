@@ -47,13 +47,14 @@ async def test_permanent_agents_reuse_their_whole_conversation(smollm2, tmp_path
         result = await play(rt, "r1")
         for agent in ("ann", "ben"):
             first, second = [t for t in result.turns if t.agent == agent]
-            assert (first.reused_tokens, second.agent_turn) == (0, 2)
+            assert (first.result.reused_tokens, second.agent_turn) == (0, 2)
+            first, second = first.result, second.result
             # Everything the agent had seen and said was served from its cache: only the new message was prefilled.
-            assert second.reused_tokens >= first.prompt_tokens + first.generated_tokens - 1
+            assert second.reused_tokens >= first.prompt_tokens + first.output_tokens - 1
             assert second.prefilled_tokens < second.prompt_tokens - first.prompt_tokens
-            assert second.ttft_ms > 0 and second.prefill_ms > 0
+            assert second.ttft_s > 0 and second.prefill_s > 0
         judge = result.turns[-1]
-        assert judge.agent == "judge" and "Ann:" in judge.prompt and result.verdict == judge.text
+        assert judge.agent == "judge" and "Ann:" in judge.prompt and result.verdict == judge.result.text
         await rt.flush()
         assert rt.stats()["agent_actors"] == 0 or not list((tmp_path / "histories").glob("scn.tiny.r1.*"))
     leftovers = [p.name for p in tmp_path.rglob("*scn.tiny.r1*")]
@@ -64,7 +65,8 @@ async def test_cached_run_against_no_cache_run(smollm2, tmp_path):
     async with Runtime.open(smollm2, cache_dir=tmp_path, budget=64 << 20) as rt:
         cached = await play(rt, "c")
         uncached = await play(rt, "n", use_cache=False)
-    assert all(t.reused_tokens == 0 and t.prefilled_tokens == t.prompt_tokens for t in uncached.turns)
+    assert all(t.result.reused_tokens == 0 and t.result.prefilled_tokens == t.result.prompt_tokens
+               for t in uncached.turns)
     c = compare.compare(cached, uncached)
     assert c["cached"]["prefilled_tokens"] < c["uncached"]["prefilled_tokens"]
     assert c["uncached"]["prompt_tokens"] == c["uncached"]["prefilled_tokens"]

@@ -26,10 +26,11 @@ async def test_http_run_matches_the_in_process_run(smollm2, tmp_path):
             remote = await runner.run(SCENARIO, backend, run_id="r", seed=1)
         async with httpx.AsyncClient(base_url=url) as client:
             listed = (await client.get("/v1/agents")).json()
-    assert [t.text for t in remote.turns] == [t.text for t in local.turns]
-    assert [(t.prompt_tokens, t.reused_tokens) for t in remote.turns] == \
-        [(t.prompt_tokens, t.reused_tokens) for t in local.turns]
-    assert all(t.ttft_ms > 0 for t in remote.turns)
+    remote_results, local_results = [t.result for t in remote.turns], [t.result for t in local.turns]
+    assert [r.text for r in remote_results] == [r.text for r in local_results]
+    assert [(r.prompt_tokens, r.reused_tokens, r.output_tokens) for r in remote_results] == \
+        [(r.prompt_tokens, r.reused_tokens, r.output_tokens) for r in local_results]
+    assert all(r.ttft_s > 0 and r.decode_s is not None for r in remote_results)
     assert not any(a["id"].startswith("scn.") for a in listed["agents"]), "closed conversations are deleted"
 
 

@@ -5,9 +5,10 @@ import json
 import anyio
 import pytest
 
+from runtime.outcome import TurnResult
 from scenarios import report
 from scenarios.cli import LIBRARY, library
-from scenarios.runner import PhaseStarted, TurnFinished, TurnStarted, TurnText, run
+from scenarios.runner import PhaseStarted, TurnFinished, TurnRecord, TurnStarted, TurnText, run
 from scenarios.schema import Ref, Scenario, load, loads
 
 from .fake import MARKER, FakeBackend, Received, marker
@@ -60,7 +61,7 @@ async def test_no_agent_hears_a_phase_it_was_not_in(scenario):
         for t in result.turns[:i]:
             heard = r.agent in scenario.phase(t.phase).agents and (permanent or t.phase == r.phase)
             if heard and t.agent != r.agent:
-                assert t.text.split()[0] in r.conversation, (i, r.agent, t.text)
+                assert t.result.text.split()[0] in r.conversation, (i, r.agent, t.result.text)
 
 
 @pytest.mark.parametrize("scenario", SHIPPED, ids=[s.id for s in SHIPPED])
@@ -114,7 +115,7 @@ async def test_each_conversation_grows_by_appending(scenario):
             assert nxt.reused == len((prev.conversation + prev.reply).split()), key
         assert turns[0].reused == 0
     for t in result.turns:
-        assert (t.reused_tokens > 0) == (t.agent_turn > 1)
+        assert (t.result.reused_tokens > 0) == (t.agent_turn > 1)
 
 
 @pytest.mark.parametrize("scenario", SHIPPED, ids=[s.id for s in SHIPPED])
@@ -151,7 +152,8 @@ async def test_no_cache_is_passed_through():
     s = SHIPPED[0]
     fake, result, _ = await play(s, use_cache=False)
     assert {o.use_cache for o in fake.opened} == {False}
-    assert all(t.reused_tokens == 0 and t.prefilled_tokens == t.prompt_tokens for t in result.turns)
+    assert all(t.result.reused_tokens == 0 and t.result.prefilled_tokens == t.result.prompt_tokens
+               for t in result.turns)
     assert result.use_cache is False
 
 
@@ -171,7 +173,7 @@ async def test_events_come_in_order():
     starts = [e for e in events if isinstance(e, TurnStarted)]
     assert [e.index for e in starts] == list(range(s.turns))
     text = "".join(e.text for e in events[:kinds.index("TurnFinished")] if isinstance(e, TurnText))
-    assert text == next(e for e in events if isinstance(e, TurnFinished)).record.text
+    assert text == next(e for e in events if isinstance(e, TurnFinished)).record.result.text
     assert [e.reopened for e in starts][:3] == [True, True, False]
 
 
@@ -190,7 +192,16 @@ async def test_report_json_has_turns_and_totals():
     assert totals["reused_tokens"] + totals["prefilled_tokens"] == totals["prompt_tokens"]
     assert 0 < totals["reuse"] < 1 and totals["decode_tps"] == 100.0
     assert rep["agents"]["warden"]["turns"] == 8 and rep["agents"]["analyst"]["min_reuse_after_first_turn"] is None
-    assert result.verdict is not None and result.verdict == result.turns[-1].text
+    assert result.verdict is not None and result.verdict == result.turns[-1].result.text
+
+
+def test_a_turn_that_decoded_nothing_reports_zero_times():
+    """No token (or a server that did not say): no TTFT, prefill or decode time; the report shows 0."""
+    nothing = TurnResult("cancelled", "", 10, 4, 6, 0, queued_s=None, ttft_s=None)
+    t = TurnRecord(0, "p", "alice", "Alice", 1, "permanent", "key.alice", 1, "hi", nothing)
+    row = report.turn_row(t)
+    assert (row["ttft_ms"], row["prefill_ms"], row["decode_tps"], row["reuse"]) == (0.0, 0.0, 0.0, 0.4)
+    assert report.totals([t])["decode_tps"] == 0.0
 
 
 async def test_transcript_outputs(tmp_path):
@@ -273,4 +284,4 @@ async def test_shipped_scenarios_are_shaped_for_90_percent_reuse(scenario):
     result = await projected_run(scenario)
     for t in result.turns:
         if scenario.agents[t.agent].permanent and t.agent_turn > 1:
-            assert t.reuse >= 0.92, f"{t.agent} turn {t.agent_turn} ({t.phase}): {t.reuse:.1%}"
+            assert t.result.reuse >= 0.92, f"{t.agent} turn {t.agent_turn} ({t.phase}): {t.result.reuse:.1%}"

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from actors import Message, TurnResult
+from actors import Message
+from runtime.outcome import TurnResult
 from web.anthropic import parse_request
 from web.chat import chat_result, context_first, prepare
 from web.identity import ConversationIndex, new_conversation_id

@@ -17,7 +17,7 @@ import anyio
 import httpx
 import pytest
 
-from actors import TurnResult
+from runtime.outcome import TurnResult
 from web.dashboard import agent_row, turn_record
 from web.events import EventHub
 

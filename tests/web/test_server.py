@@ -147,7 +147,7 @@ async def test_the_agent_api_contract(tmp_path):
         u = first["usage"]
         assert set(u) == {"prompt_tokens", "reused_tokens", "prefilled_tokens", "output_tokens"}
         assert u["prompt_tokens"] == u["reused_tokens"] + u["prefilled_tokens"] and u["output_tokens"] >= 1
-        assert set(first["timing"]) == {"ttft_ms", "queued_ms", "prefill_ms", "decode_tps"}
+        assert set(first["timing"]) == {"ttft_ms", "queued_ms", "prefill_ms", "decode_ms", "decode_tps"}
         assert first["timing"]["ttft_ms"] > 0
 
         r = await http.post("/v1/agents/ada/messages", json={"content": "More.", "max_tokens": 6, "stream": True})

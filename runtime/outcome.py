@@ -1,0 +1,79 @@
+"""What a finished turn reports: its reply, its tokens, its timings.
+
+One type for every layer that reports a turn: the actor runtime builds it,
+``turns.run_turn`` returns it, the web APIs, dashboard and metrics read it,
+the scenario backends yield it and their report prints it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .engine import Finished
+
+__all__ = ["TurnResult", "decode_rate"]
+
+
+def decode_rate(output_tokens: int, decode_s: float | None) -> float | None:
+    """Tokens per second after the first, which is timed as the prefill's (None
+    when fewer than two were generated or no decode time was measured)."""
+    return (output_tokens - 1) / decode_s if decode_s and output_tokens > 1 else None
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """How a turn ended: ``reason`` is ``stop``, ``length`` or ``cancelled``.
+
+    ``prompt_tokens == reused_tokens + prefilled_tokens``.  Times are seconds,
+    None when not measured (nothing generated, or a peer that did not say).
+    """
+
+    reason: str
+    text: str  # the whole reply (a cancelled turn: what was generated)
+    prompt_tokens: int
+    reused_tokens: int  # prompt tokens served from the agent's cache
+    prefilled_tokens: int  # prompt tokens computed by this turn
+    output_tokens: int
+    # From the turn's arrival (at the GPU actor; ``run_turn``: the call) to its admission
+    # (waiting for memory or a model swap, loading its cache), and to its first token.
+    queued_s: float | None
+    ttft_s: float | None
+    # Cancelled turns: engine steps completed between the cancel request and the cancel; 0 or 1
+    # (the step in progress when it was asked), as no step starts before the inbox is drained.
+    cancel_lag_steps: int | None = None
+    prefill_s: float | None = None  # admitted -> first token (its prefill, interleaved with others' decoding)
+    decode_s: float | None = None  # first token -> end
+    stop_sequence: str | None = None  # the stop string that ended it (reason "stop")
+
+    @classmethod
+    def measured(cls, finished: Finished | None, reason: str, *, arrived: float, admitted: float,
+                 first_token: float | None, ended: float, cancel_lag_steps: int | None = None) -> TurnResult:
+        """A turn from the engine's record of it (None: it never ran) and the
+        ``perf_counter`` times it arrived, was admitted, got its first token
+        (None: none came) and ended."""
+        f, first = finished, first_token
+        return cls(
+            reason=reason,
+            text=f.text if f else "",
+            prompt_tokens=f.prompt_tokens if f else 0,
+            reused_tokens=f.reused_tokens if f else 0,
+            prefilled_tokens=f.prefilled_tokens if f else 0,
+            output_tokens=len(f.output_tokens) if f else 0,
+            queued_s=admitted - arrived,
+            ttft_s=None if first is None else first - arrived,
+            cancel_lag_steps=cancel_lag_steps,
+            prefill_s=None if first is None else first - admitted,
+            decode_s=None if first is None else ended - first,
+            stop_sequence=f.stop_sequence if f else None,
+        )
+
+    @property
+    def decode_tps(self) -> float | None:
+        return decode_rate(self.output_tokens, self.decode_s)
+
+    @property
+    def reuse(self) -> float:
+        """Share of the prompt's tokens that came from the cache."""
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
