@@ -37,11 +37,8 @@ which is safe, because a cache is matched to a prompt by its own text.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +50,7 @@ from runtime.errors import SemanticError
 from runtime.outcome import TurnResult
 
 from .errors import AgentExists, AgentGone, RuntimeClosed, TurnError
+from .history import encode_history
 from .messages import (
     AgentCommand,
     BeginTurn,
@@ -67,18 +65,17 @@ from .messages import (
     HistoryBytes,
     Message,
     Open,
+    ReadHistory,
     Send,
     TurnEnded,
     TurnEvent,
     TurnFailed,
 )
-from .persistence import history_path
 
-__all__ = ["AgentActor", "AgentContext", "AgentSlot", "read_history", "request"]
+__all__ = ["AgentActor", "AgentContext", "AgentSlot", "request"]
 
 log = logging.getLogger("semantic.actors")
 
-HISTORY_FORMAT = "semantic-agent-history"
 
 
 @dataclass(eq=False)
@@ -130,11 +127,11 @@ class AgentActor:
         self._unusable: SemanticError | None = None
         try:
             if slot.history is None:
-                try:
-                    history = await anyio.to_thread.run_sync(read_history, self.ctx.histories, slot.agent_id)
-                except OSError as e:  # fail this agent's requests, not the runtime
-                    self._unusable = SemanticError(f"cannot read the history of agent {slot.agent_id!r}: {e}")
+                answer = await request(lambda r: self.ctx.persistence.send_nowait(ReadHistory(slot.agent_id, r)))
+                if isinstance(answer, Failed):  # fail this agent's requests, not the runtime
+                    self._unusable = answer.error
                     return
+                history = answer.value
                 slot.exists = history is not None
                 slot.history = history or ()
             while not slot.deleted:
@@ -292,36 +289,3 @@ def _final(reply: MemoryObjectSendStream, item) -> None:
     except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.WouldBlock):
         pass
     reply.close()
-
-
-def encode_history(agent_id: str, history: tuple[Message, ...]) -> bytes:
-    doc = {
-        "format": HISTORY_FORMAT,
-        "version": 1,
-        "agent_id": agent_id,
-        "messages": [m.as_dict() for m in history],
-        "updated": time.time(),
-    }
-    return json.dumps(doc, ensure_ascii=False, indent=1).encode()
-
-
-def read_history(histories: Path, agent_id: str) -> tuple[Message, ...] | None:
-    """An agent's history from disk; None if it has none.  A file that cannot be
-    read as a history is moved aside (``.bad-<time>``) with a warning: the agent
-    starts afresh rather than failing."""
-    path = history_path(histories, agent_id)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    try:
-        doc = json.loads(raw)
-        assert doc["format"] == HISTORY_FORMAT and doc["version"] == 1 and doc["agent_id"] == agent_id
-        messages = tuple(Message.from_dict(m) for m in doc["messages"])
-    except (ValueError, KeyError, TypeError, AssertionError) as e:
-        aside = path.with_name(f"{path.name}.bad-{time.strftime('%Y%m%dT%H%M%S')}")
-        os.replace(path, aside)
-        log.warning("history of agent %r is unreadable (%r); moved to %s, the agent starts afresh",
-                    agent_id, e, aside)
-        return None
-    return messages

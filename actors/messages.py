@@ -34,7 +34,7 @@ __all__ = [
     "AgentCommand", "BeginTurn", "CacheBlocks", "CacheRead", "CacheWritten", "CancelTurn", "Delta", "Demote",
     "DropCache", "Done", "EvictCommand", "Failed", "FlushCaches", "ForkCache", "Forget", "Fork",
     "Flush", "GpuCommand", "GpuDown", "HistoryBytes", "HotAgent", "HotSet", "Message", "Open",
-    "PersistCommand", "ReadCache", "Send", "StopGpu", "Stop", "SwapModel", "TurnEnded", "TurnEvent",
+    "PersistCommand", "ReadCache", "ReadHistory", "Send", "StopGpu", "Stop", "SwapModel", "TurnEnded", "TurnEvent",
     "TurnFailed", "TurnResult", "Delete",
 ]
 
@@ -283,6 +283,15 @@ class ReadCache:
 
 
 @dataclass(frozen=True)
+class ReadHistory:
+    """Read an agent's history, after any write or delete of it already queued;
+    answers ``Done(messages)``, ``Done(None)`` (none) or ``Failed``."""
+
+    agent_id: str
+    reply: Sink[Done | Failed]
+
+
+@dataclass(frozen=True)
 class HistoryBytes:
     """An agent's history file; the latest pending one wins."""
 
@@ -310,7 +319,7 @@ class Stop:
     """Finish the pending work, then end (persistence, eviction)."""
 
 
-PersistCommand = Union[CacheBlocks, ReadCache, HistoryBytes, Forget, Flush, Stop]
+PersistCommand = Union[CacheBlocks, ReadCache, HistoryBytes, ReadHistory, Forget, Flush, Stop]
 
 
 # -- the eviction actor's mailbox -------------------------------------------------

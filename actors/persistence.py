@@ -2,7 +2,8 @@
 
 It is the one writer of every cache and history file, so writes of one file
 happen in the order they were made and an older version never lands after a
-newer one, and the one reader of caches: the GPU thread never opens a file.  It receives bytes (the GPU actor copies out the blocks of a cache
+newer one, and the one reader of caches and histories for the runtime: the
+GPU thread never opens a file.  It receives bytes (the GPU actor copies out the blocks of a cache
 that are new since what it last handed over, ``CacheBlocks``; agent actors
 encode their histories) and writes them on a worker thread, one agent at a
 time, so no turn waits on the disk: ``CacheStore.write`` hashes the blocks,
@@ -20,11 +21,13 @@ writes those not on disk and then the manifest; histories go through
   after the turn ends.  ``Flush`` answers when nothing is pending.
 * **Clean**: after writing a cache it tells the GPU actor (``CacheWritten``),
   which marks that version clean -- free to demote without writing.
-* **Reads** (``ReadCache``): a warm cache is read and checked into host memory
-  on a worker thread, beside the writes (a turn's load never waits for other
-  agents' writes), but after any write or delete of the same agent queued
-  before it, which it moves to the front of the line; the bytes go to the
-  GPU actor (``CacheRead``).  An unusable cache is quarantined here.
+* **Reads** (``ReadCache``, ``ReadHistory``): a warm cache is read and checked
+  into host memory on a worker thread, beside the writes (a turn's load never
+  waits for other agents' writes), but after any write or delete of the same
+  file queued before it, which it moves to the front of the line; the bytes
+  go to the GPU actor (``CacheRead``).  An unusable cache is quarantined
+  here, an unreadable history moved aside.  A history whose write failed
+  is answered from the bytes waiting to be written again.
 * **Shutdown**: ``Stop`` writes everything pending, then ends.  A write in
   progress is never abandoned: worker threads are not cancellable, and every
   write is a temp file renamed into place.
@@ -58,13 +61,17 @@ from pathlib import Path
 
 import anyio
 
+from functools import partial
+
 from runtime import disk
 from runtime.cache_file import CacheStore, StaleBlocks, merged, tree_bytes, write_atomic
 from runtime.disk import NoRoom, history_path
 from runtime.errors import SemanticError
 
+from .history import parse_history, read_history
 from .messages import (
-    CacheBlocks, CacheRead, CacheWritten, Done, Failed, Flush, Forget, HistoryBytes, PersistCommand, ReadCache, Stop,
+    CacheBlocks, CacheRead, CacheWritten, Done, Failed, Flush, Forget, HistoryBytes, PersistCommand, ReadCache,
+    ReadHistory, Stop,
 )
 
 __all__ = ["PersistenceActor", "history_path"]
@@ -154,10 +161,12 @@ class PersistenceActor:
             key = ("cache", message.agent_id, message.model_id)
             self._queue(key, message)
         elif isinstance(message, ReadCache):
-            ahead = [k for k in self._pending if self._holds_up(k, message.agent_id)]
-            for key in reversed(ahead):
-                self._pending.move_to_end(key, last=False)  # first in line, in their order
-            self._readers.start_soon(self._read, message)
+            self._read_soon(message.agent_id, "cache",
+                            partial(self.store.read, message.agent_id, message.model_id, message.spec_hash),
+                            partial(self._cache_read, message))
+        elif isinstance(message, ReadHistory):
+            self._read_soon(message.agent_id, "history", partial(self._history, message.agent_id),
+                            partial(self._history_read, message))
         elif isinstance(message, HistoryBytes):
             self._unwritten.pop(message.agent_id, None)
             self._queue(("history", message.agent_id), message)
@@ -184,28 +193,53 @@ class PersistenceActor:
         self._settled.set()
         self._settled = anyio.Event()
 
-    @staticmethod
-    def _holds_up(key: tuple | None, agent_id: str) -> bool:
-        """A read of ``agent_id`` waits for this pending (or running) write or delete."""
-        return key is not None and key[0] in ("cache", "forget") and key[1] == agent_id
+    def _read_soon(self, agent_id: str, kind: str, read, deliver) -> None:
+        """Run ``read()`` on a worker thread after the writes and deletes of the
+        agent's ``kind`` of file queued before it (moved to the front of the line),
+        then ``deliver`` its value (or exception) on the loop."""
+        ahead = [k for k in self._pending if self._holds_up(k, agent_id, kind)]
+        for key in reversed(ahead):
+            self._pending.move_to_end(key, last=False)  # first in line, in their order
+        self._readers.start_soon(self._read, agent_id, kind, read, deliver)
 
-    async def _read(self, message: ReadCache) -> None:
-        """Read one agent's cache for the GPU actor, after its own queued writes and deletes."""
-        agent = message.agent_id
-        while self._pruning or any(self._holds_up(k, agent) for k in (self._writing, *self._pending)):
+    @staticmethod
+    def _holds_up(key: tuple | None, agent_id: str, kind: str) -> bool:
+        return key is not None and key[0] in (kind, "forget") and key[1] == agent_id
+
+    async def _read(self, agent_id: str, kind: str, read, deliver) -> None:
+        while self._pruning or any(self._holds_up(k, agent_id, kind) for k in (self._writing, *self._pending)):
             await self._settled.wait()
-        self._reading[agent] = self._reading.get(agent, 0) + 1  # pruning leaves its files alone
+        self._reading[agent_id] = self._reading.get(agent_id, 0) + 1  # pruning leaves its files alone
         try:
-            cache = await anyio.to_thread.run_sync(self.store.read, agent, message.model_id, message.spec_hash)
-        except Exception as e:  # an invalid id (never admitted), or a bug: the agent starts cold
-            log.error("could not read the cache of agent %r: %r; it starts cold", agent, e)
-            cache = None
+            value = await anyio.to_thread.run_sync(read)
+        except Exception as e:
+            value = e
         finally:
-            self._reading[agent] -= 1
-            if not self._reading[agent]:
-                del self._reading[agent]
+            self._reading[agent_id] -= 1
+            if not self._reading[agent_id]:
+                del self._reading[agent_id]
+        deliver(value)
+
+    def _cache_read(self, message: ReadCache, cache) -> None:
+        if isinstance(cache, Exception):  # an invalid id (never admitted), or a bug
+            log.error("could not read the cache of agent %r: %r; it starts cold", message.agent_id, cache)
+            cache = None
         if self.gpu is not None:
-            self.gpu.submit(CacheRead(agent, message.model_id, cache))
+            self.gpu.submit(CacheRead(message.agent_id, message.model_id, cache))
+
+    def _history(self, agent_id: str):
+        """(worker thread) The history; one whose write failed is the bytes waiting to be written again."""
+        unwritten = self._unwritten.get(agent_id)
+        return parse_history(unwritten.data, agent_id) if unwritten is not None \
+            else read_history(self.histories, agent_id)
+
+    @staticmethod
+    def _history_read(message: ReadHistory, history) -> None:
+        if isinstance(history, Exception):
+            _answer(message.reply, Failed(SemanticError(f"cannot read the history of agent {message.agent_id!r}: "
+                                                        f"{history}")))
+        else:
+            _answer(message.reply, Done(history))
 
     async def _write_one(self) -> None:
         key, item = self._pending.popitem(last=False)

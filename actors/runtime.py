@@ -45,7 +45,8 @@ from runtime.paths import agents_dir
 from runtime.prefix import encode
 from runtime.turns import render
 
-from .agent import AgentActor, AgentContext, AgentSlot, encode_history, read_history, request
+from .agent import AgentActor, AgentContext, AgentSlot, request
+from .history import encode_history, read_history
 from .errors import AgentExists, AgentGone, RuntimeClosed, TurnCancelled
 from .eviction import EvictionActor
 from .gpu import BatchSnapshot, GpuActor, HotSnapshot
@@ -61,6 +62,7 @@ from .messages import (
     HistoryBytes,
     Message,
     Open,
+    ReadHistory,
     Send,
     Stop,
     SwapModel,
@@ -389,7 +391,7 @@ class Runtime:
             raise AgentExists(f"agent {target!r} exists; fork to a new id")
         slot.reserved = True
         try:
-            if await anyio.to_thread.run_sync(read_history, self._histories, target) is not None:
+            if _raise_failed(await request(lambda r: self._persistence.mailbox.send_nowait(ReadHistory(target, r)))):
                 raise AgentExists(f"agent {target!r} exists; fork to a new id")
             history = _raise_failed(await request(lambda r: self._deliver(source, Fork(target, r))))
             slot.history, slot.exists = history, True  # no actor owns it yet: we create it
@@ -448,7 +450,7 @@ def _agent_infos(histories: Path, store: CacheStore, hot, live: dict, only: str 
             continue
         try:
             validate_agent_id(agent_id)
-            history = read_history(histories, agent_id)
+            history = read_history(histories, agent_id, move_aside=False)  # the persistence actor's job
         except (ValueError, OSError):
             continue
         if history is not None:

@@ -97,11 +97,14 @@ async def overlap(loaded, root: Path, *, context: int, tokens: int, rounds: int,
             log(f"round {r + 1}/{rounds}: window {1000 * (t1 - t0):.0f} ms, "
                 f"{sum(1 for a, b in zip(result, result[1:]) if b > t0 and a < t1)} steps in it")
         stats = rt.stats()
-    alone, beside = statistics.median(undisturbed), statistics.median(disturbed)
+    alone = statistics.median(undisturbed)
+    beside = statistics.median(disturbed) if disturbed else None  # None: every decode ended before the disk work
     return {
         "context": context, "rounds": rounds, "tokens": tokens,
-        "undisturbed_step_ms": round(1000 * alone, 1), "disturbed_step_ms": round(1000 * beside, 1),
-        "ratio": round(beside / alone, 3), "window_ms": round(1000 * statistics.median(windows), 1),
+        "undisturbed_step_ms": round(1000 * alone, 1),
+        "disturbed_step_ms": None if beside is None else round(1000 * beside, 1),
+        "ratio": None if beside is None else round(beside / alone, 3),
+        "window_ms": round(1000 * statistics.median(windows), 1),
         "disturbed_steps": len(disturbed), "writes": stats["writes"],
     }
 

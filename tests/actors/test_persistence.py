@@ -17,7 +17,10 @@ import anyio
 import pytest
 
 from actors.agent import request
-from actors.messages import CacheBlocks, CacheRead, CacheWritten, Done, Flush, Forget, HistoryBytes, ReadCache, Stop
+from actors.history import encode_history
+from actors.messages import (
+    CacheBlocks, CacheRead, CacheWritten, Done, Flush, Forget, HistoryBytes, Message, ReadCache, ReadHistory, Stop,
+)
 from actors.persistence import PersistenceActor, history_path
 from runtime import cache_file, disk
 from runtime.cache_file import CacheStore, snapshot
@@ -139,6 +142,45 @@ async def test_a_read_of_an_unusable_cache_quarantines_it_and_says_none(tmp_path
     assert actor.gpu.commands == [CacheRead("a", "m", None)]
     assert list((tmp_path / CacheStore.QUARANTINE).iterdir()) and not actor.store.exists("a", "m")
     assert sum("starts cold" in r.getMessage() for r in caplog.records) == 1
+
+
+def history_bytes(agent: str, text: str) -> HistoryBytes:
+    return HistoryBytes(agent, encode_history(agent, (Message("user", text),)))
+
+
+async def read_history(actor: PersistenceActor, agent: str):
+    answer = await request(lambda r: actor.mailbox.send_nowait(ReadHistory(agent, r)))
+    assert isinstance(answer, Done), answer
+    return answer.value
+
+
+async def test_a_history_read_comes_after_its_queued_write_and_a_bad_file_is_moved_aside(tmp_path, caplog):
+    actor = actor_in(tmp_path)
+    async with anyio.create_task_group() as tg:
+        await tg.start(actor.run)
+        actor.mailbox.send_nowait(history_bytes("a", "one"))
+        actor.mailbox.send_nowait(history_bytes("a", "two"))
+        assert await read_history(actor, "a") == (Message("user", "two"),)
+        assert await read_history(actor, "nobody") is None
+        history_path(actor.histories, "bad").write_text("{not json")
+        assert await read_history(actor, "bad") is None
+        assert [p.name.split(".bad-")[0] for p in actor.histories.glob("bad.json.bad-*")] == ["bad.json"]
+        assert sum("unreadable" in r.getMessage() for r in caplog.records) == 1
+        actor.mailbox.send_nowait(Stop())
+
+
+async def test_a_history_that_could_not_be_written_reads_as_its_newest_version(tmp_path, monkeypatch):
+    actor = actor_in(tmp_path)
+    async with anyio.create_task_group() as tg:
+        await tg.start(actor.run)
+        actor.mailbox.send_nowait(history_bytes("a", "old"))
+        await request(lambda r: actor.mailbox.send_nowait(Flush(r)))
+        no_room(monkeypatch)
+        actor.mailbox.send_nowait(history_bytes("a", "new"))
+        await request(lambda r: actor.mailbox.send_nowait(Flush(r)))
+        assert actor.failed == 1
+        assert await read_history(actor, "a") == (Message("user", "new"),)
+        actor.mailbox.send_nowait(Stop())
 
 
 # -- a full disk ---------------------------------------------------------------------------
