@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -211,7 +213,7 @@ class PersistenceActor:
             await self._settled.wait()
         self._reading[agent_id] = self._reading.get(agent_id, 0) + 1  # pruning leaves its files alone
         try:
-            value = await anyio.to_thread.run_sync(read)
+            value = await anyio.to_thread.run_sync(_in_background, read)
         except Exception as e:
             value = e
         finally:
@@ -251,7 +253,7 @@ class PersistenceActor:
         what = f"cache of agent {item.agent_id!r} for {item.model_id}" if isinstance(item, CacheBlocks) \
             else f"history of agent {item.agent_id!r}"
         try:
-            self._disk_bytes += await anyio.to_thread.run_sync(self._write, item)
+            self._disk_bytes += await anyio.to_thread.run_sync(_in_background, self._write, item)
             self.writes += 1
             self._retry_histories()
         except StaleBlocks as e:
@@ -327,7 +329,7 @@ class PersistenceActor:
         live = frozenset(self.live())
         budget = self.disk_budget
         try:
-            plan, removed = await anyio.to_thread.run_sync(self._prune_files, protected, live, frozenset(self.hot()),
+            plan, removed = await anyio.to_thread.run_sync(_in_background, self._prune_files, protected, live, frozenset(self.hot()),
                                                            self._incoming())
         except OSError as e:
             log.error("could not prune the cache directory %s: %s", self.store.root, e)
@@ -379,11 +381,28 @@ class PersistenceActor:
         for key in [k for k in self._pending if k[1] == agent_id and k[0] != "forget"]:
             del self._pending[key]
         try:
-            await anyio.to_thread.run_sync(disk.remove_agent, self.store, self.histories, agent_id)
+            await anyio.to_thread.run_sync(_in_background, disk.remove_agent, self.store, self.histories, agent_id)
         except OSError as e:
             _answer(message.reply, Failed(SemanticError(f"could not delete the files of agent {agent_id}: {e}")))
         else:
             _answer(message.reply, Done())
+
+
+_BACKGROUND_NICENESS = 10
+_backgrounded = threading.local()
+
+
+def _in_background(fn, *args):
+    """(worker thread) Run ``fn(*args)`` at a lower CPU priority than the GPU thread's
+    compute, so hashing and copying files never slow decoding where cores are few
+    (Linux, where a thread has its own niceness; elsewhere as is)."""
+    if not getattr(_backgrounded, "done", False):
+        _backgrounded.done = True
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BACKGROUND_NICENESS)
+        except (AttributeError, OSError):  # no per-thread priority here
+            pass
+    return fn(*args)
 
 
 def _answer(reply, item) -> None:

@@ -242,12 +242,14 @@ def snapshot(record: CacheRecord, first: int = 0) -> BlockUpdate:
         raise ValueError("token ids must fit in 32 bits")
     count = -(-n // BLOCK_TOKENS)
     first = max(0, min(first, count))
+    start = first * BLOCK_TOKENS
+    new = [_host(x[..., start:n, :]) for x in quantized]  # one copy per tensor of what is new, then cut in blocks
     blocks = []
     for b in range(first, count):
         lo, hi = b * BLOCK_TOKENS, min(n, (b + 1) * BLOCK_TOKENS)
         data = bytearray(np.asarray(record.tokens[lo:hi], dtype="<u4").tobytes())
-        for x in quantized:
-            data += _raw(x[..., lo:hi, :])
+        for x in new:
+            data += x[..., lo - start:hi - start, :].tobytes()
         blocks.append(data)
     ring = bytearray()
     for x in rings:
@@ -591,6 +593,13 @@ def _rebuild(i: int, m: dict, arrays: dict[str, mx.array]):
         q.values = tuple(arrays[f"layer_{i}_v_{p}"] for p in _PARTS)
         q.offset = m["offset"]
     return DequantizingKVCache(quantized=q) if m["kind"] == DEQUANTIZING else q
+
+
+def _host(a: mx.array) -> np.ndarray:
+    """The array in host memory (a view where MLX allows); bfloat16 as uint16."""
+    a = mx.contiguous(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+    mx.eval(a)
+    return np.asarray(memoryview(a))
 
 
 def _raw(a: mx.array) -> memoryview:
