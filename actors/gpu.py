@@ -37,7 +37,8 @@ from runtime.models import LoadedModel
 from .errors import RuntimeClosed
 from .gpu_thread import Exited, GpuThread, Ready
 from .messages import (
-    BeginTurn, CancelTurn, DropCache, Failed, FlushCaches, ForkCache, GpuCommand, GpuDown, StopGpu, SwapModel, TurnFailed,
+    BeginTurn, CancelTurn, DropCache, Failed, FlushCaches, ForkCache, GpuCommand, GpuDown, StopGpu, SwapModel,
+    TurnFailed,
 )
 from .registry import ModelRegistry
 from .snapshots import BatchSnapshot, HotSnapshot, SequenceInfo

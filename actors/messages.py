@@ -206,7 +206,9 @@ class StopGpu:
     """Cancel every turn, hand every dirty cache to persistence, end the thread."""
 
 
-GpuCommand = Union[BeginTurn, CancelTurn, CacheWritten, CacheRead, Demote, ForkCache, DropCache, FlushCaches, SwapModel, StopGpu]
+GpuCommand = Union[
+    BeginTurn, CancelTurn, CacheWritten, CacheRead, Demote, ForkCache, DropCache, FlushCaches, SwapModel, StopGpu,
+]
 
 
 @dataclass(frozen=True)

@@ -329,8 +329,8 @@ class PersistenceActor:
         live = frozenset(self.live())
         budget = self.disk_budget
         try:
-            plan, removed = await anyio.to_thread.run_sync(_in_background, self._prune_files, protected, live, frozenset(self.hot()),
-                                                           self._incoming())
+            plan, removed = await anyio.to_thread.run_sync(
+                _in_background, self._prune_files, protected, live, frozenset(self.hot()), self._incoming())
         except OSError as e:
             log.error("could not prune the cache directory %s: %s", self.store.root, e)
             plan, removed = None, []

@@ -4,7 +4,7 @@ its agents' caches.
 It lives on the GPU actor's thread (a model is MLX state) and is driven by it:
 the GPU actor asks it to ``load`` at start and on a swap, and to ``unload``
 after an idle time.  Swapping is the GPU actor's job around it (drain the
-batch, make every dirty cache durable, then ``unload`` and ``load``), because
+batch, hand every dirty cache to persistence, then ``unload`` and ``load``), because
 only the GPU actor knows what is in flight.
 """
 
@@ -81,7 +81,7 @@ class ModelRegistry:
         log.info("model %s loaded; KV budget %.0f MiB", loaded.name, caches.budget.budget_bytes / 2**20)
 
     def unload(self) -> None:
-        """Drop the model, engine and caches (the caller made the dirty ones durable)."""
+        """Drop the model, engine and caches (the caller handed the dirty ones to persistence)."""
         if self.caches is not None:
             self._counts = (self.caches.demotions, self.caches.prefix_drops)
             self.caches.drop_all()
