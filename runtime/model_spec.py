@@ -15,10 +15,16 @@ from dataclasses import asdict, dataclass
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-__all__ = ["LayerKind", "ModelCacheSpec", "build_model", "kv_bytes_per_token"]
+from .errors import SemanticError
+
+__all__ = ["LayerKind", "ModelCacheSpec", "UnsupportedModel", "build_model", "kv_bytes_per_token"]
 
 FULL = "full"
 SLIDING = "sliding"
+
+
+class UnsupportedModel(SemanticError, ValueError):
+    """A model whose cache kind Semantic cannot batch or persist (yet)."""
 
 
 @dataclass(frozen=True)
@@ -54,21 +60,30 @@ class ModelCacheSpec:
         layers = model.layers
         if caches is None:
             caches = [KVCache() for _ in layers]
+        model_type = model.model_type if hasattr(model, "model_type") else type(model).__module__.rsplit(".", 1)[-1]
         kinds = []
-        for c in caches:
+        for i, c in enumerate(caches):
             if isinstance(c, RotatingKVCache):
                 kinds.append(LayerKind(SLIDING, c.max_size))
             elif isinstance(c, KVCache):
                 kinds.append(LayerKind(FULL))
             else:
-                raise ValueError(f"unsupported cache type {type(c).__name__}: not an attention model")
+                raise UnsupportedModel(
+                    f"model type {model_type!r} is not supported yet: layer {i} keeps a {type(c).__name__} "
+                    "(a recurrent or linear-attention state), which Semantic cannot batch or persist yet"
+                )
         attn = layers[0].self_attn
+        if not hasattr(attn, "k_proj"):
+            raise UnsupportedModel(
+                f"model type {model_type!r} is not supported yet: its attention ({type(attn).__name__}) has no "
+                "k_proj, a compressed latent (MLA) cache, which Semantic cannot quantize or persist yet"
+            )
         k_out = attn.k_proj.weight.shape[0]
         n_kv = _n_kv_heads(model, attn)
         head_dim = k_out // n_kv
         sinks = any("sinks" in layer.self_attn for layer in layers)
         return cls(
-            model_type=model.model_type if hasattr(model, "model_type") else type(model).__module__.rsplit(".", 1)[-1],
+            model_type=model_type,
             n_layers=len(layers),
             n_kv_heads=n_kv,
             head_dim=head_dim,

@@ -50,6 +50,48 @@ def test_bad_model_is_one_line_and_nonzero(tmp_path, model, message):
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
+UNSUPPORTED = {  # tiny configs of mlx-lm model types whose caches Semantic cannot hold yet
+    "qwen3_next": dict(
+        hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, shared_expert_intermediate_size=64,
+        mlp_only_layers=[], moe_intermediate_size=32, rms_norm_eps=1e-6, vocab_size=49152, num_key_value_heads=2,
+        rope_theta=10000.0, partial_rotary_factor=0.25, max_position_embeddings=1024, head_dim=16,
+        full_attention_interval=4),
+    "deepseek_v2": dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+        rope_scaling={"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 1024, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.0}),
+}
+
+
+@pytest.mark.parametrize("model_type, missing", [("qwen3_next", "ArraysCache"), ("deepseek_v2", "MLA")])
+def test_an_unsupported_model_is_refused_in_one_line(tmp_path, model_type, missing):
+    """A model directory of a family Semantic cannot serve yet (mlx-lm's classes,
+    random weights, the embedded model's tokenizer): one line naming the model
+    type and what is missing, never a traceback."""
+    import importlib
+    import shutil
+
+    from mlx_lm.utils import save_config, save_model
+
+    from runtime.models import resolve
+
+    config = {"model_type": model_type, **UNSUPPORTED[model_type]}
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    save_model(tmp_path, module.Model(module.ModelArgs.from_dict(config)))
+    save_config(config, tmp_path / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(resolve("smollm2", progress=False) / name, tmp_path / name)
+    out = semantic("serve", "--model", str(tmp_path), "--port", "0", "--cache-dir", str(tmp_path / "cache"))
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"semantic: error: model type {model_type!r} is not supported yet") and missing in last
+    assert "Traceback" not in out.stderr
+
+
 def test_corrupt_gguf_is_one_line_and_nonzero(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf at all")

@@ -57,8 +57,30 @@ async def serve(config: ServerConfig, sock: socket.socket, *, on_ready: Callable
 
 def run(config: ServerConfig, sock: socket.socket, *, backend: str = "trio",
         on_ready: Callable[[Runtime], None] | None = None) -> None:
-    """``serve`` on a new event loop of ``backend`` ("trio" or "asyncio")."""
-    anyio.run(lambda: serve(config, sock, on_ready=on_ready), backend=backend)
+    """``serve`` on a new event loop of ``backend`` ("trio" or "asyncio").  A
+    ``SemanticError`` that stopped it (the model would not load) is raised
+    as itself, not inside the task groups' exception groups."""
+    try:
+        anyio.run(lambda: serve(config, sock, on_ready=on_ready), backend=backend)
+    except BaseExceptionGroup as group:
+        leaves = _leaves(group)
+        error = _semantic(leaves[0]) if len(leaves) == 1 else None
+        if error is None:
+            raise
+        raise error from None
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    return [leaf for e in group.exceptions
+            for leaf in (_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])]
+
+
+def _semantic(error: BaseException | None) -> SemanticError | None:
+    """The ``SemanticError`` behind ``error`` (hypercorn reports a failed startup
+    as its own error, raised while handling ours)."""
+    while error is not None and not isinstance(error, SemanticError):
+        error = error.__cause__ or error.__context__
+    return error
 
 
 async def _signalled() -> None:
