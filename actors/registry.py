@@ -75,7 +75,8 @@ class ModelRegistry:
         assert self.loaded is None, "load() over a loaded model: unload() first"
         loaded = model if isinstance(model, LoadedModel) else load(model, progress=False)
         engine = Engine(loaded.model, loaded.tokenizer, **self.engine_options)
-        caches = open_caches(loaded, self.store, self.budget_bytes, working_copy=engine.float_attention, cls=HotCaches)
+        caches = open_caches(loaded, self.store, self.budget_bytes, working_copy=engine.float_attention, cls=HotCaches,
+                             kv_bits=engine.kv_bits)
         caches.demotions, caches.prefix_drops = self._counts
         self.loaded, self.caches, self.name, self.engine = loaded, caches, loaded.name, engine
         log.info("model %s loaded; KV budget %.0f MiB", loaded.name, caches.budget.budget_bytes / 2**20)

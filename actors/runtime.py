@@ -111,6 +111,7 @@ class Runtime:
         agent_idle_s: float = 60.0,
         model_idle_s: float | None = None,
         prefill_chunk: int = 256,
+        kv_bits: int = 4,
         eviction_watermarks: tuple[float, float] = (0.9, 0.75),
         disk_budget: int | None = None,
         conversation_ttl_s: float | None = None,
@@ -126,7 +127,10 @@ class Runtime:
         agent actor retires after this long.  ``model_idle_s``: unload the model
         after this long without turns (None: never).  ``prefill_chunk``: most
         prompt tokens one prefill step runs, which bounds how long decoding
-        streams wait for another agent's prefill.  ``eviction_watermarks``:
+        streams wait for another agent's prefill.  ``kv_bits``: the agents' KV
+        caches are quantized to 4 (default) or 8 bits; each setting keeps its own
+        cache files (8 bits: about twice the memory, closer to full precision).
+        ``eviction_watermarks``:
         (high, low) fractions of the budget for the eviction actor.
         ``disk_budget``: bytes the cache directory may hold; the least recently
         written cache files are removed to stay within it (None: no cap).
@@ -139,6 +143,8 @@ class Runtime:
         Raises ``ModelError`` when the model cannot be loaded, ``ValueError`` for
         bad settings.
         """
+        if kv_bits not in (4, 8):
+            raise ValueError(f"kv_bits must be 4 or 8, not {kv_bits!r}")
         if disk_budget is not None and disk_budget <= 0:
             raise ValueError(f"disk_budget must be > 0 bytes (None: no cap), not {disk_budget}")
         if conversation_ttl_s is not None and conversation_ttl_s <= 0:
@@ -149,7 +155,7 @@ class Runtime:
                                        conversation_ttl_s=conversation_ttl_s, prune_interval_s=prune_interval_s)
         eviction = EvictionActor(*eviction_watermarks)
         gpu = GpuActor(model, store, budget, persistence.mailbox, eviction.mailbox,
-                       engine_options={"max_chunk": prefill_chunk}, model_idle_s=model_idle_s)
+                       engine_options={"max_chunk": prefill_chunk, "kv_bits": kv_bits}, model_idle_s=model_idle_s)
         persistence.gpu = eviction.gpu = gpu
         try:
             async with anyio.create_task_group() as tg:

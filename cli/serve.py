@@ -49,6 +49,8 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--cache-dir", help="where agents' caches and histories live (default ~/.cache/semantic/agents)")
     p.add_argument("--budget", type=parse_bytes, help="bytes of hot KV cache, e.g. 2G (default: memory less weights)")
+    p.add_argument("--kv-bits", type=int, choices=(4, 8), default=4,
+                   help="quantize agents' KV caches to 4 (default) or 8 bits; each keeps its own cache files")
     p.add_argument("--disk-budget", type=parse_positive_bytes, metavar="BYTES",
                    help="bytes the cache directory may hold, e.g. 20G; the least recently used caches go first "
                         "(default: half of its size plus its filesystem's free space at start-up)")
@@ -75,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     cache_dir = args.cache_dir or agents_dir()
     disk_budget = args.disk_budget or disk.default_budget(cache_dir)
     try:
-        config = ServerConfig(model=args.model, cache_dir=cache_dir, budget=args.budget, api_key=args.api_key,
+        config = ServerConfig(model=args.model, cache_dir=cache_dir, budget=args.budget, kv_bits=args.kv_bits,
+                              api_key=args.api_key,
                               max_tokens_cap=args.max_tokens_cap or _default_cap(args.model),
                               max_body_bytes=args.max_body_bytes,
                               disk_budget=disk_budget, conversation_ttl_s=args.conversation_ttl)

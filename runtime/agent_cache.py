@@ -25,7 +25,7 @@ from .cache_file import FORMAT_VERSION, CacheRecord, CacheStore, HostCache
 from .errors import SemanticError
 from .model_spec import ModelCacheSpec
 
-__all__ = ["AgentMemory", "AgentCaches", "OutOfMemory", "SharedPrefix", "HOT", "WARM", "open_caches"]
+__all__ = ["AgentMemory", "AgentCaches", "OutOfMemory", "SharedPrefix", "HOT", "WARM", "cache_model_id", "open_caches"]
 
 HOT, WARM = "hot", "warm"
 
@@ -283,14 +283,20 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def cache_model_id(model_name: str, kv_bits: int = 4) -> str:
+    """Whose caches these are: the model's name, and the KV bits when not the default
+    4 (caches of one model at 8 bits live apart from its 4-bit ones)."""
+    return model_name if kv_bits == 4 else f"{model_name}@kv{kv_bits}"
+
+
 def open_caches(loaded, root=None, budget_bytes: int | None = None, working_copy: bool = False,
-                cls: type[AgentCaches] = AgentCaches) -> AgentCaches:
+                cls: type[AgentCaches] = AgentCaches, kv_bits: int = 4) -> AgentCaches:
     """The agent caches (a ``cls``) of a loaded model (``runtime.models.LoadedModel``)
     in ``root``, a directory or a ``CacheStore`` (default: the user's cache directory), in ``budget_bytes`` of hot
     memory (default: device memory less the weights less headroom).
     ``working_copy``: running turns attend through a float copy of their full
     layers (``Engine.float_attention``), which their reservations include;
-    sink models always do."""
+    sink models always do.  ``kv_bits``: the cache's quantization (4 or 8), as the engine's."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -300,8 +306,9 @@ def open_caches(loaded, root=None, budget_bytes: int | None = None, working_copy
     if budget_bytes is None:
         weights = sum(p.nbytes for _, p in tree_flatten(loaded.model.parameters()))
         memory = mx.device_info().get("max_recommended_working_set_size") or describe()["memory_bytes"]
-        budget_bytes = default_budget(loaded.spec, weights, memory, sliding_dtype_bytes=loaded.dtype.size)
+        budget_bytes = default_budget(loaded.spec, weights, memory, bits=kv_bits, sliding_dtype_bytes=loaded.dtype.size)
     working = loaded.dtype.size if working_copy or loaded.spec.attention_sinks else 0
-    budget = KVBudget(loaded.spec, budget_bytes, sliding_dtype_bytes=loaded.dtype.size, working_dtype_bytes=working)
+    budget = KVBudget(loaded.spec, budget_bytes, bits=kv_bits, sliding_dtype_bytes=loaded.dtype.size,
+                      working_dtype_bytes=working)
     store = root if isinstance(root, CacheStore) else CacheStore(root or agents_dir())
-    return cls(store, loaded.name, loaded.spec, budget)
+    return cls(store, cache_model_id(loaded.name, kv_bits), loaded.spec, budget)

@@ -230,6 +230,7 @@ def test_cache_ls_rm_and_prune(tmp_path):
     (["--disk-budget", "lots"], "argument --disk-budget: not a size: 'lots'"),
     (["--conversation-ttl", "7x"], "argument --conversation-ttl: not a duration: '7x' (try 7d, 12h or 30m)"),
     (["--conversation-ttl", "0h"], "argument --conversation-ttl: must be longer than 0"),
+    (["--kv-bits", "3"], "argument --kv-bits: invalid choice: 3 (choose from 4, 8)"),
 ])
 def test_bad_serve_options_are_a_clear_error(args, message):
     out = semantic("serve", "--port", "1", *args)
@@ -245,6 +246,7 @@ def test_serve_options_parse():
     args = parser().parse_args(["serve", "--disk-budget", "500M", "--conversation-ttl", "30m"])
     assert (args.disk_budget, args.conversation_ttl) == (500 << 20, 30 * 60)
     args = parser().parse_args(["serve"])
-    assert (args.disk_budget, args.conversation_ttl) == (None, 7 * 86400)
+    assert (args.disk_budget, args.conversation_ttl, args.kv_bits) == (None, 7 * 86400, 4)
+    assert parser().parse_args(["serve", "--kv-bits", "8"]).kv_bits == 8
     args = parser().parse_args(["cache", "prune", "--older-than", "7d", "--to", "10G"])
     assert (args.older_than, args.to) == (7 * 86400, 10 << 30)

@@ -63,6 +63,7 @@ class ServerConfig:
     model: object = "smollm2"  # a name, or a runtime.models.LoadedModel (tests share one)
     cache_dir: Path | None = None
     budget: int | None = None  # bytes of hot KV cache (None: the runtime's default)
+    kv_bits: int = 4  # the agents' KV caches are quantized to 4 or 8 bits
     disk_budget: int | None = None  # bytes the cache directory may hold (None: no cap)
     conversation_ttl_s: float | None = None  # anonymous conv-* agents unused this long are removed (None: never)
     api_key: str | None = None  # required as x-api-key or "Authorization: Bearer" when set
@@ -95,7 +96,8 @@ def create_app(config: ServerConfig, on_ready: Callable[[Runtime], None] | None 
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with Runtime.open(config.model, config.cache_dir, config.budget, disk_budget=config.disk_budget,
+        async with Runtime.open(config.model, config.cache_dir, config.budget, kv_bits=config.kv_bits,
+                                disk_budget=config.disk_budget,
                                 conversation_ttl_s=config.conversation_ttl_s, **config.runtime_options) as rt:
             await server.start(rt)
             async with anyio.create_task_group() as tg:

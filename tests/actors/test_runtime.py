@@ -468,3 +468,49 @@ async def test_a_cache_whose_blocks_left_the_disk_is_handed_over_whole(open_runt
         await rt.flush()  # ... and the whole cache, handed over when the GPU actor heard, is written
         record = store.load("ada", smollm2.name, smollm2.spec.hash)
         assert record is not None and len(record.tokens) == rt._gpu.hot.agents["ada"][0] > 256  # all of it
+
+
+async def test_8_bit_caches_batch_persist_and_live_apart_from_4_bit_ones(tmp_path):
+    """``kv_bits=8``: agents at once reply as one at a time, a restart serves the
+    next turn from the 8-bit files, and a 4-bit runtime does not take them."""
+    import json
+
+    from runtime.cache_file import MANIFEST, CacheStore
+    from tests.web.live import tiny_loaded
+
+    loaded = tiny_loaded()
+    questions = ("Name a fruit.", "Name a colour.", "Name a city.")
+
+    async def replies(rt, together: bool) -> list[str]:
+        agents = [await rt.agent(f"{'t' if together else 's'}{i}", system="Be brief.") for i in range(3)]
+        out = [None] * 3
+
+        async def one(i):
+            out[i] = await agents[i].reply(questions[i], max_tokens=12)
+
+        if together:
+            async with anyio.create_task_group() as tg:
+                for i in range(3):
+                    tg.start_soon(one, i)
+        else:
+            for i in range(3):
+                await one(i)
+        return out
+
+    async with Runtime.open(loaded, tmp_path, kv_bits=8) as rt:
+        assert await replies(rt, together=True) == await replies(rt, together=False)
+        await (await rt.agent("s0")).reply("Another?", max_tokens=4)
+    store = CacheStore(tmp_path)
+    manifest = json.loads((store.agent_dir("s0", "tiny@kv8") / MANIFEST).read_text())
+    assert {layer["bits"] for layer in manifest["layers"]} == {8}
+    async with Runtime.open(loaded, tmp_path) as rt:  # 4 bits: the 8-bit files are not its own
+        async with (await rt.agent("s1")).send("And?", max_tokens=4) as reply:
+            await reply.text()
+        assert reply.result.reused_tokens == 0
+    async with Runtime.open(loaded, tmp_path, kv_bits=8) as rt:
+        async with (await rt.agent("s0")).send("More?", max_tokens=4) as reply:
+            await reply.text()
+        assert reply.result.reused_tokens > 0
+    with pytest.raises(ValueError, match="kv_bits must be 4 or 8"):
+        async with Runtime.open(loaded, tmp_path, kv_bits=3):
+            pass
