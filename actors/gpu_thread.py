@@ -178,28 +178,28 @@ class GpuThread:
 
     def _progress(self) -> None:
         """Run forks and admit waiting turns, or run a pending model swap once the batch drained."""
-        s = self.scheduler
-        if not self._loaded_for(s.waiting or self.cache_commands.forks):
-            return
-        for cmd in self.cache_commands.ready_forks(every=self.failed is not None):  # failed: each answered so
-            self._answer(cmd.reply, self.cache_commands.fork, cmd.source, cmd.target)
+        s, forks = self.scheduler, self.cache_commands
         if self.failed is not None:
+            for cmd in [*forks.ready_forks(every=True), *([self.swap] if self.swap else [])]:
+                self.post(cmd.reply, Failed(self.failed), True)
+            self.swap = None
             s.admission.close(self.failed)
-            if self.swap is not None:
-                self.post(self.swap.reply, Failed(self.failed), True)
-                self.swap = None
             return
         if self.swap is not None:
             if s.turns or any(t.preempted for t in s.waiting):
                 s.admit(preempted_only=True)
-                return  # draining: new turns wait for the new model
+                return  # draining: new turns and forks wait for the new model
             self._swap()
+        if not self._loaded_for(s.waiting or forks.forks):
+            return
+        for cmd in forks.ready_forks() if self.registry.loaded is not None else ():
+            self._answer(cmd.reply, forks.fork, cmd.source, cmd.target)
         s.admit()
 
     def _loaded_for(self, work) -> bool:
         """Load the model back (after an idle unload) if there is ``work``; False when that
         failed (the work failed with it)."""
-        if not work or self.failed is not None or self.registry.loaded is not None:
+        if not work or self.registry.loaded is not None:
             return True
         try:
             self._load(self.registry.name)
