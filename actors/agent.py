@@ -77,7 +77,6 @@ __all__ = ["AgentActor", "AgentContext", "AgentSlot", "request"]
 log = logging.getLogger("semantic.actors")
 
 
-
 @dataclass(eq=False)
 class AgentSlot:
     """The runtime's entry for one agent id.

@@ -59,11 +59,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import anyio
-
-from functools import partial
 
 from runtime import disk
 from runtime.cache_file import CacheStore, StaleBlocks, merged, tree_bytes, write_atomic

@@ -38,7 +38,7 @@ class HotCaches(AgentCaches):
     never land after a newer one.
     """
 
-    hand_over: Callable[[AgentMemory], None] = staticmethod(lambda memory: None)
+    hand_over: Callable[[AgentMemory], None] | None = None  # set by the GPU actor before any demotion
 
     def __init__(self, *args):
         super().__init__(*args)

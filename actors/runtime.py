@@ -46,10 +46,10 @@ from runtime.prefix import encode
 from runtime.turns import render
 
 from .agent import AgentActor, AgentContext, AgentSlot, request
-from .history import encode_history, read_history
 from .errors import AgentExists, AgentGone, RuntimeClosed, TurnCancelled
 from .eviction import EvictionActor
 from .gpu import BatchSnapshot, GpuActor, HotSnapshot
+from .history import encode_history, read_history
 from .messages import (
     Delete,
     Delta,

@@ -253,7 +253,7 @@ def snapshot(record: CacheRecord, first: int = 0) -> BlockUpdate:
         blocks.append(data)
     ring = bytearray()
     for x in rings:
-        ring += _raw(x)
+        ring += _host(x).tobytes()
     return BlockUpdate(record.agent_id, record.model_id, record.spec_hash, list(record.tokens), record.text,
                        float(record.created), float(record.updated), layers, first, blocks, ring)
 
@@ -600,13 +600,6 @@ def _host(a: mx.array) -> np.ndarray:
     a = mx.contiguous(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
     mx.eval(a)
     return np.asarray(memoryview(a))
-
-
-def _raw(a: mx.array) -> memoryview:
-    """The array's bytes, row-major; bfloat16 reinterpreted as uint16 (numpy has no bfloat16)."""
-    a = mx.contiguous(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
-    mx.eval(a)
-    return memoryview(a).cast("B")
 
 
 def _fsync(fd: int) -> None:

@@ -10,7 +10,7 @@ layout is in ``docs/cache-format.md``; in short:
 
 The checksum covers the whole file with its own 64 hex digits read as zeros.
 Tensors are read one at a time from one open file, hashed as they arrive.
-``load`` touches MLX arrays: call it from the thread that owns MLX.
+``read`` makes no MLX array (``HostCache.build`` does, on the thread that owns MLX).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from .cache_file import (
     _DTYPES, _FLOATS, _PARTS, DEQUANTIZING, FORMAT, QUANTIZED, ROTATING, CacheFileError, CacheRecord, HostCache, _open,
 )
 
-__all__ = ["SUFFIX", "VERSION", "load", "read", "read_meta", "verify"]
+__all__ = ["SUFFIX", "VERSION", "read", "read_meta", "verify"]
 
 SUFFIX = ".safetensors"
 VERSION = 1
@@ -85,18 +85,6 @@ def verify(
         header, info = _checked_header(path, f, model_id, spec_hash, agent_id)
         _read_tensors(path, f, header, info["checksum"], keep=False)
     return info
-
-
-def load(
-    path: os.PathLike | str,
-    *,
-    model_id: str,
-    spec_hash: str,
-    agent_id: str | None = None,
-) -> CacheRecord:
-    """Read a cache file back as a ``CacheRecord`` whose caches continue exactly
-    as the saved ones would (``read``, then ``HostCache.build``)."""
-    return read(path, model_id=model_id, spec_hash=spec_hash, agent_id=agent_id).build()
 
 
 def read(
