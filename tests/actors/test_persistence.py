@@ -283,6 +283,66 @@ async def test_writes_over_the_budget_prune_at_once(tmp_path):
     assert left == ["c", "d"] and actor.pruned == 2
 
 
+async def test_pruning_leaves_a_cache_being_read_alone(tmp_path):
+    """The least recently written cache is being read for a turn when writes take
+    the directory over its budget: pruning removes others, and the read gets it."""
+    import threading
+
+    actor = actor_in(tmp_path)
+    measure = CacheStore(tmp_path / "measure")
+    measure.write(blocks("x", 0).update)
+    size = measure.disk_bytes()
+    shutil.rmtree(tmp_path / "measure")
+    actor.disk_budget = int(2.5 * size)
+    reading, release = threading.Event(), threading.Event()
+    real = actor.store.read
+
+    def slow_read(*args):
+        reading.set()
+        release.wait(10)
+        return real(*args)
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(actor.run)
+        for i, agent in enumerate("ab"):
+            actor.mailbox.send_nowait(blocks(agent, i))
+        await request(lambda r: actor.mailbox.send_nowait(Flush(r)))
+        actor.store.read = slow_read
+        actor.mailbox.send_nowait(ReadCache("a", "m", cache_writer.SPEC))
+        with anyio.fail_after(10):
+            while not reading.is_set():
+                await anyio.sleep(0.01)
+        for i, agent in enumerate("cd", 2):  # over the budget: "a" would go first
+            actor.mailbox.send_nowait(blocks(agent, i))
+            await request(lambda r: actor.mailbox.send_nowait(Flush(r)))
+        release.set()
+        actor.mailbox.send_nowait(Stop())
+    read = [c for c in actor.gpu.commands if isinstance(c, CacheRead)]
+    assert len(read) == 1 and read[0].cache is not None and read[0].cache.record.text == "a0"
+    assert "a" in {e["agent"] for e in actor.store.entries()} and actor.pruned >= 1
+
+
+def test_file_work_runs_at_a_lower_cpu_priority_than_compute():
+    """The persistence actor's worker threads yield the CPU to decoding (Linux gives
+    each thread its own niceness)."""
+    import os
+    import sys
+    import threading
+
+    from actors.persistence import _in_background
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread niceness is Linux's")
+    here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(
+        _in_background(os.getpriority, os.PRIO_PROCESS, threading.get_native_id())))
+    thread.start()
+    thread.join()
+    assert seen[0] >= 10 and seen[0] >= here
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == here  # the caller's thread is untouched
+
+
 async def test_a_write_that_cannot_be_made_room_for_is_written_anyway_without_spinning(tmp_path):
     """Every cache is protected (it is hot): pruning cannot make room, so the
     write goes ahead over the budget (and says so) instead of pruning forever."""
