@@ -27,6 +27,7 @@ from .errors import (
     RuntimeUnhealthy,
     TurnCancelled,
     TurnError,
+    UnknownModel,
 )
 from .messages import Delta, Message
 from .runtime import Agent, AgentInfo, Reply, Runtime
@@ -46,4 +47,5 @@ __all__ = [
     "TurnCancelled",
     "TurnError",
     "TurnResult",
+    "UnknownModel",
 ]

@@ -12,6 +12,7 @@ __all__ = [
     "RuntimeUnhealthy",
     "TurnCancelled",
     "TurnError",
+    "UnknownModel",
 ]
 
 
@@ -38,3 +39,11 @@ class AgentExists(SemanticError):
 
 class AgentGone(SemanticError):
     """The agent was deleted; open it again with ``Runtime.agent`` to start afresh."""
+
+
+class UnknownModel(SemanticError):
+    """A turn named a model the runtime was not opened with."""
+
+    def __init__(self, name: str, available: tuple[str, ...]):
+        self.name, self.available = name, available
+        super().__init__(f"model {name!r} is not served here; available: {', '.join(available)}")

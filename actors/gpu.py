@@ -61,6 +61,7 @@ class GpuActor:
         *,
         engine_options: dict | None = None,
         model_idle_s: float | None = None,
+        catalogue: dict[str, str | LoadedModel] | None = None,
     ):
         self.inbox: queue.SimpleQueue[GpuCommand] = queue.SimpleQueue()  # loop -> thread
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # thread -> loop: (sink | None, item, final)
@@ -71,7 +72,7 @@ class GpuActor:
         self.hot = HotSnapshot()  # replaced (never mutated) by the GPU thread
         self.batch = BatchSnapshot()  # likewise
         self._thread = GpuThread(
-            self, model, ModelRegistry(store, budget_bytes, engine_options or {}),
+            self, model, ModelRegistry(store, budget_bytes, engine_options or {}, catalogue),
             persistence, eviction, model_idle_s,
         )
 
@@ -85,6 +86,11 @@ class GpuActor:
     def steps(self) -> int:
         """Engine steps (one prefill chunk + one decode step) run so far."""
         return self._thread.steps
+
+    @property
+    def catalogue(self) -> dict[str, str | LoadedModel]:
+        """The models turns may ask for by name (never changed after start)."""
+        return self._thread.registry.catalogue
 
     @property
     def model_name(self) -> str | None:

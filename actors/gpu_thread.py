@@ -8,7 +8,8 @@ requests), admits what can run, and runs one engine step (a prefill chunk
 and a decode step).  The work is done by its parts: ``Scheduler`` (turns),
 ``WriteBehind`` (caches to disk), ``CacheCommands`` (fork, drop, demote) and
 ``Publisher`` (snapshots for other threads); the loop adds the model's life
-(load, swap, idle unload), stop and failure.
+(load, swap, idle unload), stop and failure.  A swap is asked for
+(``SwapModel``) or needed: the oldest waiting turn names another model.
 
 Failure: an exception from an engine step is fatal (the batch's state is
 unknown): every turn in flight and waiting fails with ``RuntimeUnhealthy``, the
@@ -181,10 +182,13 @@ class GpuThread:
         s, forks = self.scheduler, self.cache_commands
         if self.failed is not None:
             for cmd in [*forks.ready_forks(every=True), *([self.swap] if self.swap else [])]:
-                self.post(cmd.reply, Failed(self.failed), True)
+                if cmd.reply is not None:
+                    self.post(cmd.reply, Failed(self.failed), True)
             self.swap = None
             s.admission.close(self.failed)
             return
+        if self.swap is None and (wanted := s.admission.wanted_model()) is not None:
+            self.swap = SwapModel(wanted, None)  # the oldest waiting turn runs on another model
         if self.swap is not None:
             if s.turns or any(t.preempted for t in s.waiting):
                 s.admit(preempted_only=True)
@@ -220,9 +224,13 @@ class GpuThread:
         except SemanticError as e:
             if self.registry.loaded is None and previous is not None:
                 self._load(previous)
-            self.post(cmd.reply, Failed(e), True)
+            if cmd.reply is None:
+                self.scheduler.admission.close(e, model=cmd.model)  # the turns that wanted it
+            else:
+                self.post(cmd.reply, Failed(e), True)
         else:
-            self.post(cmd.reply, Done(self.registry.name), True)
+            if cmd.reply is not None:
+                self.post(cmd.reply, Done(self.registry.name), True)
 
     def _idle_unload(self) -> None:
         s = self.scheduler
@@ -238,7 +246,8 @@ class GpuThread:
         self.scheduler.cancel_all()
         self.scheduler.admission.close(closed, cancel_started=True)
         for cmd in [*([self.swap] if self.swap else []), *self.cache_commands.ready_forks(every=True)]:
-            self.post(cmd.reply, Failed(closed), True)
+            if cmd.reply is not None:
+                self.post(cmd.reply, Failed(closed), True)
         self.swap = None
         self.stopping = True
 

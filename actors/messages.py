@@ -131,6 +131,7 @@ class BeginTurn:
     reply: Sink[TurnEvent]
     use_cache: bool = True  # False: prefill the whole prompt, reuse nothing (for comparisons)
     tools: tuple[dict, ...] | None = None  # tool definitions for the chat template
+    model: str | None = None  # the catalogue's model to run on (None: the one loaded)
 
 
 @dataclass(frozen=True)
@@ -195,10 +196,11 @@ class FlushCaches:
 
 @dataclass(frozen=True)
 class SwapModel:
-    """Drain the batch, flush and drop the caches, unload, load ``model``; answers ``Done(name)``."""
+    """Drain the batch, flush and drop the caches, unload, load ``model``; answers
+    ``Done(name)`` (no ``reply``: the GPU thread's own swap for a waiting turn)."""
 
     model: str | LoadedModel
-    reply: Sink[Done | Failed]
+    reply: Sink[Done | Failed] | None
 
 
 @dataclass(frozen=True)
@@ -242,6 +244,7 @@ class Send:
     use_cache: bool = True
     messages: tuple[Message, ...] | None = None
     tools: tuple[dict, ...] | None = None
+    model: str | None = None
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,9 @@ class HotCaches(AgentCaches):
 class ModelRegistry:
     """The loaded model, its ``Engine`` and its ``HotCaches`` (GPU thread only)."""
 
-    def __init__(self, store: CacheStore, budget_bytes: int | None, engine_options: dict):
+    def __init__(self, store: CacheStore, budget_bytes: int | None, engine_options: dict,
+                 catalogue: dict[str, str | LoadedModel] | None = None):
+        self.catalogue = catalogue or {}  # models turns may name (``runtime.models.catalogue``)
         self.store = store
         self.budget_bytes = budget_bytes
         self.engine_options = engine_options
@@ -70,10 +72,14 @@ class ModelRegistry:
         self._counts = (0, 0)  # demotions and prefix drops of models unloaded: counters never go back
 
     def load(self, model: str | LoadedModel) -> None:
-        """Load ``model`` (a name, or one loaded already) and build its engine and caches.
-        Raises ``ModelError``; on failure nothing is loaded."""
+        """Load ``model`` (a name in the catalogue, another name, or one loaded
+        already) and build its engine and caches.  Raises ``ModelError``; on
+        failure nothing is loaded."""
         assert self.loaded is None, "load() over a loaded model: unload() first"
-        loaded = model if isinstance(model, LoadedModel) else load(model, progress=False)
+        source = self.catalogue.get(model, model) if isinstance(model, str) else model
+        loaded = source if isinstance(source, LoadedModel) else load(source, progress=False)
+        if isinstance(model, str):
+            loaded.name = model  # the name turns ask for it by
         engine = Engine(loaded.model, loaded.tokenizer, **self.engine_options)
         caches = open_caches(loaded, self.store, self.budget_bytes, working_copy=engine.float_attention, cls=HotCaches,
                              kv_bits=engine.kv_bits)

@@ -39,14 +39,15 @@ import anyio
 from runtime import disk
 from runtime.cache_file import CacheStore, validate_agent_id
 from runtime.engine import SamplingParams
-from runtime.models import LoadedModel
+from runtime.models import LoadedModel, load_tokenizer
+from runtime.models import catalogue as models_catalogue
 from runtime.outcome import TurnResult
 from runtime.paths import agents_dir
 from runtime.prefix import encode
 from runtime.turns import render
 
 from .agent import AgentActor, AgentContext, AgentSlot, request
-from .errors import AgentExists, AgentGone, RuntimeClosed, TurnCancelled
+from .errors import AgentExists, AgentGone, RuntimeClosed, TurnCancelled, UnknownModel
 from .eviction import EvictionActor
 from .gpu import BatchSnapshot, GpuActor, HotSnapshot
 from .history import encode_history, read_history
@@ -97,6 +98,7 @@ class Runtime:
         self._started: list[object] = []  # actors whose run() has started
         self._prune_listeners: list = []
         self._turn_listeners: list = []
+        self._tokenizers: dict[str, object] = {}  # models not loaded: their tokenizers, read once
         self._ctx = AgentContext(gpu, persistence.mailbox, self._histories, agent_idle_s,
                                  lambda: self._closing, self._release, self._turn_ended)
 
@@ -108,6 +110,7 @@ class Runtime:
         cache_dir: str | Path | None = None,
         budget: int | None = None,
         *,
+        models: Iterable[str | LoadedModel] = (),
         agent_idle_s: float = 60.0,
         model_idle_s: float | None = None,
         prefill_chunk: int = 256,
@@ -120,7 +123,10 @@ class Runtime:
         """Open a runtime; leaving the block shuts it down (see the module docstring).
 
         ``model``: ``"smollm2"`` (embedded), an mlx-lm model directory or Hugging
-        Face repo id, or a ``LoadedModel`` already loaded (tests share one).
+        Face repo id, or a ``LoadedModel`` already loaded (tests share one);
+        ``NAME=MODEL`` names it.  ``models``: more models a turn may ask for by
+        name (``Agent.send(model=...)``), in the same forms; a turn for a model
+        that is not loaded waits until the batch drains, then swaps to it.
         ``cache_dir``: where agents' caches and histories live (default
         ``~/.cache/semantic/agents``).  ``budget``: bytes of hot KV cache (default:
         device memory less the weights less headroom).  ``agent_idle_s``: an idle
@@ -149,13 +155,15 @@ class Runtime:
             raise ValueError(f"disk_budget must be > 0 bytes (None: no cap), not {disk_budget}")
         if conversation_ttl_s is not None and conversation_ttl_s <= 0:
             raise ValueError(f"conversation_ttl_s must be > 0 (None: never), not {conversation_ttl_s}")
+        catalogue = models_catalogue([model, *models])  # ValueError for a repeated name
         root = Path(cache_dir) if cache_dir is not None else agents_dir()
         store = await anyio.to_thread.run_sync(CacheStore, root)  # creates it; clears dead writers' temp files
         persistence = PersistenceActor(store, root / "histories", disk_budget=disk_budget,
                                        conversation_ttl_s=conversation_ttl_s, prune_interval_s=prune_interval_s)
         eviction = EvictionActor(*eviction_watermarks)
-        gpu = GpuActor(model, store, budget, persistence.mailbox, eviction.mailbox,
-                       engine_options={"max_chunk": prefill_chunk, "kv_bits": kv_bits}, model_idle_s=model_idle_s)
+        gpu = GpuActor(next(iter(catalogue)), store, budget, persistence.mailbox, eviction.mailbox,
+                       engine_options={"max_chunk": prefill_chunk, "kv_bits": kv_bits}, model_idle_s=model_idle_s,
+                       catalogue=catalogue)
         persistence.gpu = eviction.gpu = gpu
         try:
             async with anyio.create_task_group() as tg:
@@ -192,6 +200,33 @@ class Runtime:
         return self._gpu.model_name
 
     @property
+    def models(self) -> tuple[str, ...]:
+        """The models turns may ask for by name; the first is the one loaded at start."""
+        return tuple(self._gpu.catalogue)
+
+    def check_model(self, name: str) -> str:
+        """``name`` if turns may ask for it, else raise ``UnknownModel``."""
+        if name not in self._gpu.catalogue:
+            raise UnknownModel(name, self.models)
+        return name
+
+    async def tokenizer(self, model: str | None = None):
+        """The tokenizer of ``model`` (a name in ``models``; None: the loaded one),
+        read without its weights when it is not loaded.  Raises ``UnknownModel``,
+        ``ModelError``, ``RuntimeClosed`` (None while nothing is loaded)."""
+        loaded = self._gpu.loaded
+        if model is None or (loaded is not None and loaded.name == model):
+            if loaded is None:
+                raise RuntimeClosed("no model is loaded")
+            return loaded.tokenizer
+        source = self._gpu.catalogue[self.check_model(model)]
+        if isinstance(source, LoadedModel):
+            return source.tokenizer
+        if model not in self._tokenizers:
+            self._tokenizers[model] = await anyio.to_thread.run_sync(load_tokenizer, source)
+        return self._tokenizers[model]
+
+    @property
     def context_length(self) -> int:
         """Tokens the loaded model's context holds (0 while it is unloaded)."""
         loaded = self._gpu.loaded
@@ -203,18 +238,18 @@ class Runtime:
         loaded = self._gpu.loaded
         return getattr(loaded.tokenizer, "chat_template", None) if loaded else None
 
-    async def prompt(self, messages: Iterable[Message], tools: Iterable[dict] | None = None) -> tuple[str, int]:
-        """The prompt ``messages`` (and ``tools``) render to on the loaded model,
-        and its length in tokens: what a turn over them prefills with an empty cache."""
-        loaded = self._gpu.loaded
-        if loaded is None:
-            raise RuntimeClosed("no model is loaded")
+    async def prompt(self, messages: Iterable[Message], tools: Iterable[dict] | None = None,
+                     model: str | None = None) -> tuple[str, int]:
+        """The prompt ``messages`` (and ``tools``) render to on ``model`` (None: the
+        loaded one), and its length in tokens: what a turn over them prefills
+        with an empty cache."""
+        tokenizer = await self.tokenizer(model)
         dicts = [m.as_dict() for m in messages]
         tools = tuple(tools) if tools else None
 
         def run() -> tuple[str, int]:
-            text = render(loaded.tokenizer, dicts, tools)
-            return text, len(encode(loaded.tokenizer, text))
+            text = render(tokenizer, dicts, tools)
+            return text, len(encode(tokenizer, text))
 
         return await anyio.to_thread.run_sync(run)
 
@@ -518,24 +553,26 @@ class Agent:
         """How the agent's last turn ended (token counts, timings), cancelled ones included."""
         return self._slot.last_result
 
-    def send(self, text: str, *, use_cache: bool = True, **sampling) -> Reply:
+    def send(self, text: str, *, use_cache: bool = True, model: str | None = None, **sampling) -> Reply:
         """Queue a turn now and return its stream: ``async for delta in agent.send(...)``.
 
         ``sampling``: ``SamplingParams`` fields (max_tokens, temperature, top_p,
         top_k, min_p, stop, seed); greedy by default.  ``use_cache=False`` prefills
-        the whole prompt and reuses nothing (to compare against caching).  Turns of one agent run in
+        the whole prompt and reuses nothing (to compare against caching).  ``model``:
+        one of ``Runtime.models`` to run on (None: the loaded one); each model
+        keeps its own cache of the agent.  Turns of one agent run in
         the order ``send`` was called; each sees the previous ones.  Closing the
         stream, breaking out of the loop, or cancelling the task that reads it
         cancels the turn within one engine step (see ``Reply``).
 
         Raises at once: ``TypeError``/``ValueError`` for bad sampling,
-        ``RuntimeClosed``, ``RuntimeUnhealthy``, ``AgentGone``.  While streaming:
+        ``UnknownModel``, ``RuntimeClosed``, ``RuntimeUnhealthy``, ``AgentGone``.  While streaming:
         ``TurnError`` (e.g. ``ContextTooLong``, ``OutOfMemory``) for this turn only.
         """
-        return self._queue(text, None, None, use_cache, sampling)
+        return self._queue(text, None, None, use_cache, model, sampling)
 
     def respond(self, messages: Iterable[Message], *, tools: Iterable[dict] | None = None,
-                use_cache: bool = True, **sampling) -> Reply:
+                use_cache: bool = True, model: str | None = None, **sampling) -> Reply:
         """Queue a turn over a whole conversation and return its stream (as ``send``).
 
         For stateless clients that send everything each time: ``messages`` (a
@@ -552,16 +589,18 @@ class Agent:
         messages = tuple(messages)
         if not messages:
             raise ValueError("a conversation needs at least one message")
-        return self._queue("", messages, tuple(tools) if tools else None, use_cache, sampling)
+        return self._queue("", messages, tuple(tools) if tools else None, use_cache, model, sampling)
 
     def _queue(self, text: str, messages: tuple[Message, ...] | None, tools: tuple[dict, ...] | None,
-               use_cache: bool, sampling: dict) -> Reply:
+               use_cache: bool, model: str | None, sampling: dict) -> Reply:
         params = SamplingParams(**sampling)
+        if model is not None:
+            self._rt.check_model(model)
         self._rt._check_open()
         turn_id = next(self._rt._turn_ids)
         reply, events = anyio.create_memory_object_stream[TurnEvent](math.inf)
         try:
-            self._rt._deliver(self._slot, Send(turn_id, text, params, reply, use_cache, messages, tools))
+            self._rt._deliver(self._slot, Send(turn_id, text, params, reply, use_cache, messages, tools, model))
         except BaseException:
             reply.close()
             events.close()

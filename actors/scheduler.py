@@ -16,7 +16,6 @@ loop), so a test can drive them on a tiny model.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import deque
@@ -97,20 +96,32 @@ class Admission:
         self.registry, self.reads, self.post = registry, reads, post
         self.waiting: deque[GpuTurn] = deque()  # received, not yet admitted; preempted ones first
 
+    def runs_here(self, t: GpuTurn) -> bool:
+        """The turn runs on the loaded model (it named none, or that one)."""
+        return t.preempted is not None or t.cmd.model in (None, self.registry.name)
+
+    def wanted_model(self) -> str | None:
+        """The model the oldest waiting turn names, when another is loaded (or none)."""
+        t = next((t for t in self.waiting if t.preempted is None), None)
+        return None if t is None or self.runs_here(t) else t.cmd.model
+
     def next(self, crowded: bool, preempted_only: bool = False) -> GpuTurn | None:
         """Admit waiting turns in order until one is admitted (returned) or one must
-        wait (None): for its cache to arrive, or, while others run (``crowded``), for room."""
-        for t in itertools.islice(self.waiting, READ_AHEAD):
+        wait (None): for its cache to arrive, or, while others run (``crowded``), for
+        room.  Turns for another model are passed over: they wait for a swap."""
+        here = [t for t in self.waiting if self.runs_here(t)]
+        for t in here[:READ_AHEAD]:
             if t.cmd.use_cache or t.preempted is not None:
                 self.reads.want(t.cmd.agent_id)
-        while self.waiting and (not preempted_only or self.waiting[0].preempted):
-            t = self.waiting[0]
+        for t in here:
+            if preempted_only and t.preempted is None:
+                return None
             if t.cmd.agent_id in self.reads.reading:
                 return None  # its cache is on its way from disk; the batch goes on meanwhile
             admitted = self._resume(t, crowded) if t.preempted is not None else self._start(t, crowded)
             if admitted is False:
                 return None
-            self.waiting.popleft()
+            self.waiting.remove(t)
             self.reads.forget(t.cmd.agent_id)  # if it failed before using it
             if admitted:
                 return t
@@ -180,11 +191,14 @@ class Admission:
                 return True
         return False
 
-    def close(self, error: SemanticError, cancel_started: bool = False) -> None:
-        """End every waiting turn with ``error``; with ``cancel_started``, one that
-        started (preempted) ends cancelled instead, its cache kept."""
-        while self.waiting:
-            t = self.waiting.popleft()
+    def close(self, error: SemanticError, cancel_started: bool = False, model: str | None = None) -> None:
+        """End every waiting turn (those naming ``model``, if given) with ``error``;
+        with ``cancel_started``, one that started (preempted) ends cancelled
+        instead, its cache kept."""
+        for t in list(self.waiting):
+            if model is not None and t.cmd.model != model:
+                continue
+            self.waiting.remove(t)
             self.reads.forget(t.cmd.agent_id)
             if cancel_started and t.preempted is not None:
                 self.post(t.cmd.reply, TurnEnded(t.cmd.turn_id, t.result(t.preempted, "cancelled")), True)

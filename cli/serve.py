@@ -43,8 +43,13 @@ def parse_duration(text: str) -> float:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve the Anthropic, OpenAI and agent HTTP APIs")
-    p.add_argument("--model", default="smollm2",
-                   help="'smollm2' (embedded, default), a local mlx-lm model directory, or a Hugging Face repo id")
+    p.add_argument("--model", action="append", metavar="[NAME=]MODEL",
+                   help="'smollm2' (embedded, default), a local mlx-lm model directory, or a Hugging Face repo id; "
+                        "NAME= names it for requests. Repeat it to serve several: a request's 'model' picks one "
+                        "(the first is loaded at start, and serves requests that name none)")
+    p.add_argument("--model-idle", type=parse_duration, metavar="DURATION",
+                   help="unload the model after this long without turns, e.g. 10m (default: never); "
+                        "the next turn loads it again")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--cache-dir", help="where agents' caches and histories live (default ~/.cache/semantic/agents)")
@@ -68,18 +73,20 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import runtime  # noqa: F401  (fast BLAS before mlx)
-    from runtime import disk
-    from runtime.models import resolve
+    from runtime import disk, embedded
+    from runtime.models import catalogue, resolve
     from runtime.paths import agents_dir
     from web.app import ServerConfig
     from web.server import bind, run as run_server
 
     cache_dir = args.cache_dir or agents_dir()
     disk_budget = args.disk_budget or disk.default_budget(cache_dir)
+    first, *more = args.model or [embedded.NAME]
     try:
-        config = ServerConfig(model=args.model, cache_dir=cache_dir, budget=args.budget, kv_bits=args.kv_bits,
-                              api_key=args.api_key,
-                              max_tokens_cap=args.max_tokens_cap or _default_cap(args.model),
+        models = catalogue([first, *more])
+        config = ServerConfig(model=first, models=tuple(more), model_idle_s=args.model_idle, cache_dir=cache_dir,
+                              budget=args.budget, kv_bits=args.kv_bits, api_key=args.api_key,
+                              max_tokens_cap=args.max_tokens_cap or _default_cap(models),
                               max_body_bytes=args.max_body_bytes,
                               disk_budget=disk_budget, conversation_ttl_s=args.conversation_ttl)
     except ValueError as e:
@@ -89,14 +96,16 @@ def run(args: argparse.Namespace) -> int:
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     say(f"caches in {cache_dir}: disk budget {disk.human_bytes(disk_budget)}; "
         f"anonymous conversations unused for {disk.human_duration(args.conversation_ttl)} are removed")
-    say(f"preparing {args.model} ...")
-    resolve(args.model, progress=True)  # the embedded model is converted once, with a progress bar
-    say(f"loading {args.model} ...")
+    for name, source in models.items():  # a model that is not there is refused now, not at its first request
+        say(f"preparing {name} ...")
+        resolve(source, progress=True)  # the embedded model is converted once, with a progress bar
+    say(f"loading {first.partition('=')[0]} ...")
     t0 = time.perf_counter()
 
     def ready(rt) -> None:
         key = "<your --api-key>" if args.api_key else "none"
-        say(f"{rt.model} loaded in {time.perf_counter() - t0:.1f} s; listening on {url} -- "
+        choice = f" (requests choose among {', '.join(rt.models)} by 'model')" if len(rt.models) > 1 else ""
+        say(f"{rt.model} loaded in {time.perf_counter() - t0:.1f} s{choice}; listening on {url} -- "
             f"Claude Code: ANTHROPIC_BASE_URL={url} ANTHROPIC_API_KEY={key} claude -- "
             f"OpenAI SDK: OpenAI(base_url=\"{url}/v1\", api_key=\"{key}\") -- Ctrl-C stops")
 
@@ -105,10 +114,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _default_cap(model: str) -> int | None:
+def _default_cap(models: dict) -> int | None:
     from runtime.embedded import NAME
 
-    return EMBEDDED_MAX_TOKENS if model == NAME else None
+    return EMBEDDED_MAX_TOKENS if NAME in models.values() else None  # a 135M model that never stops
 
 
 def say(line: str) -> None:

@@ -20,7 +20,7 @@ from . import embedded
 from .errors import ModelError
 from .model_spec import ModelCacheSpec
 
-__all__ = ["LoadedModel", "load", "resolve"]
+__all__ = ["LoadedModel", "catalogue", "load", "load_tokenizer", "resolve"]
 
 _HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -38,6 +38,27 @@ class LoadedModel:
     @property
     def context_length(self) -> int:
         return int(self.config.get("max_position_embeddings") or self.config.get("max_seq_len") or 4096)
+
+
+def catalogue(entries) -> dict[str, str | LoadedModel]:
+    """The models a server may run, by the name requests use: each entry is a
+    ``LoadedModel`` (its ``name``), a model as ``--model`` takes it (named as
+    given), or ``NAME=MODEL`` to give it a shorter name.  Raises ``ValueError``
+    for an empty or repeated name."""
+    out: dict[str, str | LoadedModel] = {}
+    for entry in entries:
+        if isinstance(entry, LoadedModel):
+            name, source = entry.name, entry
+        else:
+            name, eq, source = str(entry).partition("=")
+            if not eq:
+                source = name
+        if not name or not source:
+            raise ValueError(f"a model needs a name and a model: {entry!r} (try NAME=DIR)")
+        if name in out:
+            raise ValueError(f"two models are named {name!r}; name one NAME=MODEL")
+        out[name] = source
+    return out
 
 
 def resolve(name: str, progress: bool = True) -> Path | str:
@@ -83,6 +104,17 @@ def load(name: str = embedded.NAME, progress: bool = True) -> LoadedModel:
     mx.eval(model.parameters())
     path = Path(where) if isinstance(where, Path) else Path(getattr(tokenizer, "name_or_path", where))
     return LoadedModel(name, path, model, tokenizer, config, ModelCacheSpec.from_model(model), dtype)
+
+
+def load_tokenizer(name: str):
+    """The tokenizer (and chat template) of a model, without its weights."""
+    from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+
+    where = resolve(name, progress=False)
+    try:
+        return mlx_lm_load_tokenizer(str(where))
+    except Exception as e:
+        raise ModelError(f"could not load the tokenizer of {name!r}: {e}") from None
 
 
 def _param_dtype(model: nn.Module) -> mx.Dtype:

@@ -67,24 +67,32 @@ UNSUPPORTED = {  # tiny configs of mlx-lm model types whose caches Semantic cann
 }
 
 
+def model_dir(path, config: dict, seed: int = 0):
+    """A model directory as mlx-lm saves one: its own classes, random weights, the
+    embedded model's tokenizer."""
+    import importlib
+    import shutil
+
+    import mlx.core as mx
+    from mlx_lm.utils import save_config, save_model
+
+    from runtime.models import resolve
+
+    mx.random.seed(seed)
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    save_model(path, module.Model(module.ModelArgs.from_dict(config)))
+    save_config(config, path / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(resolve("smollm2", progress=False) / name, path / name)
+    return path
+
+
 @pytest.mark.parametrize("model_type, missing", [("qwen3_next", "ArraysCache"), ("deepseek_v2", "MLA")])
 def test_an_unsupported_model_is_refused_in_one_line(tmp_path, model_type, missing):
     """A model directory of a family Semantic cannot serve yet (mlx-lm's classes,
     random weights, the embedded model's tokenizer): one line naming the model
     type and what is missing, never a traceback."""
-    import importlib
-    import shutil
-
-    from mlx_lm.utils import save_config, save_model
-
-    from runtime.models import resolve
-
-    config = {"model_type": model_type, **UNSUPPORTED[model_type]}
-    module = importlib.import_module(f"mlx_lm.models.{model_type}")
-    save_model(tmp_path, module.Model(module.ModelArgs.from_dict(config)))
-    save_config(config, tmp_path / "config.json")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(resolve("smollm2", progress=False) / name, tmp_path / name)
+    model_dir(tmp_path, {"model_type": model_type, **UNSUPPORTED[model_type]})
     out = semantic("serve", "--model", str(tmp_path), "--port", "0", "--cache-dir", str(tmp_path / "cache"))
     assert out.returncode == 2, out.stderr
     last = out.stderr.strip().splitlines()[-1]
@@ -250,3 +258,52 @@ def test_serve_options_parse():
     assert parser().parse_args(["serve", "--kv-bits", "8"]).kv_bits == 8
     args = parser().parse_args(["cache", "prune", "--older-than", "7d", "--to", "10G"])
     assert (args.older_than, args.to) == (7 * 86400, 10 << 30)
+
+
+TINY_LLAMA = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-5, vocab_size=49152,
+                  tie_word_embeddings=True, max_position_embeddings=2048)
+
+
+def test_serve_two_models_chosen_by_each_request(tmp_path):
+    """``semantic serve --model a=DIR --model b=DIR``: requests alternate by
+    ``model`` (OpenAI SDK), each model's next turn reads its own cache; an
+    unknown model is a 404 naming both."""
+    import re
+    import signal
+
+    openai = pytest.importorskip("openai")
+    dirs = [model_dir(tmp_path / name, TINY_LLAMA, seed) for seed, name in enumerate("ab")]
+    log = tmp_path / "server.log"
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--port", "0", "--cache-dir",
+                             str(tmp_path / "cache"), "--model", f"a={dirs[0]}", "--model", f"b={dirs[1]}",
+                             "--model-idle", "5m"], stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (m := re.search(r"listening on (http://\S+)", log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        assert "requests choose among a, b by 'model'" in log.read_text()
+        client = openai.OpenAI(base_url=m.group(1) + "/v1", api_key="x", max_retries=0, timeout=120)
+        assert [(x.id, x.loaded) for x in client.models.list().data] == [("a", True), ("b", False)]
+        messages, turns = [{"role": "system", "content": "You are terse."}], []
+        for i, model in enumerate("baba"):
+            messages.append({"role": "user", "content": f"Question {i}?"})
+            done = client.chat.completions.create(model=model, max_tokens=4, messages=messages,
+                                                  extra_headers={"x-agent-id": "alice"})
+            assert done.model == model
+            messages.append({"role": "assistant", "content": done.choices[0].message.content})
+            turns.append((done.usage.prompt_tokens, done.usage.prompt_tokens_details.cached_tokens))
+        print(f"\n(prompt, cached) tokens per turn, models b a b a: {turns}")
+        assert [cached for _, cached in turns[:2]] == [0, 0]
+        assert turns[2][1] >= turns[0][0] and turns[3][1] >= turns[1][0], turns  # each from its own cache
+        with pytest.raises(openai.NotFoundError, match="'c' is not served here; available: a, b"):
+            client.chat.completions.create(model="c", max_tokens=4, messages=messages)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0, log.read_text()
+
+
+def test_serve_refuses_two_models_of_one_name(tmp_path):
+    out = semantic("serve", "--model", "x=/a", "--model", "x=/b", "--cache-dir", str(tmp_path))
+    assert out.returncode == 2 and "two models are named 'x'" in out.stderr and "Traceback" not in out.stderr

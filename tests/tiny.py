@@ -31,6 +31,18 @@ TINY_CONFIGS: dict[str, dict] = {
         num_attention_heads=2, num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64,
         rms_norm_eps=1e-6, vocab_size=VOCAB, sliding_window=16, sliding_window_pattern=2,
     ),
+    "qwen3": dict(  # q/k norms
+        model_type="qwen3", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-6, vocab_size=VOCAB,
+        tie_word_embeddings=False, max_position_embeddings=2048, rope_theta=1e6,
+    ),
+    "gemma3": dict(  # Gemma 3 as published: the multimodal wrapper, used for text
+        model_type="gemma3", vocab_size=VOCAB, text_config=dict(
+            model_type="gemma3_text", hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64,
+            rms_norm_eps=1e-6, vocab_size=VOCAB, sliding_window=16, sliding_window_pattern=2,
+        ),
+    ),
     "gpt_oss": dict(
         model_type="gpt_oss", hidden_size=128, num_hidden_layers=2, intermediate_size=128,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=4,

@@ -7,7 +7,7 @@ The server keeps each agent's history; a client sends only the new message.
     GET    /v1/agents/{id}           summary + "history"
     DELETE /v1/agents/{id}           {"id", "deleted": true}
     POST   /v1/agents/{id}/messages  {"content", "max_tokens", "temperature"?, "top_p"?, "top_k"?,
-                                      "seed"?, "stop"?, "stream"?, "use_cache"?}
+                                      "seed"?, "stop"?, "stream"?, "use_cache"?, "model"?}
     POST   /v1/agents/{id}/fork      {"id"}                       201 {"id", "forked_from", ...}
 
 A turn answers ``turn_json`` (or, streaming, ``event: delta`` {"text"}
@@ -54,6 +54,7 @@ class TurnRequest:
     sampling: dict  # SamplingParams fields
     stream: bool
     use_cache: bool
+    model: str | None  # None: the server's first model
 
 
 def parse_new_agent(body: bytes) -> NewAgent:
@@ -81,6 +82,7 @@ def parse_turn(body: bytes, *, max_tokens_cap: int) -> TurnRequest:
         sampling={k: x for k, x in sampling.items() if x is not None},
         stream=v.boolean(data, "stream"),
         use_cache=v.boolean(data, "use_cache", default=True),
+        model=v.string(data, "model"),
     )
 
 
@@ -93,8 +95,8 @@ def agent_json(info: AgentInfo, *, history: bool = False) -> dict:
     return out
 
 
-def turn_json(agent_id: str, result: ChatResult) -> dict:
-    """A finished turn (``result`` as ``web.chat`` builds it, with the runtime's record)."""
+def turn_json(agent_id: str, model: str, result: ChatResult) -> dict:
+    """A finished turn on ``model`` (``result`` as ``web.chat`` builds it, with the runtime's record)."""
     if result.stop_reason == "cancelled":
         raise RequestError(503, "the turn was cancelled before it finished; try again")
     timing = {"ttft_ms": None, "queued_ms": None, "prefill_ms": None, "decode_ms": None, "decode_tps": None}
@@ -107,6 +109,7 @@ def turn_json(agent_id: str, result: ChatResult) -> dict:
     u = result.usage
     return {
         "agent_id": agent_id,
+        "model": model,
         "role": "assistant",
         "content": result.text,
         "reasoning": result.reasoning,
@@ -124,14 +127,14 @@ def error_json(err: RequestError) -> dict:
 
 
 def response_json(turn: ChatTurn, result: ChatResult) -> dict:
-    return turn_json(turn.agent_id, result)
+    return turn_json(turn.agent_id, turn.model, result)
 
 
 def events(turn: ChatTurn, items: AsyncIterable[StreamItem]) -> AsyncIterator[bytes]:
-    return turn_events(turn.agent_id, items)
+    return turn_events(turn.agent_id, turn.model, items)
 
 
-async def turn_events(agent_id: str, items: AsyncIterable[StreamItem]) -> AsyncIterator[bytes]:
+async def turn_events(agent_id: str, model: str, items: AsyncIterable[StreamItem]) -> AsyncIterator[bytes]:
     """The SSE stream of one turn: ``delta`` events, an SSE comment for each
     heartbeat, then ``done`` with the ``turn_json`` object.  A ``RequestError``
     before the first event propagates (the response turns it into a plain HTTP
@@ -147,7 +150,7 @@ async def turn_events(agent_id: str, items: AsyncIterable[StreamItem]) -> AsyncI
                     sent = True
                     yield encode({"text": item.text}, "delta" if isinstance(item, TextDelta) else "reasoning")
                 else:
-                    body = turn_json(agent_id, item)
+                    body = turn_json(agent_id, model, item)
                     sent = True
                     yield encode(body, "done")
     except RequestError as err:

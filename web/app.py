@@ -33,8 +33,9 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from actors import Agent, AgentExists, AgentGone, Runtime, TurnError
+from actors import Agent, AgentExists, AgentGone, Runtime, TurnError, UnknownModel
 from runtime.cache_file import InvalidAgentId
+from runtime.models import catalogue
 from runtime.errors import SemanticError
 
 from . import agents, anthropic, openai, responses
@@ -60,7 +61,9 @@ EVENTS_KEEP_ALIVE_S = 15.0
 class ServerConfig:
     """What a server runs and its limits (checked when the app is built)."""
 
-    model: object = "smollm2"  # a name, or a runtime.models.LoadedModel (tests share one)
+    model: object = "smollm2"  # a name, NAME=MODEL, or a runtime.models.LoadedModel (tests share one)
+    models: tuple = ()  # more models requests may name (as ``model``); the first is loaded at start
+    model_idle_s: float | None = None  # unload the model after this long without turns (None: never)
     cache_dir: Path | None = None
     budget: int | None = None  # bytes of hot KV cache (None: the runtime's default)
     kv_bits: int = 4  # the agents' KV caches are quantized to 4 or 8 bits
@@ -88,6 +91,9 @@ class ServerConfig:
             raise ValueError("disk_budget must be more than 0 bytes (None: no cap)")
         if self.conversation_ttl_s is not None and self.conversation_ttl_s <= 0:
             raise ValueError("conversation_ttl_s must be more than 0 (None: never)")
+        if self.model_idle_s is not None and self.model_idle_s <= 0:
+            raise ValueError("model_idle_s must be more than 0 (None: never)")
+        catalogue([self.model, *self.models])  # ValueError for a repeated name
 
 
 def create_app(config: ServerConfig, on_ready: Callable[[Runtime], None] | None = None) -> Starlette:
@@ -96,7 +102,8 @@ def create_app(config: ServerConfig, on_ready: Callable[[Runtime], None] | None 
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with Runtime.open(config.model, config.cache_dir, config.budget, kv_bits=config.kv_bits,
+        async with Runtime.open(config.model, config.cache_dir, config.budget, models=config.models,
+                                model_idle_s=config.model_idle_s, kv_bits=config.kv_bits,
                                 disk_budget=config.disk_budget,
                                 conversation_ttl_s=config.conversation_ttl_s, **config.runtime_options) as rt:
             await server.start(rt)
@@ -183,6 +190,18 @@ class _Server:
     def model(self) -> str:
         return self.rt.model or "unknown"
 
+    def model_for(self, requested: str | None, strict: bool = False) -> str:
+        """The model a request runs on: the one it names, else the first. A server
+        of one model runs it whatever a request names (clients send their own
+        names: claude-..., gpt-...) unless ``strict`` (the agent API); with more,
+        a name it does not serve is a 404."""
+        served = self.rt.models
+        if requested in served:
+            return requested
+        if requested is None or (len(served) == 1 and not strict):
+            return served[0]
+        raise turn_error(UnknownModel(requested, served))
+
     @property
     def max_tokens_cap(self) -> int:
         return self.config.max_tokens_cap or self.rt.context_length or 1
@@ -200,7 +219,7 @@ class _Server:
         answers the turn (``response_json``, or ``events`` when streaming)."""
         try:
             req = protocol.parse_request(await request.body(), _headers(request), max_tokens_cap=self.max_tokens_cap)
-            turn = await self.core.start(req, route=route)
+            turn = await self.core.start(req, self.model_for(req.model), route=route)
         except RequestError as err:
             return _error(request.url.path, err)
         return await _answer(request, turn, req.stream, protocol)
@@ -223,15 +242,16 @@ class _Server:
         is still at that state, else on a fork of it from there."""
         try:
             req = responses.parse_request(await request.body(), _headers(request), max_tokens_cap=self.max_tokens_cap)
+            model = self.model_for(req.model)
             if req.previous_response_id is None:
-                turn = await self.core.start(req, route="responses")
+                turn = await self.core.start(req, model, route="responses")
             else:
                 state = responses.parse_response_id(req.previous_response_id, "previous_response_id")
                 info = await self._history(state, "previous_response_id")
                 req = responses.continued(req, info.history[:state.n])
                 # a turn running on the agent will move it on: a fork keeps both
                 at_state = len(info.history) == state.n and not self.core.index.busy(state.agent_id)
-                turn = await self.core.start(req, agent_id=state.agent_id if at_state else None,
+                turn = await self.core.start(req, model, agent_id=state.agent_id if at_state else None,
                                              fork_from=None if at_state else state.agent_id, route="responses")
         except RequestError as err:
             return _error(request.url.path, err)
@@ -263,7 +283,7 @@ class _Server:
     async def count_tokens(self, request: Request) -> Response:
         try:
             req = anthropic.parse_count_tokens(await request.body())
-            return JSONResponse({"input_tokens": await self.core.count_tokens(req)})
+            return JSONResponse({"input_tokens": await self.core.count_tokens(req, self.model_for(req.model))})
         except RequestError as err:
             return _error(request.url.path, err)
 
@@ -283,8 +303,8 @@ class _Server:
         try:
             new = agents.parse_new_agent(await request.body())
             agent_id = checked_agent_id(new.id, "id")
-            if new.model is not None and new.model not in (self.model, self.config.model):
-                raise RequestError(400, f"model: this server runs {self.model!r}, not {new.model!r}", "model")
+            if new.model is not None:
+                self.model_for(new.model, strict=True)  # 404 for one this server does not run
             existed = bool(await self.rt.agents(only=agent_id))
             try:
                 agent = await self.rt.agent(agent_id, system=new.system)
@@ -360,8 +380,8 @@ class _Server:
         try:
             agent = await self._known(request.path_params["agent_id"])
             turn_req = agents.parse_turn(await request.body(), max_tokens_cap=self.max_tokens_cap)
-            turn = await self.core.send(agent, turn_req.content, use_cache=turn_req.use_cache,
-                                        sampling=turn_req.sampling, route="agent")
+            turn = await self.core.send(agent, turn_req.content, model=self.model_for(turn_req.model, strict=True),
+                                        use_cache=turn_req.use_cache, sampling=turn_req.sampling, route="agent")
         except RequestError as err:
             return _error(request.url.path, err)
         return await _answer(request, turn, turn_req.stream, agents)
@@ -369,13 +389,17 @@ class _Server:
     # -- operations -------------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
+        """Every model requests may name, in OpenAI's and Anthropic's list shape at
+        once; ``loaded``: the one in memory now (its ``context_length`` is known)."""
         created = int(self.started)
-        entry = {"id": self.model, "object": "model", "created": created, "owned_by": "semantic",
-                 "type": "model", "display_name": self.model,
+        loaded = self.model if self.rt.context_length else None
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "semantic",
+                 "type": "model", "display_name": name,
                  "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
-                 "context_length": self.rt.context_length}
-        return JSONResponse({"object": "list", "data": [entry], "has_more": False,
-                             "first_id": self.model, "last_id": self.model})
+                 "loaded": name == loaded, "context_length": self.rt.context_length if name == loaded else None}
+                for name in self.rt.models]
+        return JSONResponse({"object": "list", "data": data, "has_more": False,
+                             "first_id": data[0]["id"], "last_id": data[-1]["id"]})
 
     async def health(self, request: Request) -> Response:
         rt = self.rt

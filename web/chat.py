@@ -32,10 +32,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from actors import (Agent, AgentExists, AgentGone, ContextTooLong, Message, Reply, Runtime, RuntimeClosed,
-                    RuntimeUnhealthy, TurnCancelled)
+                    RuntimeUnhealthy, TurnCancelled, UnknownModel)
 from runtime.agent_cache import OutOfMemory
 from runtime.cache_file import InvalidAgentId, validate_agent_id
-from runtime.errors import SemanticError
+from runtime.errors import ModelError, SemanticError
 from runtime.outcome import TurnResult
 
 from ._aio import closing
@@ -133,6 +133,10 @@ def turn_error(e: Exception) -> RequestError:
         return RequestError(503, "the model failed and the server must be restarted; see its log")
     if isinstance(e, (AgentExists, AgentGone)):
         return RequestError(409, str(e))
+    if isinstance(e, UnknownModel):
+        return RequestError(404, str(e), param="model")
+    if isinstance(e, ModelError):
+        return RequestError(503, f"the model could not be loaded: {e}")
     return RequestError(500, f"the turn failed: {e}")
 
 
@@ -162,15 +166,15 @@ class ChatCore:
         for info in await self.rt.agents():
             self.index.record(info.id, info.history)
 
-    async def start(self, req: ChatRequest, agent_id: str | None = None, fork_from: str | None = None,
+    async def start(self, req: ChatRequest, model: str, agent_id: str | None = None, fork_from: str | None = None,
                     route: str = "api") -> ChatTurn:
-        """Start the turn ``req`` asks for, on the agent it names or continues.
+        """Start the turn ``req`` asks for, on ``model``, on the agent it names or continues.
 
         ``agent_id`` (a response id's agent) overrides the request's; with
         ``fork_from`` the turn runs on a new agent forked from that one.
         ``route`` names the API it came by for observers ("anthropic", ...).
         Raises ``RequestError`` before anything runs."""
-        prepared = prepare(req, self.rt.chat_template)
+        prepared = prepare(req, await self._template(model))
         agent_id = agent_id or req.agent_id
         if agent_id is not None:
             checked_agent_id(agent_id, "X-Agent-Id" if agent_id == req.agent_id else "agent")
@@ -180,16 +184,17 @@ class ChatCore:
             agent_id = agent_id or self.index.match(prepared.messages, req.hint) or new_conversation_id(req.hint)
         with self._claimed(agent_id) as release:  # before any await: no other request takes it meanwhile
             agent = await (self._fork(fork_from, agent_id) if fork_from is not None else self._open(agent_id))
-            return await self._run(agent, req, prepared.messages, prepared, release, route,
-                                   lambda: agent.respond(prepared.messages, tools=prepared.tools, **sampling(req)))
+            return await self._run(agent, model, req, prepared.messages, prepared, release, route,
+                                   lambda: agent.respond(prepared.messages, tools=prepared.tools, model=model,
+                                                         **sampling(req)))
 
-    async def send(self, agent: Agent, content: str, *, use_cache: bool, sampling: dict,
+    async def send(self, agent: Agent, content: str, *, model: str, use_cache: bool, sampling: dict,
                    route: str = "agent") -> ChatTurn:
-        """A turn of the agent API: ``content`` is the new user message."""
+        """A turn of the agent API on ``model``: ``content`` is the new user message."""
         prepared = Prepared((), None, None, frozenset())
         with self._claimed(agent.id) as release:
-            return await self._run(agent, None, agent.history, prepared, release, route,
-                                   lambda: agent.send(content, use_cache=use_cache, **sampling))
+            return await self._run(agent, model, None, agent.history, prepared, release, route,
+                                   lambda: agent.send(content, use_cache=use_cache, model=model, **sampling))
 
     @contextmanager
     def _claimed(self, agent_id: str):
@@ -210,22 +215,27 @@ class ChatCore:
             release()
             raise
 
-    async def count_tokens(self, req: ChatRequest) -> int:
-        prepared = prepare(req, self.rt.chat_template)
+    async def count_tokens(self, req: ChatRequest, model: str) -> int:
+        prepared = prepare(req, await self._template(model))
         try:
-            return (await self.rt.prompt(prepared.messages, prepared.tools))[1]
+            return (await self.rt.prompt(prepared.messages, prepared.tools, model=model))[1]
         except SemanticError as e:
             raise turn_error(e) from None
 
-    async def _reasoning(self) -> ReasoningSplitter | None:
-        """A splitter for the loaded model's replies, if it reasons (its template
-        mentions the tags); opened when its generation prompt opens one."""
-        template = self.rt.chat_template
+    async def _template(self, model: str) -> str | None:
+        try:
+            return getattr(await self.rt.tokenizer(model), "chat_template", None)
+        except SemanticError as e:
+            raise turn_error(e) from None
+
+    async def _reasoning(self, model: str) -> ReasoningSplitter | None:
+        """A splitter for ``model``'s replies, if it reasons (its template mentions
+        the tags); opened when its generation prompt opens one."""
+        template = await self._template(model)
         if not template or (OPEN not in template and CLOSE not in template):
             return None
-        model = self.rt.model
         if model not in self._opens_thinking:
-            text, _ = await self.rt.prompt((Message("user", "hi"),))
+            text, _ = await self.rt.prompt((Message("user", "hi"),), model=model)
             self._opens_thinking[model] = text.rstrip().endswith(OPEN)
         return ReasoningSplitter(self._opens_thinking[model])
 
@@ -242,14 +252,15 @@ class ChatCore:
         except SemanticError as e:
             raise turn_error(e) from None
 
-    async def _run(self, agent: Agent, req: ChatRequest | None, messages: tuple[Message, ...], prepared: Prepared,
-                   release: Callable[[], None], route: str, start: Callable[[], Reply]) -> ChatTurn:
+    async def _run(self, agent: Agent, model: str, req: ChatRequest | None, messages: tuple[Message, ...],
+                   prepared: Prepared, release: Callable[[], None], route: str,
+                   start: Callable[[], Reply]) -> ChatTurn:
         try:
-            reasoning = await self._reasoning()
+            reasoning = await self._reasoning(model)
         except SemanticError as e:
             raise turn_error(e) from None
         items = _Releasing(self._items(agent, prepared, reasoning, route, start), release)
-        return ChatTurn(agent.id, self.rt.model or "unknown", req, messages, items, int(time.time()))
+        return ChatTurn(agent.id, model, req, messages, items, int(time.time()))
 
     async def _items(self, agent: Agent, prepared: Prepared, reasoning: ReasoningSplitter | None, route: str,
                      start: Callable[[], Reply]) -> AsyncIterator[StreamItem]:

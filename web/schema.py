@@ -96,7 +96,7 @@ class ChatRequest:
     messages: tuple[dict, ...]
     max_tokens: int
     system: str | None = None
-    model: str | None = None  # as the client named it; the server has one model
+    model: str | None = None  # as the client named it (the server picks a model by it: ``web.app``)
     temperature: float | None = None  # None: not given, the server's default applies
     top_p: float | None = None
     top_k: int | None = None

@@ -82,7 +82,7 @@ def test_tiny_models_run_a_forward_pass(arch):
     spec = ModelCacheSpec.from_model(model)
     assert spec.head_dim == 64
     assert spec.attention_sinks == (arch == "gpt_oss")
-    assert spec.n_sliding == {"gemma3_text": 2, "gpt_oss": 1}.get(arch, 0)
+    assert spec.n_sliding == {"gemma3_text": 2, "gemma3": 2, "gpt_oss": 1}.get(arch, 0)
     assert all(k.kind in (FULL, SLIDING) for k in spec.layers)
     cache = make_prompt_cache(model)
     logits = model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)

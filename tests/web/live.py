@@ -32,7 +32,8 @@ LIMIT = 2048  # the servers' max_tokens limit in these tests
 
 
 @functools.cache
-def tiny_loaded() -> LoadedModel:
+def tiny_loaded(seed: int = 0) -> LoadedModel:
+    """Named "tiny" (seed 0) or "tiny-SEED": other seeds are other models."""
     from mlx_lm.utils import load_tokenizer
 
     from runtime import embedded
@@ -40,11 +41,12 @@ def tiny_loaded() -> LoadedModel:
     path = embedded.prepare(progress=False)
     tokenizer = load_tokenizer(Path(path))
     config = dict(TINY_CONFIGS["llama"], vocab_size=len(tokenizer.get_vocab()), max_position_embeddings=CONTEXT)
-    mx.random.seed(0)
+    mx.random.seed(seed)
     model = build_model(config)
     model.update(tree_map(lambda p: p * 4 if p.ndim == 2 else p, model.parameters()))  # as tests.tiny does
     mx.eval(model.parameters())
-    return LoadedModel("tiny", Path(path), model, tokenizer, config, ModelCacheSpec.from_model(model), mx.float32)
+    name = f"tiny-{seed}" if seed else "tiny"
+    return LoadedModel(name, Path(path), model, tokenizer, config, ModelCacheSpec.from_model(model), mx.float32)
 
 
 @functools.cache

@@ -136,7 +136,8 @@ async def test_the_agent_api_contract(tmp_path):
         r = await http.post("/v1/agents", json={"id": "ada", "system": "You are verbose."})
         assert r.status_code == 409 and r.json()["error"]["type"] == "conflict_error"
         r = await http.post("/v1/agents", json={"id": "bob", "system": None, "model": "other-model"})
-        assert r.status_code == 400 and "this server runs 'tiny'" in r.text
+        assert r.status_code == 404 and r.json()["error"]["message"] == \
+            "model 'other-model' is not served here; available: tiny"
 
         r = await http.post("/v1/agents/ada/messages", json={"content": "Hi!", "max_tokens": 5, "seed": 1})
         assert r.status_code == 200 and r.headers["x-agent-id"] == "ada"
