@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from .batch_cache import copy_cache
+from .batch_cache import copy_cache, trimmable_tokens
 from .block_pool import KVBudget, default_budget
 from .cache_file import FORMAT_VERSION, CacheRecord, CacheStore, HostCache
 from .errors import SemanticError
@@ -51,8 +51,10 @@ class AgentMemory:
         return self.agent_id
 
     @property
-    def trimmable(self) -> bool:
-        return all(c.is_trimmable() for c in self.cache)
+    def trimmable(self) -> int:
+        """Tokens the cache can drop from its end (every full layer can drop all;
+        a sliding layer those it holds beyond its window)."""
+        return trimmable_tokens(self.cache)
 
 
 @dataclass(eq=False)
@@ -263,7 +265,7 @@ class AgentCaches:
             return True
         copy = copy_cache(cache)
         extra = copy[0].offset - len(tokens)
-        if extra and not all(c.is_trimmable() for c in copy):
+        if extra > trimmable_tokens(copy):
             return False
         for c in copy:
             c.trim(extra)
@@ -307,7 +309,7 @@ def open_caches(loaded, root=None, budget_bytes: int | None = None, working_copy
         weights = sum(p.nbytes for _, p in tree_flatten(loaded.model.parameters()))
         memory = mx.device_info().get("max_recommended_working_set_size") or describe()["memory_bytes"]
         budget_bytes = default_budget(loaded.spec, weights, memory, bits=kv_bits, sliding_dtype_bytes=loaded.dtype.size)
-    working = loaded.dtype.size if working_copy or loaded.spec.attention_sinks else 0
+    working = loaded.dtype.size if working_copy or loaded.spec.attends_in_float else 0
     budget = KVBudget(loaded.spec, budget_bytes, bits=kv_bits, sliding_dtype_bytes=loaded.dtype.size,
                       working_dtype_bytes=working)
     store = root if isinstance(root, CacheStore) else CacheStore(root or agents_dir())

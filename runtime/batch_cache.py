@@ -32,7 +32,8 @@ Per-sequence caches:
   (no ``bits``: ``mx.fast.scaled_dot_product_attention``), for the CPU, where
   MLX's quantized matmul is slow, and for attention sinks (GPT-OSS), which the
   quantized SDPA refuses;
-* sliding window: mlx-lm's ``RotatingKVCache`` (full precision, bounded by its window).
+* sliding window: ``WindowKVCache`` (full precision, bounded by its window and
+  ``WINDOW_SPARE`` tokens more, so a diverging turn can trim it as a full layer).
 
 Scales and biases are always 16-bit, so Q4 with group 64 costs 0.5 + 4/64
 bytes an element (0.28 of fp16): float16 when the model computes in float32
@@ -58,17 +59,20 @@ from mlx_lm.models.cache import (
     create_attention_mask,
     make_prompt_cache,
 )
+from mlx_lm.models.base import create_causal_mask
 
-from .model_spec import ModelCacheSpec
+from .model_spec import WINDOW_SPARE, ModelCacheSpec
 
 __all__ = [
     "BatchQuantizedKVCache",
     "DequantizingKVCache",
     "SequenceQuantizedKVCache",
+    "WindowKVCache",
     "attention_view",
     "cache_arrays",
     "copy_cache",
     "make_sequence_cache",
+    "trimmable_tokens",
 ]
 
 Triple = tuple[mx.array, mx.array, mx.array]  # (packed uint32 weights, scales, biases)
@@ -227,6 +231,90 @@ class DequantizingKVCache(_BaseCache):
         return 0 if q.keys is None else q.nbytes
 
 
+class WindowKVCache(_BaseCache):
+    """A sliding-window layer's cache that a turn can cut back.
+
+    Attention sees what mlx-lm's ``RotatingKVCache(window)`` gives it: a chunk
+    of S new tokens attends over the ``window - 1`` tokens before it and
+    itself (the model's window mask does the rest), one token over the last
+    ``window``.  But a ring overwrites what leaves the window, so once it has
+    wrapped nothing can be trimmed, and a turn whose text diverges from the
+    cached one (a re-rendered reply, a stop string cut, an edited message)
+    would start cold.  This one keeps the tokens in order and ``spare`` more
+    than the window: up to ``spare`` tokens can always be trimmed.  Full
+    precision, like mlx-lm's ring.
+    """
+
+    step = 256
+
+    def __init__(self, window: int, spare: int = WINDOW_SPARE):
+        if window < 1 or spare < 0:
+            raise ValueError(f"a window of {window} tokens and {spare} spare cannot hold a sliding layer")
+        self.window, self.spare = window, spare
+        self.keys: Optional[mx.array] = None  # buffer positions [start, live) hold the last tokens, oldest first
+        self.values: Optional[mx.array] = None
+        self.offset = 0  # tokens seen
+        self.start = self.live = 0
+
+    @property
+    def held(self) -> int:
+        return self.live - self.start
+
+    def update_and_fetch(self, keys, values):
+        S, context = keys.shape[2], min(self.held, self.window - 1)
+        if self.keys is None or self.live + S > self.keys.shape[2]:  # a new buffer, without what was dropped
+            held, capacity = self.held, (self.held + S + self.step - 1) // self.step * self.step
+            old = (None, None) if self.keys is None else (self.keys[..., self.start :, :],
+                                                           self.values[..., self.start :, :])
+            self.keys, self.values = (_grown(o, held, capacity, x) for o, x in zip(old, (keys, values)))
+            self.start, self.live = 0, held
+        self.keys[..., self.live : self.live + S, :] = keys
+        self.values[..., self.live : self.live + S, :] = values
+        self.live += S
+        self.offset += S
+        first = self.live - S - context
+        fetched = self.keys[..., first : self.live, :], self.values[..., first : self.live, :]
+        self.start = max(self.start, self.live - (self.window - 1 + self.spare))  # no trim reaches further back
+        return fetched
+
+    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
+        if N == 1:
+            return None  # one token sees exactly the window it is given
+        window_size = window_size or self.window
+        offset = min(self.window - 1, self.offset)
+        if offset + N > window_size or return_array:
+            return create_causal_mask(N, offset, window_size=window_size)
+        return "causal"
+
+    @property
+    def trimmable_tokens(self) -> int:
+        """Tokens ``trim`` can drop: all while none was dropped, else those held beyond the window."""
+        return self.offset if self.held == self.offset else max(0, self.held - (self.window - 1))
+
+    def is_trimmable(self):
+        return self.trimmable_tokens > 0
+
+    def trim(self, n):
+        n = min(n, self.trimmable_tokens)
+        self.live -= n
+        self.offset -= n
+        return n
+
+    def size(self):
+        return min(self.offset, self.window)
+
+    def empty(self):
+        return self.keys is None
+
+    @property
+    def state(self):
+        return self.keys[..., self.start : self.live, :], self.values[..., self.start : self.live, :]
+
+    @property
+    def nbytes(self):
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
 class BatchQuantizedKVCache:
     """One layer's caches of the sequences decoded together in a forward.
 
@@ -256,15 +344,16 @@ class BatchQuantizedKVCache:
 
 def make_sequence_cache(model: nn.Module, bits: int = 4, group_size: int = 64) -> list:
     """Empty single-sequence caches: ``SequenceQuantizedKVCache`` for full layers
-    (``DequantizingKVCache`` if the model has attention sinks), mlx-lm's
-    ``RotatingKVCache`` for sliding layers. Raises ``ValueError`` for other cache kinds."""
-    full = DequantizingKVCache if ModelCacheSpec.from_model(model).attention_sinks else SequenceQuantizedKVCache
+    (``DequantizingKVCache`` if the model has attention sinks, or MLA, whose
+    mlx-lm attention takes no quantized triples), ``WindowKVCache`` for sliding
+    layers. Raises ``ValueError`` for other cache kinds."""
+    full = DequantizingKVCache if ModelCacheSpec.from_model(model).attends_in_float else SequenceQuantizedKVCache
     caches = []
     for c in make_prompt_cache(model):
         if isinstance(c, RotatingKVCache):
             if c.keep:
                 raise ValueError("sliding layers that keep leading tokens cannot be batched")
-            caches.append(c)
+            caches.append(WindowKVCache(c.max_size))
         elif isinstance(c, KVCache):
             caches.append(full(group_size, bits))
         else:
@@ -293,7 +382,18 @@ def attention_view(cache: Sequence, float_attention: bool) -> list:
 
 def cache_arrays(cache: Sequence) -> list:
     """Every array per-layer caches hold: what a step evaluates so graphs never grow."""
-    return [(c.state, c._float) if isinstance(c, DequantizingKVCache) else c.state for c in cache]
+    def arrays(c):
+        if isinstance(c, DequantizingKVCache):
+            return c.state, c._float
+        return (c.keys, c.values) if isinstance(c, WindowKVCache) else c.state
+
+    return [arrays(c) for c in cache]
+
+
+def trimmable_tokens(cache: Sequence) -> int:
+    """Tokens every layer of a sequence's caches can drop from its end."""
+    return min((c.trimmable_tokens if isinstance(c, WindowKVCache) else c.offset if c.is_trimmable() else 0)
+               for c in cache) if cache else 0
 
 
 def copy_cache(cache: Sequence) -> list:

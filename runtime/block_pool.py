@@ -29,7 +29,9 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 from .errors import SemanticError
-from .model_spec import FULL, SLIDING, LayerKind, ModelCacheSpec, kv_bytes_per_token  # LayerKind: docstring example
+from .model_spec import (  # LayerKind: docstring example
+    FULL, SLIDING, WINDOW_SPARE, LayerKind, ModelCacheSpec, kv_bytes_per_token,
+)
 
 WORKING = "working"  # the layer group of running sequences' float working copies
 
@@ -143,15 +145,17 @@ def layer_groups(
         raise ValueError(f"block_tokens must be positive, not {block_tokens}")
     if bits not in (4, 8):
         raise ValueError(f"KV cache bits must be 4 or 8, not {bits}")
-    if group_size not in (32, 64, 128) or spec.head_dim % group_size:
-        raise ValueError(f"KV group size must be 32, 64 or 128 and divide head dim {spec.head_dim}, not {group_size}")
+    widths = {spec.head_dim, spec.v_head_dim or spec.head_dim}
+    if group_size not in (32, 64, 128) or any(w % group_size for w in widths):
+        raise ValueError(f"KV group size must be 32, 64 or 128 and divide head dim {spec.head_dim}"
+                         f"{f' and value dim {spec.v_head_dim}' if spec.v_head_dim else ''}, not {group_size}")
     if sliding_dtype_bytes not in (2, 4):
         raise ValueError(f"sliding_dtype_bytes must be 2 (fp16/bf16) or 4 (float32), not {sliding_dtype_bytes}")
     groups = []
     if spec.n_full:
-        per_token = kv_bytes_per_token(spec.n_kv_heads, spec.head_dim, bits, group_size)
+        per_token = kv_bytes_per_token(spec.n_kv_heads, spec.head_dim, bits, group_size, spec.v_head_dim)
         groups.append(LayerGroup(FULL, FULL, None, spec.n_full, round(per_token * block_tokens * spec.n_full)))
-    per_token = 2 * spec.n_kv_heads * spec.head_dim * sliding_dtype_bytes  # keys + values, unquantized
+    per_token = spec.n_kv_heads * spec.kv_width * sliding_dtype_bytes  # keys + values, unquantized
     for w in sorted({k.window for k in spec.layers if k.kind == SLIDING}):
         n = sum(1 for k in spec.layers if k.kind == SLIDING and k.window == w)
         groups.append(LayerGroup(f"{SLIDING}:{w}", SLIDING, w, n, per_token * block_tokens * n))
@@ -203,15 +207,15 @@ class FullAttentionManager:
 class SlidingWindowManager(FullAttentionManager):
     """A full-attention manager whose owners stop growing at the window.
 
-    A sliding layer's cache is a ring buffer (mlx-lm's ``RotatingKVCache``):
-    the newest token overwrites the oldest, so ``window`` tokens occupy
-    ``ceil(window / block_tokens)`` blocks wherever the window starts (vLLM
-    keeps one block more because its blocks are position-aligned). A prefill
-    chunk briefly overfills the ring; that transient is activation headroom.
+    A sliding layer's cache (``batch_cache.WindowKVCache``) keeps the last
+    ``window + WINDOW_SPARE`` tokens at most, so they occupy that many tokens'
+    blocks wherever the window starts (vLLM keeps one block more because its
+    blocks are position-aligned). A prefill chunk briefly overfills it; that
+    transient is activation headroom.
     """
 
     def blocks_for(self, tokens: int) -> int:
-        return min(_cdiv(tokens, self.block_tokens), _cdiv(self.group.window, self.block_tokens))
+        return min(_cdiv(tokens, self.block_tokens), _cdiv(self.group.window + WINDOW_SPARE, self.block_tokens))
 
 
 class KVBudget:
@@ -233,16 +237,16 @@ class KVBudget:
         >>> kv = KVBudget(ModelCacheSpec("gemma3_text", 48, 4, 256, layers, False), budget_bytes=GiB)
         >>> [(g.name, g.n_layers, g.block_bytes / 2**20) for g in kv.groups]
         [('full', 8, 2.25), ('sliding:512', 40, 40.0)]
-        >>> kv.bytes_for(1000) / 2**20  # 4 full blocks + 2 sliding blocks
-        89.0
-        >>> kv.bytes_for(10_000) / 2**20  # 40 full blocks; the window caps the sliding ones at 2
-        170.0
+        >>> kv.bytes_for(1000) / 2**20  # 4 full blocks + 3 sliding blocks
+        129.0
+        >>> kv.bytes_for(10_000) / 2**20  # 40 full blocks; window + spare (768) cap the sliding ones at 3
+        210.0
         >>> kv.reserve("a", 1000), kv.blocks_of("a")
-        (True, {'full': [0, 1, 2, 3], 'sliding:512': [4, 5]})
+        (True, {'full': [0, 1, 2, 3], 'sliding:512': [4, 5, 6]})
         >>> kv.reserve("a", 1200), kv.blocks_of("a")  # one more full block, no more sliding
-        (True, {'full': [0, 1, 2, 3, 6], 'sliding:512': [4, 5]})
-        >>> sum(kv.reserve(f"b{i}", 1000) for i in range(20))  # 10 more fit: 11 owners in 1 GiB
-        10
+        (True, {'full': [0, 1, 2, 3, 7], 'sliding:512': [4, 5, 6]})
+        >>> sum(kv.reserve(f"b{i}", 1000) for i in range(20))  # 6 more fit: 7 owners in 1 GiB
+        6
         >>> kv.fits(100_000), kv.fits(200_000)  # 200k tokens need 782 full blocks: never fits
         (True, False)
 
@@ -283,7 +287,7 @@ class KVBudget:
         # layers (the CPU; sink models) holds that copy too, while it runs.
         self._working = None
         if working_dtype_bytes and spec.n_full:
-            per_token = 2 * spec.n_kv_heads * spec.head_dim * working_dtype_bytes * spec.n_full
+            per_token = spec.n_kv_heads * spec.kv_width * working_dtype_bytes * spec.n_full
             group = LayerGroup(WORKING, FULL, None, spec.n_full, per_token * block_tokens)
             self._working = FullAttentionManager(group, self.pool, block_tokens)
         self._tokens: dict[Owner, int] = {}  # reservation order = owners() order

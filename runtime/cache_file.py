@@ -3,8 +3,9 @@ of immutable token blocks and a manifest that names them.
 
 Quantized layers keep their Q4/Q8 triples exactly as the engine holds them
 (never dequantized), cut into blocks of ``BLOCK_TOKENS`` tokens; sliding-window
-layers keep mlx-lm's full-precision ring, bounded by the window, in one small
-file written whole each save. The layout is documented in
+layers keep their full-precision tokens (``WindowKVCache``: the window and a
+few hundred more), in one small file written whole each save; an mlx-lm ring
+written before that reads as one. The layout is documented in
 ``docs/cache-format.md``; in short:
 
     <root>/<model key>/<agent id>.kv/manifest.json    names everything below
@@ -45,9 +46,9 @@ from typing import BinaryIO
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import QuantizedKVCache
 
-from .batch_cache import DequantizingKVCache, SequenceQuantizedKVCache
+from .batch_cache import DequantizingKVCache, SequenceQuantizedKVCache, WindowKVCache
 from .errors import SemanticError
 
 __all__ = [
@@ -83,7 +84,8 @@ _MAX_MANIFEST = 64 << 20
 _MAX_TEXT_PIECES = 32  # past this many, a save writes the text as one piece again
 _NAME = re.compile(r"[0-9a-f]{64}\.(block|ring|text)")
 
-QUANTIZED, DEQUANTIZING, ROTATING = "quantized", "dequantizing", "rotating"
+QUANTIZED, DEQUANTIZING, WINDOW = "quantized", "dequantizing", "window"
+ROTATING = "rotating"  # an mlx-lm ring, written before ``WindowKVCache``: read as one
 _PARTS = ("weights", "scales", "biases")
 _QNAMES = tuple(f"{kv}_{p}" for kv in ("k", "v") for p in _PARTS)  # a quantized layer's tensors, in file order
 
@@ -161,7 +163,7 @@ class CacheRecord:
     text: str  # the prompt text those tokens came from
     created: float  # unix time
     updated: float  # unix time
-    cache: list  # per layer: SequenceQuantizedKVCache, DequantizingKVCache or RotatingKVCache
+    cache: list  # per layer: SequenceQuantizedKVCache, DequantizingKVCache or WindowKVCache
     format_version: int = FORMAT_VERSION  # of the files it was loaded from
 
 
@@ -274,16 +276,11 @@ def _describe(record: CacheRecord) -> tuple[list[dict], list[mx.array], list[mx.
                     entry["tensors"][name] = [_dtype_name(i, x), x.shape[1], x.shape[3]]
                     quantized.append(x)
             layers.append(entry)
-        elif isinstance(c, RotatingKVCache):
+        elif isinstance(c, WindowKVCache):
             _check_offset(i, c.offset, n)
-            # Past ``offset`` a ring buffer holds only never-written capacity.
-            live = 0 if c.keys is None else min(c.offset, c.keys.shape[2])
-            if not 0 <= c._idx <= live:
-                raise ValueError(f"layer {i}: ring index {c._idx} outside its {live} live slots")
-            entry = {"kind": ROTATING, "offset": c.offset, "max_size": c.max_size, "keep": c.keep, "idx": c._idx,
-                     "tensors": {}}
-            if live:
-                for name, x in (("k", c.keys[..., :live, :]), ("v", c.values[..., :live, :])):
+            entry = {"kind": WINDOW, "offset": c.offset, "window": c.window, "tensors": {}}
+            if c.held:
+                for name, x in zip("kv", c.state):
                     entry["tensors"][name] = [_dtype_name(i, x), *x.shape[1:]]
                     rings.append(x)
             layers.append(entry)
@@ -471,6 +468,19 @@ def _check_layer(path: Path, i: int, e: dict, n: int) -> None:
             if not (len(w) == len(s) == 3 and w[0] == "U32" and s[0] in _FLOATS and s == b
                     and w[1] == s[1] == tensors["k_weights"][1] and w[2] * 32 // bits == s[2] * group):
                 raise bad(f"{kv} triple {w} {s} {b} does not fit")
+    elif kind == WINDOW:
+        window = e.get("window")
+        if not (type(window) is int and window > 0):
+            raise bad("bad window")
+        if n:
+            k, v = tensors.get("k"), tensors.get("v")
+            if set(tensors) != {"k", "v"} or len(k) != 4 or len(v) != 4 or k[0] not in _FLOATS or v[0] != k[0]:
+                raise bad("missing or bad window tensors")
+            # It holds all n tokens, or at least the window's (window - 1 and the newest).
+            if k[1:3] != v[1:3] or not (k[2] == n or window - 1 <= k[2] <= n):
+                raise bad(f"window shapes {k} {v} do not fit {n} tokens")
+        elif tensors:
+            raise bad("an empty window with tensors")
     elif kind == ROTATING:
         size, keep, idx = e.get("max_size"), e.get("keep"), e.get("idx")
         if not (type(size) is int and size > 0 and type(keep) is int and 0 <= keep < size and type(idx) is int):
@@ -492,12 +502,14 @@ def _check_layer(path: Path, i: int, e: dict, n: int) -> None:
 def _block_layout(layers: list[dict]) -> list[tuple[int, str, str, tuple[int, int]]]:
     """(layer, tensor name, dtype, (heads, width)) of every quantized tensor, in block order."""
     return [(i, name, e["tensors"][name][0], tuple(e["tensors"][name][1:]))
-            for i, e in enumerate(layers) if e["kind"] != ROTATING for name in _QNAMES if name in e["tensors"]]
+            for i, e in enumerate(layers) if e["kind"] in (QUANTIZED, DEQUANTIZING)
+            for name in _QNAMES if name in e["tensors"]]
 
 
 def _ring_layout(layers: list[dict]) -> list[tuple[int, str, str, tuple[int, ...]]]:
     return [(i, name, e["tensors"][name][0], tuple(e["tensors"][name][1:]))
-            for i, e in enumerate(layers) if e["kind"] == ROTATING for name in ("k", "v") if name in e["tensors"]]
+            for i, e in enumerate(layers) if e["kind"] in (WINDOW, ROTATING)
+            for name in ("k", "v") if name in e["tensors"]]
 
 
 def _block_size(layers: list[dict], tokens: int) -> int:
@@ -582,10 +594,13 @@ def _to_mx(x: np.ndarray) -> mx.array:
 
 def _rebuild(i: int, m: dict, arrays: dict[str, mx.array]):
     """One layer's cache object, as the engine would hold it after the same tokens."""
-    if m["kind"] == ROTATING:
-        c = RotatingKVCache(m["max_size"], m["keep"])
+    if m["kind"] in (WINDOW, ROTATING):
+        c = WindowKVCache(m.get("window") or m["max_size"])
         if m["offset"]:
-            c.state = (arrays[f"layer_{i}_k"], arrays[f"layer_{i}_v"], m["offset"], m["keep"], m["max_size"], m["idx"])
+            k, v = arrays[f"layer_{i}_k"], arrays[f"layer_{i}_v"]
+            if m["kind"] == ROTATING:  # unroll the ring: oldest first
+                k, v = (_unrolled(x, m["idx"], m["offset"]) for x in (k, v))
+            c.keys, c.values, c.live, c.offset = k, v, k.shape[2], m["offset"]
         return c
     q = SequenceQuantizedKVCache(m["group_size"], m["bits"])
     if m["offset"]:
@@ -593,6 +608,15 @@ def _rebuild(i: int, m: dict, arrays: dict[str, mx.array]):
         q.values = tuple(arrays[f"layer_{i}_v_{p}"] for p in _PARTS)
         q.offset = m["offset"]
     return DequantizingKVCache(quantized=q) if m["kind"] == DEQUANTIZING else q
+
+
+def _unrolled(ring: mx.array, idx: int, offset: int) -> mx.array:
+    """An mlx-lm ring's tokens in temporal order (its ``_temporal_order``, keep 0)."""
+    if idx == ring.shape[2]:
+        return ring
+    if idx < offset:
+        return mx.concatenate([ring[..., idx:, :], ring[..., :idx, :]], axis=2)
+    return ring[..., :idx, :]
 
 
 def _host(a: mx.array) -> np.ndarray:

@@ -12,6 +12,7 @@ import importlib
 import json
 from dataclasses import asdict, dataclass
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
@@ -21,6 +22,7 @@ __all__ = ["LayerKind", "ModelCacheSpec", "UnsupportedModel", "build_model", "kv
 
 FULL = "full"
 SLIDING = "sliding"
+WINDOW_SPARE = 256  # tokens a sliding layer keeps beyond its window, so a turn can be cut back (``WindowKVCache``)
 
 
 class UnsupportedModel(SemanticError, ValueError):
@@ -33,13 +35,15 @@ class LayerKind:
     window: int | None = None  # tokens kept by a sliding layer
 
 
-def kv_bytes_per_token(n_kv_heads: int, head_dim: int, bits: int | None, group_size: int = 64) -> float:
-    """Bytes one token costs in one layer (keys + values).
+def kv_bytes_per_token(n_kv_heads: int, head_dim: int, bits: int | None, group_size: int = 64,
+                       v_head_dim: int | None = None) -> float:
+    """Bytes one token costs in one layer (keys + values; values ``v_head_dim``
+    wide when it is given).
 
     ``bits=None`` means fp16.  A quantized element costs ``bits / 8`` bytes plus
     an fp16 scale and bias per group.
     """
-    elements = 2 * n_kv_heads * head_dim
+    elements = n_kv_heads * (head_dim + (v_head_dim or head_dim))
     if bits is None:
         return elements * 2.0
     return elements * (bits / 8 + 4 / group_size)
@@ -53,6 +57,7 @@ class ModelCacheSpec:
     head_dim: int
     layers: tuple[LayerKind, ...]
     attention_sinks: bool
+    v_head_dim: int | None = None  # MLA (DeepSeek): the cached values' width; None: as wide as the keys
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "ModelCacheSpec":
@@ -73,14 +78,11 @@ class ModelCacheSpec:
                     "(a recurrent or linear-attention state), which Semantic cannot batch or persist yet"
                 )
         attn = layers[0].self_attn
-        if not hasattr(attn, "k_proj"):
-            raise UnsupportedModel(
-                f"model type {model_type!r} is not supported yet: its attention ({type(attn).__name__}) has no "
-                "k_proj, a compressed latent (MLA) cache, which Semantic cannot quantize or persist yet"
-            )
-        k_out = attn.k_proj.weight.shape[0]
-        n_kv = _n_kv_heads(model, attn)
-        head_dim = k_out // n_kv
+        if hasattr(attn, "k_proj"):
+            n_kv = _n_kv_heads(model, attn)
+            head_dim, v_head_dim = attn.k_proj.weight.shape[0] // n_kv, None
+        else:  # MLA and other layouts: read what the attention writes to its cache
+            n_kv, head_dim, v_head_dim = _cache_write_shape(model_type, layers[0])
         sinks = any("sinks" in layer.self_attn for layer in layers)
         return cls(
             model_type=model_type,
@@ -89,6 +91,7 @@ class ModelCacheSpec:
             head_dim=head_dim,
             layers=tuple(kinds),
             attention_sinks=sinks,
+            v_head_dim=v_head_dim,
         )
 
     @property
@@ -101,17 +104,33 @@ class ModelCacheSpec:
 
     def bytes_per_token(self, bits: int | None = 4, group_size: int = 64) -> float:
         """Bytes a cached token costs across the full-attention layers."""
-        return self.n_full * kv_bytes_per_token(self.n_kv_heads, self.head_dim, bits, group_size)
+        return self.n_full * kv_bytes_per_token(self.n_kv_heads, self.head_dim, bits, group_size, self.v_head_dim)
 
     def sliding_bytes(self, bits: int | None = None, group_size: int = 64) -> float:
-        """Bytes of the sliding-window layers when full (bounded by their windows)."""
-        per = kv_bytes_per_token(self.n_kv_heads, self.head_dim, bits, group_size)
-        return sum(per * k.window for k in self.layers if k.kind == SLIDING)
+        """Bytes of the sliding-window layers when full (bounded by their windows
+        and ``WINDOW_SPARE``)."""
+        per = kv_bytes_per_token(self.n_kv_heads, self.head_dim, bits, group_size, self.v_head_dim)
+        return sum(per * (k.window + WINDOW_SPARE) for k in self.layers if k.kind == SLIDING)
+
+    @property
+    def attends_in_float(self) -> bool:
+        """Its attention reads float keys on every device: mlx-lm's quantized
+        attention takes no sinks (GPT-OSS), and its MLA attention works on the
+        cached arrays themselves (DeepSeek-V3's latent)."""
+        return self.attention_sinks or self.v_head_dim is not None
+
+    @property
+    def kv_width(self) -> int:
+        """Elements of one token in one KV head: its key and its value."""
+        return self.head_dim + (self.v_head_dim or self.head_dim)
 
     @property
     def hash(self) -> str:
         """Stable hash that tags cache files: a cache is only valid for an equal spec."""
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        fields = asdict(self)
+        if fields["v_head_dim"] is None:
+            del fields["v_head_dim"]  # as before it existed: those files stay valid
+        blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def summary(self) -> str:
@@ -120,10 +139,42 @@ class ModelCacheSpec:
             windows = sorted({k.window for k in self.layers if k.kind == SLIDING})
             parts.append(f"{self.n_sliding} sliding({','.join(map(str, windows))})")
         sinks = ", sinks" if self.attention_sinks else ""
+        dims = f"head dim {self.head_dim}" + (f" (values {self.v_head_dim})" if self.v_head_dim else "")
         return (
             f"{self.model_type}: {self.n_layers} layers ({' + '.join(parts)}), "
-            f"{self.n_kv_heads} KV heads, head dim {self.head_dim}{sinks}"
+            f"{self.n_kv_heads} KV heads, {dims}{sinks}"
         )
+
+
+class _ShapeProbe:
+    """A cache that records what an attention module writes to it."""
+
+    offset = 0
+    shapes: tuple = ()
+
+    def update_and_fetch(self, keys, values):
+        self.shapes = keys.shape, values.shape
+        return keys, values
+
+
+def _cache_write_shape(model_type: str, layer: nn.Module) -> tuple[int, int, int]:
+    """(heads, key width, value width) of what ``layer``'s attention caches per
+    token: one token through it, the graph built and never evaluated (MLX is
+    lazy), so no weight is touched. DeepSeek-V2 caches every head's key and
+    value; DeepSeek-V3 one compressed latent (512) and its rope key (64)."""
+    attn = layer.self_attn
+    probe = _ShapeProbe()
+    try:
+        hidden = layer.input_layernorm.weight.shape[0]
+        attn(mx.zeros((1, 1, hidden)), None, probe)
+        (_, heads, _, k_width), (_, v_heads, _, v_width) = probe.shapes
+    except Exception as e:
+        raise UnsupportedModel(f"model type {model_type!r} is not supported yet: cannot tell what its attention "
+                               f"({type(attn).__name__}) caches ({e!r})") from None
+    if heads != v_heads:
+        raise UnsupportedModel(f"model type {model_type!r} is not supported yet: its attention caches keys of "
+                               f"{heads} heads and values of {v_heads}")
+    return heads, k_width, v_width
 
 
 def _n_kv_heads(model: nn.Module, attn: nn.Module) -> int:

@@ -9,7 +9,8 @@ model generated it).  A new prompt is rendered to text by the chat template:
            and tokenize only the new suffix;
 * DIVERGE  they share a prefix: keep the longest run of cached tokens whose
            text is a prefix of the new text, if it is at least ``min_share``
-           of the cache, and tokenize the rest;
+           of the cache and the cache can be cut back that far, and
+           tokenize the rest;
 * COLD     nothing worth keeping: tokenize the whole prompt.
 
 Why text and not token ids: BPE is not compositional, and the chat template
@@ -52,23 +53,25 @@ def plan(
     tokens: list[int] | None = None,
     text: str = "",
     min_share: float = 0.5,
-    trimmable: bool = True,
+    trimmable: int | None = None,
 ) -> PrefixPlan:
     """Decide how a prompt ``new_text`` reuses a cache of ``tokens`` covering ``text``.
 
-    ``trimmable`` says whether the cache can drop tokens from its end (a
-    sliding-window layer that has wrapped cannot); EXACT and DIVERGE need it.
+    ``trimmable``: how many tokens the cache can drop from its end (None: all;
+    a sliding-window layer keeps only a few hundred beyond its window). EXACT
+    drops one, DIVERGE what follows the shared part.
     """
+    trimmable = len(tokens or ()) if trimmable is None else trimmable
     if not tokens:
         return PrefixPlan(COLD, 0, encode(tokenizer, new_text))
     if new_text == text:
-        if trimmable:  # the engine trims one token to get fresh logits
+        if trimmable >= 1:  # the engine trims one token to get fresh logits
             return PrefixPlan(EXACT, len(tokens), list(tokens))
         return PrefixPlan(COLD, 0, encode(tokenizer, new_text))
     if new_text.startswith(text):
         return PrefixPlan(EXTEND, len(tokens), list(tokens) + encode(tokenizer, new_text[len(text):]))
     keep = _tokens_within(tokenizer, tokens, new_text)
-    if trimmable and keep >= max(1, min_share * len(tokens)):
+    if keep >= max(1, min_share * len(tokens), len(tokens) - trimmable):
         kept_text = tokenizer.decode(tokens[:keep])
         return PrefixPlan(DIVERGE, keep, list(tokens[:keep]) + encode(tokenizer, new_text[len(kept_text):]))
     return PrefixPlan(COLD, 0, encode(tokenizer, new_text))

@@ -43,6 +43,21 @@ TINY_CONFIGS: dict[str, dict] = {
             rms_norm_eps=1e-6, vocab_size=VOCAB, sliding_window=16, sliding_window_pattern=2,
         ),
     ),
+    "deepseek_v2": dict(  # MLA as mlx-lm caches it: every head's key (nope + rope) and value
+        model_type="deepseek_v2", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+        moe_intermediate_size=64, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=None,
+        qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, vocab_size=VOCAB, max_position_embeddings=2048,
+        rope_scaling={"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 2048, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.0},
+    ),
+    "deepseek_v3": dict(  # MLA with a latent cache: one compressed latent (128 here) and its rope key
+        model_type="deepseek_v3", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+        moe_intermediate_size=64, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=128, q_lora_rank=None,
+        qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, vocab_size=VOCAB, max_position_embeddings=2048,
+        topk_method="noaux_tc", n_group=1, topk_group=1,
+    ),
     "gpt_oss": dict(
         model_type="gpt_oss", hidden_size=128, num_hidden_layers=2, intermediate_size=128,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=4,

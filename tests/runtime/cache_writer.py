@@ -18,16 +18,14 @@ import functools
 import sys
 
 import mlx.core as mx
-from mlx_lm.models.cache import RotatingKVCache
-
-from runtime.batch_cache import SequenceQuantizedKVCache
+from runtime.batch_cache import SequenceQuantizedKVCache, WindowKVCache
 from runtime.cache_file import CacheRecord, CacheStore
 
 AGENTS = ("a0", "a1", "a2", "a3")
 TOKENS = (16, 500, 1500, 3000)  # per agent, first version; later ones append blocks, then trim back
 GROWTH = 300  # tokens a version adds to its agent's previous one (every fourth trims back to TOKENS)
 MODEL_ID, SPEC = "crash/model", "crashspec"
-H, D, FULL, WINDOW = 2, 64, 3, 32
+H, D, FULL, WINDOW, SPARE = 2, 64, 3, 32, 8  # a small window layer: the blocks dominate what a save writes
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,12 +41,12 @@ def keys_and_values(agent: int) -> tuple:
 
 
 def layers(agent: int, n: int, kv=None) -> list:
-    """FULL Q4 layers then one sliding ring, holding the first ``n`` tokens of ``kv``
+    """FULL Q4 layers then one sliding-window layer, holding the first ``n`` tokens of ``kv``
     (the agent's own by default)."""
     caches = []
     for i, x in enumerate(kv or keys_and_values(agent)):
-        c = SequenceQuantizedKVCache(64, 4) if i < FULL else RotatingKVCache(WINDOW)
-        step = n if i < FULL else WINDOW  # a ring fed a window at a time stays under two windows
+        c = SequenceQuantizedKVCache(64, 4) if i < FULL else WindowKVCache(WINDOW, spare=SPARE)
+        step = n if i < FULL else WINDOW  # a window layer fed a window at a time
         for lo in range(0, n, step):
             c.update_and_fetch(x[0][..., lo : min(n, lo + step), :], x[1][..., lo : min(n, lo + step), :])
         mx.eval(c.state)

@@ -16,6 +16,7 @@ from runtime.batch_cache import (
     BatchQuantizedKVCache,
     DequantizingKVCache,
     SequenceQuantizedKVCache,
+    WindowKVCache,
     _quantize,
     _quantize_unpack,
     _unpack,
@@ -242,14 +243,14 @@ def test_nbytes_against_fp16():
 def test_cache_kinds_per_architecture():
     llama, gemma, oss = (tiny_model(a) for a in ("llama", "gemma3_text", "gpt_oss"))
     assert all(type(c) is SequenceQuantizedKVCache for c in make_sequence_cache(llama))
-    assert [type(c) for c in make_sequence_cache(gemma)] == [RotatingKVCache, SequenceQuantizedKVCache] * 2
-    assert [type(c) for c in make_sequence_cache(oss)] == [RotatingKVCache, DequantizingKVCache]
+    assert [type(c) for c in make_sequence_cache(gemma)] == [WindowKVCache, SequenceQuantizedKVCache] * 2
+    assert [type(c) for c in make_sequence_cache(oss)] == [WindowKVCache, DequantizingKVCache]
     # The views: float copies on the CPU path; sinks always; sliding layers as they are.
     assert [type(c) for c in attention_view(make_sequence_cache(gemma), False)] == [
-        RotatingKVCache, SequenceQuantizedKVCache] * 2
+        WindowKVCache, SequenceQuantizedKVCache] * 2
     assert [type(c) for c in attention_view(make_sequence_cache(gemma), True)] == [
-        RotatingKVCache, DequantizingKVCache] * 2
-    assert [type(c) for c in attention_view(make_sequence_cache(oss), False)] == [RotatingKVCache, DequantizingKVCache]
+        WindowKVCache, DequantizingKVCache] * 2
+    assert [type(c) for c in attention_view(make_sequence_cache(oss), False)] == [WindowKVCache, DequantizingKVCache]
     assert not hasattr(DequantizingKVCache(), "bits") and SequenceQuantizedKVCache().bits == 4
     # Why the dequantizing kind exists: mlx-lm refuses sinks with a quantized cache.
     with pytest.raises(ValueError, match="sinks"):

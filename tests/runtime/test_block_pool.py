@@ -100,7 +100,7 @@ def test_bytes_per_block_gpt_oss_20b():
     assert (full.name, full.n_layers, full.block_bytes) == ("full", 12, 256 * 12 * 2 * 8 * 64 * Q4)
     assert (sliding.name, sliding.n_layers, sliding.block_bytes) == ("sliding:128", 12, 256 * 12 * 2 * 8 * 64 * 2)
     kv = KVBudget(GPT_OSS, GiB)
-    assert kv.bytes_for(10_000) == 40 * full.block_bytes + 1 * sliding.block_bytes  # window 128 < one block
+    assert kv.bytes_for(10_000) == 40 * full.block_bytes + 2 * sliding.block_bytes  # window 128 + 256 spare
 
 
 def test_bad_cache_settings_are_refused_when_built():
@@ -119,17 +119,17 @@ def test_bad_cache_settings_are_refused_when_built():
 # -- managers under KVBudget
 
 
-def test_sliding_group_stops_at_the_window():
+def test_sliding_group_stops_at_the_window_and_its_spare():
     kv = KVBudget(GEMMA, GiB)
     assert kv.reserve("a", 1)
     assert kv.blocks_of("a") == {"full": [0], "sliding:512": [1]}
     assert kv.reserve("a", 300)
     assert kv.blocks_of("a") == {"full": [0, 2], "sliding:512": [1, 3]}
-    assert kv.reserve("a", 600)  # 3 blocks of context, but the window needs only 2
-    assert kv.blocks_of("a") == {"full": [0, 2, 4], "sliding:512": [1, 3]}
-    assert kv.reserve("a", 5000)
-    assert kv.blocks_of("a") == {"full": [0, 2, 4, *range(5, 22)], "sliding:512": [1, 3]}
-    assert kv.bytes_of("a") == 20 * GEMMA_FULL + 2 * GEMMA_SLIDING
+    assert kv.reserve("a", 600)
+    assert kv.blocks_of("a") == {"full": [0, 2, 4], "sliding:512": [1, 3, 5]}
+    assert kv.reserve("a", 5000)  # 20 blocks of context; the window and 256 spare tokens need 3
+    assert kv.blocks_of("a") == {"full": [0, 2, 4, *range(6, 23)], "sliding:512": [1, 3, 5]}
+    assert kv.bytes_of("a") == 20 * GEMMA_FULL + 3 * GEMMA_SLIDING
     assert kv.bytes_for(10**5) - kv.bytes_for(10**4) == (391 - 40) * GEMMA_FULL  # only full layers grow
 
 
@@ -171,19 +171,19 @@ def test_a_running_owner_also_holds_its_float_working_copy():
 
 
 def test_budget_for_exactly_three_owners_refuses_a_fourth():
-    n = 1000  # 4 full + 2 sliding blocks each
-    kv = KVBudget(GEMMA, 3 * (4 * GEMMA_FULL + 2 * GEMMA_SLIDING))
-    assert kv.bytes_for(n) == 4 * GEMMA_FULL + 2 * GEMMA_SLIDING
+    n = 1000  # 4 full + 3 sliding blocks each
+    kv = KVBudget(GEMMA, 3 * (4 * GEMMA_FULL + 3 * GEMMA_SLIDING))
+    assert kv.bytes_for(n) == 4 * GEMMA_FULL + 3 * GEMMA_SLIDING
     assert all(kv.reserve(o, n) for o in "abc")
-    assert kv.blocks_of("c") == {"full": [12, 13, 14, 15], "sliding:512": [16, 17]}
+    assert kv.blocks_of("c") == {"full": [14, 15, 16, 17], "sliding:512": [18, 19, 20]}
     assert kv.free_bytes == 0
     assert not kv.reserve("d", n)
     assert kv.reserve("a", 1024)  # within its 4 blocks: no bytes needed
     assert not kv.reserve("a", 1025)  # a 5th block is refused the same way
-    assert ("d" not in kv, kv.tokens_of("a"), kv.pool.num_used) == (True, 1024, 18)  # refusals took nothing
+    assert ("d" not in kv, kv.tokens_of("a"), kv.pool.num_used) == (True, 1024, 21)  # refusals took nothing
     kv.release("b")  # the caller demotes someone and retries
     assert kv.reserve("d", n)
-    assert kv.blocks_of("d") == {"full": [6, 7, 8, 9], "sliding:512": [10, 11]}
+    assert kv.blocks_of("d") == {"full": [7, 8, 9, 10], "sliding:512": [11, 12, 13]}
     assert kv.owners() == ["a", "c", "d"]
 
 
@@ -195,9 +195,9 @@ def test_growth_that_fits_one_group_but_not_the_other_takes_nothing():
 
 
 def test_fits_is_about_an_empty_budget():
-    budget = 3 * (4 * GEMMA_FULL + 2 * GEMMA_SLIDING)
+    budget = 3 * (4 * GEMMA_FULL + 3 * GEMMA_SLIDING)
     kv = KVBudget(GEMMA, budget)
-    most = (budget - 2 * GEMMA_SLIDING) // GEMMA_FULL  # full blocks left beside a full window
+    most = (budget - 3 * GEMMA_SLIDING) // GEMMA_FULL  # full blocks left beside a full window and its spare
     assert kv.fits(most * 256) and not kv.fits(most * 256 + 1)
     assert all(kv.reserve(o, 1000) for o in "abc")
     assert kv.fits(1000) and not kv.reserve("d", 1000)  # fits after demotions, not now

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache  # RotatingKVCache: files written before WindowKVCache
 
 from runtime import cache_file
-from runtime.batch_cache import DequantizingKVCache, attention_view, copy_cache
+from runtime.batch_cache import DequantizingKVCache, WindowKVCache, attention_view, copy_cache
 from runtime.cache_file import (
     BLOCK_TOKENS,
     MANIFEST,
@@ -47,7 +47,7 @@ from tests.runtime import cache_writer as writer
 from tests.runtime.test_engine import ByteTokenizer, drain, prompts
 from tests.tiny import tiny_model
 
-ARCHS = ["llama", "qwen2", "gemma3_text", "gpt_oss"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "gemma3", "gpt_oss", "deepseek_v2", "deepseek_v3"]
 REPO = Path(__file__).resolve().parents[2]
 V1_FILE = Path(__file__).parent / "data" / "v1-alice.safetensors"  # written by version 1: writer.record(0) as alice
 
@@ -60,16 +60,15 @@ def _arrays(c) -> list[mx.array]:
     """The live arrays of one layer's cache: what must survive a round trip bit for bit."""
     if (q := _quantized(c)) is not None:
         return [x[..., : q.offset, :] for x in (*q.keys, *q.values)] if q.offset else []
-    live = min(c.offset, c.keys.shape[2])
-    return [c.keys[..., :live, :], c.values[..., :live, :]]
+    return list(c.state) if c.held else []
 
 
 def assert_same_cache(saved: list, loaded: list) -> None:
     assert [type(c) for c in loaded] == [type(c) for c in saved]
     for a, b in zip(saved, loaded):
         assert a.offset == b.offset
-        if isinstance(a, RotatingKVCache):
-            assert (a._idx, a.max_size, a.keep) == (b._idx, b.max_size, b.keep)
+        if isinstance(a, WindowKVCache):
+            assert (a.window, a.held) == (b.window, b.held)
         for x, y in zip(_arrays(a), _arrays(b), strict=True):
             assert x.dtype == y.dtype and x.shape == y.shape and mx.array_equal(x, y).item()
 
@@ -97,16 +96,16 @@ def test_round_trip_is_bit_identical_and_continues_the_same(arch, tmp_path):
     model, tok = tiny_model(arch), ByteTokenizer()
     spec = ModelCacheSpec.from_model(model).hash
     prompt = prompts(1, seed=5)[0]  # 41 tokens: the 16-token windows have wrapped
-    prefilled = finished(model, tok, prompt, 1)  # one chunk: a ring holds more than its window
-    decoded = finished(model, tok, prompt, 6)  # extracted from the decode batch, ring unrolled
+    prefilled = finished(model, tok, prompt, 1)  # one chunk
+    decoded = finished(model, tok, prompt, 6)  # extracted from the decode batch
     stepped = copy_cache(prefilled[0])
-    for t in (11, 12, 13):  # single tokens rotate a ring in place: its index lands mid-buffer
+    for t in (11, 12, 13):  # single tokens, past the window
         model(mx.array([[t]]), cache=attention_view(stepped, True))
     mx.eval([c.state for c in stepped])
     cases = {"prefilled": prefilled, "decoded": decoded, "stepped": (stepped, prefilled[1] + [11, 12, 13])}
-    if arch in ("gemma3_text", "gpt_oss"):
-        rings = [c for c in stepped if isinstance(c, RotatingKVCache)]
-        assert rings and all(c.offset > c.max_size and 0 < c._idx < c.max_size for c in rings)
+    if ModelCacheSpec.from_model(model).n_sliding:
+        windows = [c for c in stepped if isinstance(c, WindowKVCache)]
+        assert windows and all(c.offset > c.window for c in windows)
     for name, (cache, tokens) in cases.items():
         rec = CacheRecord("agent-1", f"tiny/{arch}", spec, tokens, tok.decode(tokens), 10.5, 20.25, cache)
         back = round_trip(tmp_path / name, rec)

@@ -42,10 +42,39 @@ SMOLLM2_135M = dict(
     max_position_embeddings=8192, rope_theta=100000, tie_word_embeddings=True,
 )
 
+DEEPSEEK_V2_LITE = dict(
+    model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+    moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+    n_shared_experts=2, n_routed_experts=64, routed_scaling_factor=1.0, kv_lora_rank=512, q_lora_rank=None,
+    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="greedy", n_group=1, topk_group=1,
+    num_experts_per_tok=6, moe_layer_freq=1, first_k_dense_replace=1, max_position_embeddings=163840,
+    rms_norm_eps=1e-6, rope_theta=10000.0, attention_bias=False,
+    rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                  "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+)
+DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+    n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8, topk_group=4,
+    num_experts_per_tok=8, moe_layer_freq=1, first_k_dense_replace=3, max_position_embeddings=163840,
+    rms_norm_eps=1e-6, rope_theta=10000.0,
+)
+QWEN3_NEXT_80B = dict(
+    model_type="qwen3_next", hidden_size=2048, num_hidden_layers=48, intermediate_size=5120,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_value_heads=32,
+    linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    num_experts=512, num_experts_per_tok=10, decoder_sparse_step=1, shared_expert_intermediate_size=512,
+    mlp_only_layers=[], moe_intermediate_size=512, rms_norm_eps=1e-6, vocab_size=151936, full_attention_interval=4,
+    rope_theta=10_000_000, partial_rotary_factor=0.25, max_position_embeddings=262144,
+)
+
 CASES = {
     # name: (config, layers, full, sliding, window, kv heads, head dim, sinks)
     "gemma3-12b": (GEMMA3_12B, 48, 8, 40, 512, 4, 256, False),
     "gemma3-12b-hf": (dict(GEMMA3_12B, num_key_value_heads=8, sliding_window=1024), 48, 8, 40, 1024, 8, 256, False),
+    "gemma3-12b-published": (dict(model_type="gemma3", vocab_size=262208, text_config=dict(
+        GEMMA3_12B, num_key_value_heads=8, sliding_window=1024)), 48, 8, 40, 1024, 8, 256, False),
     "gpt-oss-20b": (GPT_OSS_20B, 24, 12, 12, 128, 8, 64, True),
     "qwen2.5-14b": (QWEN25_14B, 48, 48, 0, None, 8, 128, False),
     "llama3.1-8b": (LLAMA31_8B, 32, 32, 0, None, 8, 128, False),
@@ -80,8 +109,9 @@ def test_spec_hash_is_stable_and_distinguishing():
 def test_tiny_models_run_a_forward_pass(arch):
     model = tiny_model(arch)
     spec = ModelCacheSpec.from_model(model)
-    assert spec.head_dim == 64
-    assert spec.attention_sinks == (arch == "gpt_oss")
+    mla = arch.startswith("deepseek")  # keys: nope + rope (V2) or the latent (V3); values 64
+    assert (spec.head_dim, spec.v_head_dim) == ((128, 64) if mla else (64, None))
+    assert spec.attention_sinks == (arch == "gpt_oss") and spec.attends_in_float == (mla or arch == "gpt_oss")
     assert spec.n_sliding == {"gemma3_text": 2, "gemma3": 2, "gpt_oss": 1}.get(arch, 0)
     assert all(k.kind in (FULL, SLIDING) for k in spec.layers)
     cache = make_prompt_cache(model)
@@ -90,3 +120,30 @@ def test_tiny_models_run_a_forward_pass(arch):
     assert bool(mx.isfinite(logits).all())
     # One decode step continues from the cache.
     assert model(mx.array([[6]]), cache=cache).shape == (1, 1, TINY_CONFIGS[arch]["vocab_size"])
+
+
+@pytest.mark.parametrize("config, kv_heads, keys, values", [
+    (DEEPSEEK_V2_LITE, 16, 128 + 64, 128),  # every head's key (nope + rope) and value
+    (DEEPSEEK_V3, 1, 512, 64),  # one compressed latent and its rope key
+])
+def test_spec_of_mla_configs(config, kv_heads, keys, values):
+    """MLA as mlx-lm caches it, read off what the attention writes to its cache
+    (built without weights): bytes per token and no fixed bytes per agent."""
+    before = mx.get_active_memory()
+    spec = ModelCacheSpec.from_model(build_model(config))
+    assert mx.get_active_memory() - before < 1 << 20, "building the spec must not allocate weights"
+    layers = config["num_hidden_layers"]
+    assert (spec.n_layers, spec.n_full, spec.n_sliding, spec.n_kv_heads) == (layers, layers, 0, kv_heads)
+    assert (spec.head_dim, spec.v_head_dim, spec.attends_in_float) == (keys, values, True)
+    fp16 = layers * kv_heads * (keys + values) * 2
+    assert spec.bytes_per_token(None) == fp16 and spec.sliding_bytes() == 0
+    assert spec.bytes_per_token(4) == pytest.approx(fp16 * (0.5 + 4 / 64) / 2)
+    print(f"\n{spec.summary()}: {spec.bytes_per_token(4) / 1024:.1f} KiB a token in Q4 "
+          f"({fp16 / 1024:.1f} KiB fp16), 0 bytes fixed per agent")
+
+
+def test_a_hybrid_model_is_refused_naming_its_recurrent_layers():
+    from runtime.model_spec import UnsupportedModel
+
+    with pytest.raises(UnsupportedModel, match="'qwen3_next' is not supported yet: layer 0 keeps a ArraysCache"):
+        ModelCacheSpec.from_model(build_model(QWEN3_NEXT_80B))

@@ -22,7 +22,7 @@ def test_exact(tok):
     ids = encode(tok, "same text")
     p = plan(tok, "same text", ids, "same text")
     assert (p.kind, p.keep, p.prompt) == (EXACT, len(ids), ids)
-    assert plan(tok, "same text", ids, "same text", trimmable=False).kind == COLD
+    assert plan(tok, "same text", ids, "same text", trimmable=0).kind == COLD
 
 
 def test_extend_keeps_the_ids_the_model_generated(tok):
