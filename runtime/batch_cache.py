@@ -33,7 +33,9 @@ Per-sequence caches:
   MLX's quantized matmul is slow, and for attention sinks (GPT-OSS), which the
   quantized SDPA refuses;
 * sliding window: ``WindowKVCache`` (full precision, bounded by its window and
-  ``WINDOW_SPARE`` tokens more, so a diverging turn can trim it as a full layer).
+  ``WINDOW_SPARE`` tokens more, so a diverging turn can trim it as a full layer);
+* recurrent (linear attention): ``StateCache``, a fixed-size state that the
+  layer itself runs once per sequence (``runtime.rowwise``).
 
 Scales and biases are always 16-bit, so Q4 with group 64 costs 0.5 + 4/64
 bytes an element (0.28 of fp16): float16 when the model computes in float32
@@ -52,6 +54,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 from mlx_lm.models.cache import (
+    ArraysCache,
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
@@ -61,17 +64,21 @@ from mlx_lm.models.cache import (
 )
 from mlx_lm.models.base import create_causal_mask
 
+from .model_spec import STATE_CHECKPOINTS as CHECKPOINTS  # the turn's start and its prompt's end
 from .model_spec import WINDOW_SPARE, ModelCacheSpec
 
 __all__ = [
     "BatchQuantizedKVCache",
     "DequantizingKVCache",
     "SequenceQuantizedKVCache",
+    "StateCache",
     "WindowKVCache",
     "attention_view",
     "cache_arrays",
+    "checkpoints",
     "copy_cache",
     "make_sequence_cache",
+    "rewind",
     "trimmable_tokens",
 ]
 
@@ -315,6 +322,63 @@ class WindowKVCache(_BaseCache):
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
+class StateCache(ArraysCache):
+    """A recurrent layer's state (linear attention: Qwen3-Next's and Qwen3.5's
+    Gated DeltaNet) for one sequence: mlx-lm's ``ArraysCache``, counting the
+    tokens it has seen (the layer calls ``advance``). A fixed size whatever the
+    context, full precision.
+
+    A state cannot be cut back, so it keeps checkpoints instead: the engine
+    ``mark``s it when a turn starts (the cached conversation so far) and when
+    the turn's prompt is in (before the reply); the last ``CHECKPOINTS`` are
+    kept. A turn that diverges from the cached text goes back (``rewind``) to
+    the latest checkpoint at or before the divergence -- the reply re-rendered
+    differently, the last message edited -- instead of starting cold. The
+    arrays are values: a checkpoint holds references, no copy."""
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.offset = 0
+        self.checkpoints: list[tuple[int, list]] = []  # (tokens seen, the state then), oldest first
+
+    def advance(self, N):
+        super().advance(N)
+        self.offset += N
+
+    def mark(self) -> None:
+        if self.offset and (not self.checkpoints or self.checkpoints[-1][0] != self.offset):
+            self.checkpoints = [*self.checkpoints, (self.offset, list(self.cache))][-CHECKPOINTS:]
+
+    def rewind(self, tokens: int) -> None:
+        """Go back to the checkpoint at ``tokens`` (or stay, if already there)."""
+        if self.offset == tokens:
+            return
+        state = dict(self.checkpoints).get(tokens)
+        if state is None:
+            raise ValueError(f"no checkpoint at {tokens} tokens to go back to")
+        self.offset, self.cache = tokens, list(state)
+        self.checkpoints = [c for c in self.checkpoints if c[0] <= tokens]
+
+    def make_mask(self, N: int, **kwargs):
+        return None  # one sequence, no padding: nothing to mask
+
+    def is_trimmable(self):
+        return False
+
+    def trim(self, n):
+        return 0
+
+    @property
+    def arrays(self) -> list:
+        """The state's arrays, and its checkpoints'."""
+        held = [*self.cache, *(x for _, state in self.checkpoints for x in state)]
+        return [x for x in held if x is not None]
+
+    @property
+    def nbytes(self):
+        return sum(x.nbytes for x in {id(x): x for x in self.arrays}.values())
+
+
 class BatchQuantizedKVCache:
     """One layer's caches of the sequences decoded together in a forward.
 
@@ -346,7 +410,7 @@ def make_sequence_cache(model: nn.Module, bits: int = 4, group_size: int = 64) -
     """Empty single-sequence caches: ``SequenceQuantizedKVCache`` for full layers
     (``DequantizingKVCache`` if the model has attention sinks, or MLA, whose
     mlx-lm attention takes no quantized triples), ``WindowKVCache`` for sliding
-    layers. Raises ``ValueError`` for other cache kinds."""
+    layers, ``StateCache`` for recurrent ones. Raises ``ValueError`` for other cache kinds."""
     full = DequantizingKVCache if ModelCacheSpec.from_model(model).attends_in_float else SequenceQuantizedKVCache
     caches = []
     for c in make_prompt_cache(model):
@@ -354,6 +418,8 @@ def make_sequence_cache(model: nn.Module, bits: int = 4, group_size: int = 64) -
             if c.keep:
                 raise ValueError("sliding layers that keep leading tokens cannot be batched")
             caches.append(WindowKVCache(c.max_size))
+        elif type(c) is ArraysCache:
+            caches.append(StateCache(len(c.cache)))
         elif isinstance(c, KVCache):
             caches.append(full(group_size, bits))
         else:
@@ -385,6 +451,8 @@ def cache_arrays(cache: Sequence) -> list:
     def arrays(c):
         if isinstance(c, DequantizingKVCache):
             return c.state, c._float
+        if isinstance(c, StateCache):
+            return c.arrays
         return (c.keys, c.values) if isinstance(c, WindowKVCache) else c.state
 
     return [arrays(c) for c in cache]
@@ -396,6 +464,30 @@ def trimmable_tokens(cache: Sequence) -> int:
                for c in cache) if cache else 0
 
 
+def checkpoints(cache: Sequence) -> list[int]:
+    """Where a sequence's caches can go back to besides trimming: the recurrent
+    layers' checkpoints that every other layer can be cut back to."""
+    states = [c for c in cache if isinstance(c, StateCache)]
+    if not states:
+        return []
+    common = set.intersection(*({at for at, _ in c.checkpoints} for c in states))
+    others = [c for c in cache if not isinstance(c, StateCache)]
+    reach = others[0].offset - trimmable_tokens(others) if others else 0
+    return sorted(at for at in common if at >= reach)
+
+
+def rewind(cache: Sequence, tokens: int) -> None:
+    """Cut a sequence's caches back to their first ``tokens`` tokens: trim, or
+    go back to the recurrent layers' checkpoint there (``checkpoints``)."""
+    for c in cache:
+        if isinstance(c, StateCache):
+            c.rewind(tokens)
+            continue
+        c.trim(c.offset - tokens)
+        if c.offset != tokens:
+            raise ValueError(f"a {type(c).__name__} cannot be cut back to {tokens} tokens")
+
+
 def copy_cache(cache: Sequence) -> list:
     """An independent copy of per-sequence caches, cheap: MLX arrays are values,
     so fresh array objects share the data until either side writes."""
@@ -405,7 +497,7 @@ def copy_cache(cache: Sequence) -> list:
         for name, value in vars(c).items():
             if isinstance(value, _BaseCache):
                 setattr(c, name, fresh(value))
-            elif isinstance(value, (mx.array, tuple)):
+            elif isinstance(value, (mx.array, tuple, list)):
                 setattr(c, name, tree_map(lambda x: x[...] if isinstance(x, mx.array) else x, value))
         return c
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from .errors import SemanticError
 from .model_spec import (  # LayerKind: docstring example
-    FULL, SLIDING, WINDOW_SPARE, LayerKind, ModelCacheSpec, kv_bytes_per_token,
+    FULL, RECURRENT, SLIDING, STATE_CHECKPOINTS, WINDOW_SPARE, LayerKind, ModelCacheSpec, kv_bytes_per_token,
 )
 
 WORKING = "working"  # the layer group of running sequences' float working copies
@@ -42,6 +42,7 @@ __all__ = [
     "KVBudget",
     "LayerGroup",
     "SlidingWindowManager",
+    "StateManager",
     "default_budget",
     "layer_groups",
 ]
@@ -117,11 +118,11 @@ class BlockPool:
 
 @dataclass(frozen=True)
 class LayerGroup:
-    name: str  # "full" or "sliding:<window>"
-    kind: str  # FULL or SLIDING
+    name: str  # "full", "sliding:<window>" or "recurrent"
+    kind: str  # FULL, SLIDING or RECURRENT
     window: int | None  # tokens a sliding layer keeps
     n_layers: int
-    block_bytes: int  # one block: block_tokens tokens x n_layers layers, keys + values
+    block_bytes: int  # one block: block_tokens tokens x n_layers layers, keys + values (recurrent: the whole state)
 
 
 def layer_groups(
@@ -133,12 +134,13 @@ def layer_groups(
     sliding_dtype_bytes: int = 2,
 ) -> tuple[LayerGroup, ...]:
     """The layer groups of ``spec``: "full" first, then one sliding group per
-    window, smallest window first.
+    window, smallest window first, then "recurrent".
 
     Full layers store ``bits``-bit K/V with 16-bit scales and biases per
     ``group_size`` elements (as ``batch_cache.py`` does); sliding layers store
     ``sliding_dtype_bytes`` per element (2 for fp16/bf16 on Metal, 4 for
-    float32 on CPU), since their window already bounds them.
+    float32 on CPU), since their window already bounds them, and so do
+    recurrent states.
     Raises ``ValueError`` for settings the quantized cache cannot use.
     """
     if block_tokens < 1:
@@ -159,6 +161,8 @@ def layer_groups(
     for w in sorted({k.window for k in spec.layers if k.kind == SLIDING}):
         n = sum(1 for k in spec.layers if k.kind == SLIDING and k.window == w)
         groups.append(LayerGroup(f"{SLIDING}:{w}", SLIDING, w, n, per_token * block_tokens * n))
+    if spec.n_recurrent:  # one "block" is a sequence's whole state, whatever its length
+        groups.append(LayerGroup(RECURRENT, RECURRENT, None, spec.n_recurrent, spec.state_bytes(sliding_dtype_bytes)))
     assert groups, "a ModelCacheSpec with no layers: from_model should have refused the model"
     return tuple(groups)
 
@@ -216,6 +220,15 @@ class SlidingWindowManager(FullAttentionManager):
 
     def blocks_for(self, tokens: int) -> int:
         return min(_cdiv(tokens, self.block_tokens), _cdiv(self.group.window + WINDOW_SPARE, self.block_tokens))
+
+
+class StateManager(FullAttentionManager):
+    """Recurrent layers: an owner's state is one block of fixed size, and each
+    of its checkpoints another (``batch_cache.StateCache``), held from its
+    first token on, however long it grows."""
+
+    def blocks_for(self, tokens: int) -> int:
+        return (1 + STATE_CHECKPOINTS) * min(tokens, 1)
 
 
 class KVBudget:
@@ -279,10 +292,8 @@ class KVBudget:
             )
         # Enough ids for the budget filled with the smallest block; bytes bind first.
         self.pool = BlockPool(budget_bytes // min(g.block_bytes for g in self.groups))
-        self._managers = [
-            (SlidingWindowManager if g.kind == SLIDING else FullAttentionManager)(g, self.pool, block_tokens)
-            for g in self.groups
-        ]
+        managers = {SLIDING: SlidingWindowManager, RECURRENT: StateManager}
+        self._managers = [managers.get(g.kind, FullAttentionManager)(g, self.pool, block_tokens) for g in self.groups]
         # A running sequence that attends through a float working copy of its full
         # layers (the CPU; sink models) holds that copy too, while it runs.
         self._working = None

@@ -10,7 +10,7 @@ written before that reads as one. The layout is documented in
 
     <root>/<model key>/<agent id>.kv/manifest.json    names everything below
     <root>/<model key>/<agent id>.kv/<sha256>.block   token ids + every layer's triples for 256 tokens
-    <root>/<model key>/<agent id>.kv/<sha256>.ring    the sliding-window layers, whole
+    <root>/<model key>/<agent id>.kv/<sha256>.ring    the sliding-window and recurrent layers, whole
     <root>/<model key>/<agent id>.kv/<sha256>.text    a piece of the prompt text
 
 A file is named by the sha256 of its bytes, so it never changes once written:
@@ -48,7 +48,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import QuantizedKVCache
 
-from .batch_cache import DequantizingKVCache, SequenceQuantizedKVCache, WindowKVCache
+from .batch_cache import DequantizingKVCache, SequenceQuantizedKVCache, StateCache, WindowKVCache
 from .errors import SemanticError
 
 __all__ = [
@@ -84,7 +84,7 @@ _MAX_MANIFEST = 64 << 20
 _MAX_TEXT_PIECES = 32  # past this many, a save writes the text as one piece again
 _NAME = re.compile(r"[0-9a-f]{64}\.(block|ring|text)")
 
-QUANTIZED, DEQUANTIZING, WINDOW = "quantized", "dequantizing", "window"
+QUANTIZED, DEQUANTIZING, WINDOW, STATE = "quantized", "dequantizing", "window", "state"
 ROTATING = "rotating"  # an mlx-lm ring, written before ``WindowKVCache``: read as one
 _PARTS = ("weights", "scales", "biases")
 _QNAMES = tuple(f"{kv}_{p}" for kv in ("k", "v") for p in _PARTS)  # a quantized layer's tensors, in file order
@@ -215,7 +215,13 @@ class BlockUpdate:
 
     @property
     def nbytes(self) -> int:
-        return sum(len(b) for b in self.blocks) + len(self.ring) + len(self.text.encode())
+        """Bytes the directory holds more while this is written, at most: its
+        blocks, ring and text, and its manifest (the new one is written beside
+        the old, then replaces it)."""
+        files = sum(len(b) for b in self.blocks) + len(self.ring) + len(self.text.encode())
+        blocks = -(-len(self.tokens) // BLOCK_TOKENS)
+        manifest = len(json.dumps(self.layers, separators=(",", ":"))) + 200 * blocks + 100 * (_MAX_TEXT_PIECES + 1)
+        return files + manifest + 1024  # + the fields, checksum and digest
 
 
 def merged(older: BlockUpdate, newer: BlockUpdate) -> BlockUpdate:
@@ -275,6 +281,16 @@ def _describe(record: CacheRecord) -> tuple[list[dict], list[mx.array], list[mx.
                 for name, x in zip(_QNAMES, (*q.keys, *q.values)):
                     entry["tensors"][name] = [_dtype_name(i, x), x.shape[1], x.shape[3]]
                     quantized.append(x)
+            layers.append(entry)
+        elif isinstance(c, StateCache):
+            _check_offset(i, c.offset, n)
+            entry = {"kind": STATE, "offset": c.offset, "size": len(c.cache),
+                     "checkpoints": [at for at, _ in c.checkpoints], "tensors": {}}
+            held = [c.cache, *(state for _, state in c.checkpoints)]
+            for name, x in zip(_ring_names(entry), (x for state in held for x in state)):
+                if x is not None:
+                    entry["tensors"][name] = [_dtype_name(i, x), *x.shape[1:]]
+                    rings.append(x)
             layers.append(entry)
         elif isinstance(c, WindowKVCache):
             _check_offset(i, c.offset, n)
@@ -481,6 +497,14 @@ def _check_layer(path: Path, i: int, e: dict, n: int) -> None:
                 raise bad(f"window shapes {k} {v} do not fit {n} tokens")
         elif tensors:
             raise bad("an empty window with tensors")
+    elif kind == STATE:
+        size, marks = e.get("size"), e.get("checkpoints")
+        if not (type(size) is int and 0 < size <= 16 and isinstance(marks, list) and len(marks) <= 16
+                and all(type(at) is int and 0 < at <= n for at in marks) and marks == sorted(set(marks))
+                and set(tensors) <= set(_ring_names(e))):
+            raise bad("bad state entries")
+        if any(t[0] not in _FLOATS for t in tensors.values()) or bool(tensors) != bool(n):
+            raise bad("missing or bad state tensors")
     elif kind == ROTATING:
         size, keep, idx = e.get("max_size"), e.get("keep"), e.get("idx")
         if not (type(size) is int and size > 0 and type(keep) is int and 0 <= keep < size and type(idx) is int):
@@ -508,8 +532,16 @@ def _block_layout(layers: list[dict]) -> list[tuple[int, str, str, tuple[int, in
 
 def _ring_layout(layers: list[dict]) -> list[tuple[int, str, str, tuple[int, ...]]]:
     return [(i, name, e["tensors"][name][0], tuple(e["tensors"][name][1:]))
-            for i, e in enumerate(layers) if e["kind"] in (WINDOW, ROTATING)
-            for name in ("k", "v") if name in e["tensors"]]
+            for i, e in enumerate(layers) if e["kind"] in (WINDOW, ROTATING, STATE)
+            for name in _ring_names(e) if name in e["tensors"]]
+
+
+def _ring_names(e: dict) -> list[str]:
+    """Tensor names of a ring-file layer in file order: a state's arrays, then its checkpoint's."""
+    if e["kind"] == STATE:
+        n = range(e["size"])
+        return [*map(str, n), *(f"c{k}.{j}" for k in range(len(e["checkpoints"])) for j in n)]
+    return ["k", "v"]
 
 
 def _block_size(layers: list[dict], tokens: int) -> int:
@@ -594,6 +626,13 @@ def _to_mx(x: np.ndarray) -> mx.array:
 
 def _rebuild(i: int, m: dict, arrays: dict[str, mx.array]):
     """One layer's cache object, as the engine would hold it after the same tokens."""
+    if m["kind"] == STATE:
+        c = StateCache(m["size"])
+        get = lambda name: arrays.get(f"layer_{i}_{name}")  # noqa: E731
+        c.cache = [get(str(j)) for j in range(m["size"])]
+        c.offset = m["offset"]
+        c.checkpoints = [(at, [get(f"c{k}.{j}") for j in range(m["size"])]) for k, at in enumerate(m["checkpoints"])]
+        return c
     if m["kind"] in (WINDOW, ROTATING):
         c = WindowKVCache(m.get("window") or m["max_size"])
         if m["offset"]:

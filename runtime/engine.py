@@ -38,7 +38,7 @@ from typing import Sequence as Seq
 import mlx.core as mx
 import mlx.nn as nn
 
-from .batch_cache import BatchQuantizedKVCache, attention_view, cache_arrays, make_sequence_cache
+from .batch_cache import BatchQuantizedKVCache, StateCache, attention_view, cache_arrays, make_sequence_cache
 from .rowwise import rowwise
 from .sampling import Sampler, SamplingParams
 
@@ -191,6 +191,7 @@ class Engine:
             for c in cache:
                 c.trim(1)
             cached_tokens -= 1
+        _mark(cache)  # and where the turn starts: the conversation cached so far
         seq = _Sequence(
             id=next(self._ids),
             prompt=prompt,
@@ -221,6 +222,8 @@ class Engine:
         chunk = seq.pending[:n]
         logits = self.model(mx.array(chunk)[None], cache=seq.view)
         seq.fed += chunk
+        if len(seq.pending) <= 1:  # the prompt is in: recurrent layers keep their state here (a checkpoint)
+            _mark(seq.cache)
         if seq.pending:
             mx.eval(cache_arrays(seq.view))
             if ride:
@@ -369,6 +372,13 @@ class Engine:
         )
 
 
+def _mark(cache: list) -> None:
+    """Checkpoint the recurrent layers' states (``StateCache``: they cannot be cut back)."""
+    for c in cache:
+        if isinstance(c, StateCache):
+            c.mark()
+
+
 def _overlap(text: str, stop: str) -> int:
     """Length of the longest end of ``text`` that begins ``stop``."""
     for k in range(min(len(stop) - 1, len(text)), 0, -1):
@@ -378,7 +388,7 @@ def _overlap(text: str, stop: str) -> int:
 
 
 def _query_heads(model: nn.Module) -> int:
-    attn = model.layers[0].self_attn
+    attn = next(layer.self_attn for layer in model.layers if "self_attn" in layer)
     for name in ("n_heads", "num_attention_heads", "num_heads"):
         if isinstance(value := getattr(attn, name, None), int):
             return value

@@ -10,11 +10,12 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import math
 from dataclasses import asdict, dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from .errors import SemanticError
 
@@ -22,7 +23,9 @@ __all__ = ["LayerKind", "ModelCacheSpec", "UnsupportedModel", "build_model", "kv
 
 FULL = "full"
 SLIDING = "sliding"
+RECURRENT = "recurrent"  # a fixed-size state per sequence (linear attention, SSM)
 WINDOW_SPARE = 256  # tokens a sliding layer keeps beyond its window, so a turn can be cut back (``WindowKVCache``)
+STATE_CHECKPOINTS = 2  # checkpoints a recurrent layer keeps beside its state (``StateCache``)
 
 
 class UnsupportedModel(SemanticError, ValueError):
@@ -31,8 +34,9 @@ class UnsupportedModel(SemanticError, ValueError):
 
 @dataclass(frozen=True)
 class LayerKind:
-    kind: str  # FULL or SLIDING
+    kind: str  # FULL, SLIDING or RECURRENT
     window: int | None = None  # tokens kept by a sliding layer
+    state: int | None = None  # elements of a recurrent layer's state (one sequence)
 
 
 def kv_bytes_per_token(n_kv_heads: int, head_dim: int, bits: int | None, group_size: int = 64,
@@ -72,18 +76,23 @@ class ModelCacheSpec:
                 kinds.append(LayerKind(SLIDING, c.max_size))
             elif isinstance(c, KVCache):
                 kinds.append(LayerKind(FULL))
+            elif type(c) is ArraysCache and "linear_attn" in layers[i]:
+                kinds.append(LayerKind(RECURRENT, state=_state_elements(model_type, layers[i], len(c.cache))))
             else:
                 raise UnsupportedModel(
                     f"model type {model_type!r} is not supported yet: layer {i} keeps a {type(c).__name__} "
-                    "(a recurrent or linear-attention state), which Semantic cannot batch or persist yet"
+                    "(a recurrent state of a kind Semantic cannot batch or persist yet)"
                 )
-        attn = layers[0].self_attn
+        attending = [layer for layer in layers if "self_attn" in layer]
+        if not attending:
+            raise UnsupportedModel(f"model type {model_type!r} is not supported yet: no layer attends")
+        attn = attending[0].self_attn
         if hasattr(attn, "k_proj"):
             n_kv = _n_kv_heads(model, attn)
             head_dim, v_head_dim = attn.k_proj.weight.shape[0] // n_kv, None
         else:  # MLA and other layouts: read what the attention writes to its cache
-            n_kv, head_dim, v_head_dim = _cache_write_shape(model_type, layers[0])
-        sinks = any("sinks" in layer.self_attn for layer in layers)
+            n_kv, head_dim, v_head_dim = _cache_write_shape(model_type, attending[0])
+        sinks = any("sinks" in layer.self_attn for layer in attending)
         return cls(
             model_type=model_type,
             n_layers=len(layers),
@@ -101,6 +110,15 @@ class ModelCacheSpec:
     @property
     def n_sliding(self) -> int:
         return sum(1 for k in self.layers if k.kind == SLIDING)
+
+    @property
+    def n_recurrent(self) -> int:
+        return sum(1 for k in self.layers if k.kind == RECURRENT)
+
+    def state_bytes(self, dtype_bytes: int = 2) -> int:
+        """Bytes of every recurrent layer's state of one sequence (an agent holds
+        it and ``STATE_CHECKPOINTS`` checkpoints of it: a fixed cost)."""
+        return sum(k.state for k in self.layers if k.kind == RECURRENT) * dtype_bytes
 
     def bytes_per_token(self, bits: int | None = 4, group_size: int = 64) -> float:
         """Bytes a cached token costs across the full-attention layers."""
@@ -128,8 +146,10 @@ class ModelCacheSpec:
     def hash(self) -> str:
         """Stable hash that tags cache files: a cache is only valid for an equal spec."""
         fields = asdict(self)
-        if fields["v_head_dim"] is None:
-            del fields["v_head_dim"]  # as before it existed: those files stay valid
+        for d in (fields, *fields["layers"]):  # fields added later count only when set: older files stay valid
+            for name in ("v_head_dim", "state"):
+                if d.get(name, 0) is None:
+                    del d[name]
         blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -138,6 +158,8 @@ class ModelCacheSpec:
         if self.n_sliding:
             windows = sorted({k.window for k in self.layers if k.kind == SLIDING})
             parts.append(f"{self.n_sliding} sliding({','.join(map(str, windows))})")
+        if self.n_recurrent:
+            parts.append(f"{self.n_recurrent} recurrent")
         sinks = ", sinks" if self.attention_sinks else ""
         dims = f"head dim {self.head_dim}" + (f" (values {self.v_head_dim})" if self.v_head_dim else "")
         return (
@@ -175,6 +197,18 @@ def _cache_write_shape(model_type: str, layer: nn.Module) -> tuple[int, int, int
         raise UnsupportedModel(f"model type {model_type!r} is not supported yet: its attention caches keys of "
                                f"{heads} heads and values of {v_heads}")
     return heads, k_width, v_width
+
+
+def _state_elements(model_type: str, layer: nn.Module, size: int) -> int:
+    """Elements of a recurrent layer's state for one sequence: one token through
+    it, the graph built and never evaluated."""
+    probe = ArraysCache(size)
+    try:
+        layer.linear_attn(mx.zeros((1, 1, layer.input_layernorm.weight.shape[0])), None, probe)
+        return sum(math.prod(x.shape) for x in probe.cache if x is not None)
+    except Exception as e:
+        raise UnsupportedModel(f"model type {model_type!r} is not supported yet: cannot tell the size of its "
+                               f"recurrent state ({e!r})") from None
 
 
 def _n_kv_heads(model: nn.Module, attn: nn.Module) -> int:

@@ -9,8 +9,9 @@ model generated it).  A new prompt is rendered to text by the chat template:
            and tokenize only the new suffix;
 * DIVERGE  they share a prefix: keep the longest run of cached tokens whose
            text is a prefix of the new text, if it is at least ``min_share``
-           of the cache and the cache can be cut back that far, and
-           tokenize the rest;
+           of the cache and the cache can be cut back that far (else back to
+           its checkpoint, if that is within the shared part), and tokenize
+           the rest;
 * COLD     nothing worth keeping: tokenize the whole prompt.
 
 Why text and not token ids: BPE is not compositional, and the chat template
@@ -24,6 +25,7 @@ tokenization of the same text -- measured in ``docs/architecture.md``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["COLD", "DIVERGE", "EXACT", "EXTEND", "PrefixPlan", "plan"]
@@ -54,12 +56,15 @@ def plan(
     text: str = "",
     min_share: float = 0.5,
     trimmable: int | None = None,
+    checkpoints: Sequence[int] = (),
 ) -> PrefixPlan:
     """Decide how a prompt ``new_text`` reuses a cache of ``tokens`` covering ``text``.
 
     ``trimmable``: how many tokens the cache can drop from its end (None: all;
-    a sliding-window layer keeps only a few hundred beyond its window). EXACT
-    drops one, DIVERGE what follows the shared part.
+    a sliding-window layer keeps only a few hundred beyond its window, a
+    recurrent state none). EXACT drops one, DIVERGE what follows the shared
+    part. ``checkpoints``: points the cache can go back to besides (a
+    recurrent state's: where its last turn started, where its prompt ended).
     """
     trimmable = len(tokens or ()) if trimmable is None else trimmable
     if not tokens:
@@ -67,11 +72,16 @@ def plan(
     if new_text == text:
         if trimmable >= 1:  # the engine trims one token to get fresh logits
             return PrefixPlan(EXACT, len(tokens), list(tokens))
+        back = max((at for at in checkpoints if at < len(tokens)), default=0)
+        if back >= max(1, min_share * len(tokens)):
+            return PrefixPlan(DIVERGE, back, list(tokens))
         return PrefixPlan(COLD, 0, encode(tokenizer, new_text))
     if new_text.startswith(text):
         return PrefixPlan(EXTEND, len(tokens), list(tokens) + encode(tokenizer, new_text[len(text):]))
     keep = _tokens_within(tokenizer, tokens, new_text)
-    if keep >= max(1, min_share * len(tokens), len(tokens) - trimmable):
+    if keep < len(tokens) - trimmable:  # it cannot be cut back there: back to a checkpoint before, if any
+        keep = max((at for at in checkpoints if at <= keep), default=0)
+    if keep >= max(1, min_share * len(tokens)):
         kept_text = tokenizer.decode(tokens[:keep])
         return PrefixPlan(DIVERGE, keep, list(tokens[:keep]) + encode(tokenizer, new_text[len(kept_text):]))
     return PrefixPlan(COLD, 0, encode(tokenizer, new_text))

@@ -10,8 +10,8 @@ ways, with the same result by construction:
   norms and RoPE (per-slot positions) run over all slots at once -- fixed
   shapes, so BLAS picks one kernel -- and only the cache write and the SDPA
   run per sequence;
-* **other attention classes**: the module itself runs once per sequence, on
-  its own slot.
+* **other attention classes**, and linear attention (Qwen3-Next's recurrent
+  layers): the module itself runs once per sequence, on its own slot.
 """
 
 from __future__ import annotations
@@ -39,21 +39,26 @@ _STANDARD = {
 }
 
 
+_MIXERS = ("self_attn", "linear_attn")  # a layer's modules that read its cache: attention, linear attention
+
+
 def rowwise(model: nn.Module) -> nn.Module:
     """Let every attention module of ``model`` attend per sequence when given a
     ``BatchQuantizedKVCache``; with any other cache it runs as before.
 
     In place and idempotent. Each module becomes an instance of a subclass of
     its own mlx-lm class: parameters, names and attributes are unchanged, and
-    mlx-lm itself is not modified. Raises ``ValueError`` for a layer with no
-    ``self_attn``.
+    mlx-lm itself is not modified. Raises ``ValueError`` for a layer with
+    neither ``self_attn`` nor ``linear_attn``.
     """
     for i, layer in enumerate(model.layers):
-        attn = layer.get("self_attn") if isinstance(layer, dict) else None
-        if not isinstance(attn, nn.Module):
-            raise ValueError(f"layer {i} ({type(layer).__name__}) has no self_attn module to batch around")
-        if not isinstance(attn, _Rowwise):
-            attn.__class__ = _rowwise_class(type(attn))
+        mixers = [layer[name] for name in _MIXERS if isinstance(layer, dict) and isinstance(layer.get(name), nn.Module)]
+        if not mixers:
+            raise ValueError(f"layer {i} ({type(layer).__name__}) has no self_attn or linear_attn module to batch "
+                             "around")
+        for mixer in mixers:
+            if not isinstance(mixer, _Rowwise):
+                mixer.__class__ = _rowwise_class(type(mixer))
     return model
 
 

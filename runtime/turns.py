@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 
 from .agent_cache import AgentCaches, AgentMemory, OutOfMemory
+from .batch_cache import checkpoints, rewind
 from .engine import Engine, Finished, SamplingParams
 from .errors import ContextTooLong
 from .outcome import TurnResult
@@ -116,8 +117,8 @@ def begin(
     except BaseException:
         caches.abandon(agent_id)
         raise
-    for c in turn.cache or ():  # only now that it runs: the kept prefix
-        c.trim(c.offset - turn.plan.keep)
+    if turn.cache:  # only now that it runs: the kept prefix
+        rewind(turn.cache, turn.plan.keep)
     return turn
 
 
@@ -135,7 +136,8 @@ def _plan(caches, tokenizer, agent_id, prompt_text, memory, prefix_text, min_sha
         else:
             p = plan(tokenizer, prompt_text)
         return Turn(agent_id, prompt_text, p, None, new_prefix)
-    p = plan(tokenizer, prompt_text, memory.tokens, memory.text, min_share, memory.trimmable)
+    p = plan(tokenizer, prompt_text, memory.tokens, memory.text, min_share, memory.trimmable,
+             checkpoints(memory.cache))
     return Turn(agent_id, prompt_text, p, None if p.kind == COLD else memory.cache)
 
 

@@ -51,13 +51,8 @@ def test_bad_model_is_one_line_and_nonzero(tmp_path, model, message):
 
 
 UNSUPPORTED = {  # tiny configs of mlx-lm model types whose caches Semantic cannot hold yet
-    "qwen3_next": dict(
-        hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4, linear_num_value_heads=4,
-        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, shared_expert_intermediate_size=64,
-        mlp_only_layers=[], moe_intermediate_size=32, rms_norm_eps=1e-6, vocab_size=49152, num_key_value_heads=2,
-        rope_theta=10000.0, partial_rotary_factor=0.25, max_position_embeddings=1024, head_dim=16,
-        full_attention_interval=4),
+    "mamba": dict(hidden_size=64, intermediate_size=128, state_size=16, num_hidden_layers=2, conv_kernel=4,
+                  use_bias=False, use_conv_bias=True, time_step_rank=4, vocab_size=49152),
 }
 
 
@@ -81,7 +76,7 @@ def model_dir(path, config: dict, seed: int = 0):
     return path
 
 
-@pytest.mark.parametrize("model_type, missing", [("qwen3_next", "ArraysCache")])
+@pytest.mark.parametrize("model_type, missing", [("mamba", "ArraysCache")])
 def test_an_unsupported_model_is_refused_in_one_line(tmp_path, model_type, missing):
     """A model directory of a family Semantic cannot serve yet (mlx-lm's classes,
     random weights, the embedded model's tokenizer): one line naming the model
@@ -323,6 +318,18 @@ FAMILIES = {  # tiny configs of the families Semantic serves, with the embedded 
                         n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=128, q_lora_rank=None,
                         qk_rope_head_dim=64, v_head_dim=64, qk_nope_head_dim=64, max_position_embeddings=2048,
                         n_group=1, topk_group=1),
+    "qwen3_next": dict(model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=64, linear_num_value_heads=2,
+                       linear_num_key_heads=2, linear_key_head_dim=64, linear_value_head_dim=64,
+                       linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                       shared_expert_intermediate_size=64, mlp_only_layers=[], moe_intermediate_size=32,
+                       rms_norm_eps=1e-6, vocab_size=49152, rope_theta=10000.0, partial_rotary_factor=0.25,
+                       max_position_embeddings=2048, full_attention_interval=4),
+    "qwen3_5": dict(model_type="qwen3_5", text_config=dict(
+        model_type="qwen3_5_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=64,
+        linear_value_head_dim=64, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, vocab_size=49152,
+        max_position_embeddings=2048, full_attention_interval=4, tie_word_embeddings=True)),
     "gpt_oss": dict(model_type="gpt_oss", hidden_size=64, num_hidden_layers=2, intermediate_size=64,
                     num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_local_experts=4,
                     num_experts_per_tok=2, vocab_size=49152, sliding_window=32,
@@ -347,7 +354,8 @@ def test_each_family_keeps_its_agent_across_turns_and_a_restart(tmp_path, family
     """``semantic serve --model DIR`` on a tiny directory of each family: an agent's
     turns 2-4 (turn 4 after a restart) each read at least 80% of their prompt
     from its cache -- on Gemma 3 and GPT-OSS too, whose windows have wrapped,
-    and on DeepSeek's MLA (V2: every head's key and value; V3: the latent)."""
+    on DeepSeek's MLA (V2: every head's key and value; V3: the latent) and on
+    the hybrids Qwen3-Next and Qwen3.5 (recurrent states beside attention)."""
     import signal
 
     import httpx

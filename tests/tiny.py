@@ -58,6 +58,22 @@ TINY_CONFIGS: dict[str, dict] = {
         qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, vocab_size=VOCAB, max_position_embeddings=2048,
         topk_method="noaux_tc", n_group=1, topk_group=1,
     ),
+    "qwen3_next": dict(  # hybrid: Gated DeltaNet (a recurrent state) in 3 of 4 layers, attention in the 4th
+        model_type="qwen3_next", hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, linear_num_value_heads=2,
+        linear_num_key_heads=2, linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, shared_expert_intermediate_size=128,
+        mlp_only_layers=[], moe_intermediate_size=64, rms_norm_eps=1e-6, vocab_size=VOCAB,
+        rope_theta=10000.0, partial_rotary_factor=0.25, max_position_embeddings=2048, full_attention_interval=4,
+    ),
+    "qwen3_5": dict(  # Qwen3.5 as published (a wrapper), dense: the same hybrid layout
+        model_type="qwen3_5", vocab_size=VOCAB, text_config=dict(
+            model_type="qwen3_5_text", hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=64, linear_num_value_heads=2,
+            linear_num_key_heads=2, linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+            rms_norm_eps=1e-6, vocab_size=VOCAB, max_position_embeddings=2048, full_attention_interval=4,
+        ),
+    ),
     "gpt_oss": dict(
         model_type="gpt_oss", hidden_size=128, num_hidden_layers=2, intermediate_size=128,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=4,

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache  # RotatingKVCache: files written before WindowKVCache
+from mlx_lm.models.cache import QuantizedKVCache
 
 from runtime import cache_file
-from runtime.batch_cache import DequantizingKVCache, WindowKVCache, attention_view, copy_cache
+from runtime.batch_cache import DequantizingKVCache, StateCache, WindowKVCache, attention_view, copy_cache
 from runtime.cache_file import (
     BLOCK_TOKENS,
     MANIFEST,
@@ -47,7 +47,8 @@ from tests.runtime import cache_writer as writer
 from tests.runtime.test_engine import ByteTokenizer, drain, prompts
 from tests.tiny import tiny_model
 
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "gemma3", "gpt_oss", "deepseek_v2", "deepseek_v3"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "gemma3", "gpt_oss", "deepseek_v2", "deepseek_v3", "qwen3_next",
+         "qwen3_5"]
 REPO = Path(__file__).resolve().parents[2]
 V1_FILE = Path(__file__).parent / "data" / "v1-alice.safetensors"  # written by version 1: writer.record(0) as alice
 
@@ -60,6 +61,8 @@ def _arrays(c) -> list[mx.array]:
     """The live arrays of one layer's cache: what must survive a round trip bit for bit."""
     if (q := _quantized(c)) is not None:
         return [x[..., : q.offset, :] for x in (*q.keys, *q.values)] if q.offset else []
+    if isinstance(c, StateCache):
+        return c.arrays
     return list(c.state) if c.held else []
 
 
@@ -523,3 +526,15 @@ def test_writer_killed_at_random_never_leaves_a_wrong_cache(tmp_path):
     # The test must really hit saves in progress (blocks written, manifest not yet). A temp
     # file on disk at the kill is rarer now that a save writes only its new blocks: counted, not required.
     assert in_save >= trials // 2
+
+
+@pytest.mark.parametrize("agent, n", [(0, 16), (1, 600), (2, 2100)])
+def test_a_write_never_adds_more_than_its_update_says(tmp_path, agent, n):
+    """``BlockUpdate.nbytes`` bounds what the directory holds more while the write
+    runs (every file it writes, the manifest too: the new one lands beside the
+    old): the persistence actor checks the disk budget against it before writing."""
+    store = CacheStore(tmp_path)
+    first = snapshot(_grown(agent, n))
+    assert store.write(first) <= first.nbytes
+    follow_up = snapshot(_grown(agent, n + 20), first=n // BLOCK_TOKENS)
+    assert store.write(follow_up) <= follow_up.nbytes

@@ -5,7 +5,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from runtime.model_spec import FULL, SLIDING, ModelCacheSpec, build_model
+from runtime.model_spec import FULL, RECURRENT, SLIDING, ModelCacheSpec, build_model
 from tests.tiny import TINY_CONFIGS, tiny_model
 
 # Published configs, trimmed to the fields mlx-lm reads.
@@ -102,7 +102,7 @@ def test_spec_hash_is_stable_and_distinguishing():
     b = ModelCacheSpec.from_model(build_model(SMOLLM2_135M))
     c = ModelCacheSpec.from_model(build_model(dict(SMOLLM2_135M, num_hidden_layers=29)))
     assert a.hash == b.hash != c.hash
-    assert len(a.hash) == 16
+    assert a.hash == "da118edc5265ef23"  # as before fields were added: cache files written then stay valid
 
 
 @pytest.mark.parametrize("arch", TINY_CONFIGS)
@@ -113,7 +113,8 @@ def test_tiny_models_run_a_forward_pass(arch):
     assert (spec.head_dim, spec.v_head_dim) == ((128, 64) if mla else (64, None))
     assert spec.attention_sinks == (arch == "gpt_oss") and spec.attends_in_float == (mla or arch == "gpt_oss")
     assert spec.n_sliding == {"gemma3_text": 2, "gemma3": 2, "gpt_oss": 1}.get(arch, 0)
-    assert all(k.kind in (FULL, SLIDING) for k in spec.layers)
+    assert spec.n_recurrent == (3 if arch in ("qwen3_next", "qwen3_5") else 0)
+    assert all(k.kind in (FULL, SLIDING, RECURRENT) for k in spec.layers)
     cache = make_prompt_cache(model)
     logits = model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)
     assert logits.shape == (1, 5, TINY_CONFIGS[arch]["vocab_size"])
@@ -142,8 +143,26 @@ def test_spec_of_mla_configs(config, kv_heads, keys, values):
           f"({fp16 / 1024:.1f} KiB fp16), 0 bytes fixed per agent")
 
 
-def test_a_hybrid_model_is_refused_naming_its_recurrent_layers():
+def test_spec_of_a_hybrid_config():
+    """Qwen3-Next 80B-A3B (built without weights): 36 Gated DeltaNet layers, each
+    a fixed state per agent (a 3-token conv window of q, k, v and a 32 x 128 x 128
+    recurrent state), and 12 attention layers that grow with the context."""
+    before = mx.get_active_memory()
+    spec = ModelCacheSpec.from_model(build_model(QWEN3_NEXT_80B))
+    assert mx.get_active_memory() - before < 1 << 20, "building the spec must not allocate weights"
+    assert (spec.n_layers, spec.n_full, spec.n_recurrent, spec.n_kv_heads, spec.head_dim) == (48, 12, 36, 2, 256)
+    conv, recurrent = 3 * (2 * 16 * 128 + 32 * 128), 32 * 128 * 128
+    assert {k.state for k in spec.layers if k.kind == RECURRENT} == {conv + recurrent}
+    assert spec.state_bytes(2) == 36 * (conv + recurrent) * 2  # bf16
+    assert spec.bytes_per_token(None) == 12 * 2 * 2 * 256 * 2
+    print(f"\n{spec.summary()}: {spec.bytes_per_token(4) / 1024:.1f} KiB a token in Q4, "
+          f"{spec.state_bytes(2) / 2**20:.1f} MiB fixed per agent (bf16)")
+
+
+def test_a_recurrent_kind_it_cannot_run_is_refused_naming_the_layer():
     from runtime.model_spec import UnsupportedModel
 
-    with pytest.raises(UnsupportedModel, match="'qwen3_next' is not supported yet: layer 0 keeps a ArraysCache"):
-        ModelCacheSpec.from_model(build_model(QWEN3_NEXT_80B))
+    mamba = dict(model_type="mamba", vocab_size=512, hidden_size=64, intermediate_size=128, state_size=16,
+                 num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4)
+    with pytest.raises(UnsupportedModel, match="'mamba' is not supported yet: layer 0 keeps a ArraysCache"):
+        ModelCacheSpec.from_model(build_model(mamba))

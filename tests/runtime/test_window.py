@@ -14,7 +14,7 @@ from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from runtime.agent_cache import AgentCaches
-from runtime.batch_cache import WindowKVCache, trimmable_tokens
+from runtime.batch_cache import WindowKVCache, checkpoints, trimmable_tokens
 from runtime.block_pool import KVBudget
 from runtime.cache_file import CacheStore
 from runtime.engine import Engine, SamplingParams
@@ -105,8 +105,11 @@ def _tiny_with_tokenizer(arch: str):
     return model, tok
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["gemma3", "gpt_oss", "qwen3_next"])
 def test_a_turn_that_diverges_past_the_window_prefills_only_from_where_it_diverges(arch, tmp_path):
+    """Sliding windows are cut back to the divergence; a hybrid's recurrent
+    states (which cannot be cut back) go back to their latest checkpoint before
+    it: where the diverging turn's predecessor started."""
     model, tok = _tiny_with_tokenizer(arch)
     spec = ModelCacheSpec.from_model(model)
     engine = Engine(model, tok)
@@ -120,6 +123,7 @@ def test_a_turn_that_diverges_past_the_window_prefills_only_from_where_it_diverg
     second = run_turn(engine, caches, "alice", asked, greedy)
     cached = caches.peek("alice")
     assert cached.tokens and all(c.offset > c.window for c in cached.cache if isinstance(c, WindowKVCache))
+    marks = checkpoints(cached.cache)
     # The client edits its last message: the new prompt leaves the cached text inside that message.
     edited = asked[:-1] + [{"role": "user", "content": "Now name three lakes in Asia, please."}]
     text = render(tok, edited)
@@ -127,12 +131,16 @@ def test_a_turn_that_diverges_past_the_window_prefills_only_from_where_it_diverg
     third = run_turn(engine, caches, "alice", edited, greedy)
     cold = len(encode(tok, text))
     print(f"\n{arch}: turn 2 reused {second.reused_tokens} of {second.prompt_tokens}; the edited turn prefilled "
-          f"{third.prefilled_tokens} of {third.prompt_tokens} (a cold start would prefill {cold}: "
-          f"what a wrapped ring did)")
+          f"{third.prefilled_tokens} of {third.prompt_tokens} (a cold start would prefill {cold}: what a wrapped "
+          f"ring or a state without checkpoints did); checkpoints at {marks}")
     assert second.reused_tokens > 0.5 * second.prompt_tokens
-    assert third.prefilled_tokens <= len(encode(tok, text[shared:])) + 2  # from the divergence on
-    assert third.reused_tokens >= len(encode(tok, text[:shared])) - 2
-    # And it is what the model computes cold, to the engine's Q4 rounding: the same first tokens.
+    if arch == "qwen3_next":  # back to where turn 2 started (its checkpoints: there, and its prompt's end)
+        assert marks[0] == second.reused_tokens and third.reused_tokens == second.reused_tokens
+        assert len(encode(tok, text[shared:])) < third.prefilled_tokens < cold / 2
+    else:
+        assert third.prefilled_tokens <= len(encode(tok, text[shared:])) + 2  # from the divergence on
+        assert third.reused_tokens >= len(encode(tok, text[:shared])) - 2
+    # A fresh agent prefills all of it: the figure printed as cold.
     fresh = AgentCaches(CacheStore(tmp_path / "cold"), arch, spec, KVBudget(spec, 256 << 20, sliding_dtype_bytes=4))
     assert run_turn(engine, fresh, "bob", edited, greedy).prefilled_tokens == cold
 
