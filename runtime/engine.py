@@ -222,7 +222,7 @@ class Engine:
         chunk = seq.pending[:n]
         logits = self.model(mx.array(chunk)[None], cache=seq.view)
         seq.fed += chunk
-        if len(seq.pending) <= 1:  # the prompt is in: recurrent layers keep their state here (a checkpoint)
+        if ride or not seq.pending:  # the prompt is in: recurrent layers keep their state here (a checkpoint)
             _mark(seq.cache)
         if seq.pending:
             mx.eval(cache_arrays(seq.view))

@@ -6,6 +6,9 @@ layers rotate within a few tokens.
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
@@ -85,8 +88,13 @@ TINY_CONFIGS: dict[str, dict] = {
 
 def tiny_model(arch: str, seed: int = 0) -> nn.Module:
     """A deterministic random-weight model, evaluated and ready to run."""
+    return tiny_from_config(TINY_CONFIGS[arch], seed)
+
+
+def tiny_from_config(config: dict, seed: int = 0) -> nn.Module:
+    """The model of an mlx-lm ``config`` with deterministic random weights, evaluated."""
     mx.random.seed(seed)
-    model = build_model(TINY_CONFIGS[arch])
+    model = build_model(config)
     # Default inits give near-uniform logits; widen them so greedy choices are clear.
     params = model.parameters()
     model.update(
@@ -94,3 +102,23 @@ def tiny_model(arch: str, seed: int = 0) -> nn.Module:
     )
     mx.eval(model.parameters())
     return model
+
+
+@functools.cache
+def embedded_tokenizer():
+    """The embedded model's tokenizer and chat template (prepared once per machine)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from runtime import embedded
+
+    return load_tokenizer(Path(embedded.prepare(progress=False)))
+
+
+def tiny_model_with_tokenizer(arch: str, seed: int = 0):
+    """``tiny_model(arch)`` with the embedded model's vocabulary, and that tokenizer,
+    so real prompts and chat templates run through it."""
+    tok = embedded_tokenizer()
+    config = dict(TINY_CONFIGS[arch], vocab_size=len(tok.get_vocab()))
+    if "text_config" in config:
+        config["text_config"] = dict(config["text_config"], vocab_size=config["vocab_size"])
+    return tiny_from_config(config, seed), tok

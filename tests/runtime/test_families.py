@@ -23,14 +23,13 @@ from runtime.prefix import encode
 from runtime.turns import render, run_turn
 from runtime.batch_cache import copy_cache
 from tests.runtime.test_engine import drain
-from tests.runtime.test_window import _tiny_with_tokenizer
-from tests.tiny import TINY_CONFIGS
+from tests.tiny import TINY_CONFIGS, tiny_model_with_tokenizer
 
 QUESTIONS = ["Name a river.", "Where does it start?", "Where does it end?", "How long is it?", "Name another."]
 
 
 def _caches(arch: str, root) -> AgentCaches:
-    model, _ = _tiny_with_tokenizer(arch)
+    model, _ = tiny_model_with_tokenizer(arch)
     spec = ModelCacheSpec.from_model(model)
     return AgentCaches(CacheStore(root), arch, spec, KVBudget(spec, 256 << 20, sliding_dtype_bytes=4))
 
@@ -41,7 +40,7 @@ def test_each_turn_prefills_only_its_new_message_and_the_reply_before(arch, tmp_
     tokens of the reply before it (a random model's reply need not re-render to
     its own tokens: the cache is cut back, or a recurrent state goes back to its
     checkpoint, to where the text diverged)."""
-    model, tok = _tiny_with_tokenizer(arch)
+    model, tok = tiny_model_with_tokenizer(arch)
     engine, caches = Engine(model, tok), _caches(arch, tmp_path)
     messages = [{"role": "system", "content": "You are a patient tutor. " * 6}]
     report, previous = [], None
@@ -64,10 +63,10 @@ FRESH = textwrap.dedent("""
     import numpy as np
     import mlx.core as mx
     from runtime.cache_file import CacheStore
-    from tests.runtime.test_window import _tiny_with_tokenizer
+    from tests.tiny import tiny_model_with_tokenizer
     root, cases = sys.argv[1], json.loads(sys.argv[2])
     for arch, extra in cases.items():
-        model, _ = _tiny_with_tokenizer(arch)
+        model, _ = tiny_model_with_tokenizer(arch)
         cache = CacheStore(root).load("ann", arch, "spec").cache
         np.save(f"{root}/{arch}.npy", np.array(model(mx.array([extra]), cache=cache)[0, -1]))
 """)
@@ -78,7 +77,7 @@ def test_a_saved_cache_continues_bit_for_bit_in_a_fresh_process(tmp_path):
     computes the next tokens' logits: bitwise those the saved cache gives here."""
     cases, want = {}, {}
     for arch in TINY_CONFIGS:
-        model, tok = _tiny_with_tokenizer(arch)
+        model, tok = tiny_model_with_tokenizer(arch)
         tokens = encode(tok, render(tok, [{"role": "user", "content": "Tell me about rivers. " * 8}]))
         engine = Engine(model, tok)
         sid = engine.add(tokens, SamplingParams(max_tokens=3))

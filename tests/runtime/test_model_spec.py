@@ -5,7 +5,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from runtime.model_spec import FULL, RECURRENT, SLIDING, ModelCacheSpec, build_model
+from runtime.model_spec import FULL, RECURRENT, SLIDING, WINDOW_SPARE, ModelCacheSpec, build_model
 from tests.tiny import TINY_CONFIGS, tiny_model
 
 # Published configs, trimmed to the fields mlx-lm reads.
@@ -95,6 +95,8 @@ def test_spec_of_published_configs(name):
     assert spec.bytes_per_token(None) == fp16
     assert spec.bytes_per_token(4) == pytest.approx(fp16 * (0.5 + 4 / 64) / 2)
     assert spec.bytes_per_token(4) / spec.bytes_per_token(None) <= 0.30
+    # Fixed per agent, whatever the context: the windows and their spare tokens, in fp16.
+    assert spec.sliding_bytes(None) == sliding * 2 * kv_heads * head_dim * 2 * ((window or 0) + WINDOW_SPARE)
 
 
 def test_spec_hash_is_stable_and_distinguishing():

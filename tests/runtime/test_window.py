@@ -1,16 +1,13 @@
 """Sliding-window layers (``WindowKVCache``): attention sees what mlx-lm's ring
 gives it, and a cache can be cut back after its window wrapped, so a turn that
 diverges from the cached text (an edited message, a re-rendered reply)
-prefills only from where it diverges instead of starting cold."""
+prefills only from where it diverges instead of starting cold; a hybrid's
+recurrent states (``StateCache``) go back to a checkpoint instead."""
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from runtime.agent_cache import AgentCaches
@@ -18,10 +15,10 @@ from runtime.batch_cache import WindowKVCache, checkpoints, trimmable_tokens
 from runtime.block_pool import KVBudget
 from runtime.cache_file import CacheStore
 from runtime.engine import Engine, SamplingParams
-from runtime.model_spec import WINDOW_SPARE, ModelCacheSpec, build_model
+from runtime.model_spec import WINDOW_SPARE, ModelCacheSpec
 from runtime.prefix import encode
 from runtime.turns import render, run_turn
-from tests.tiny import TINY_CONFIGS, tiny_model
+from tests.tiny import tiny_model, tiny_model_with_tokenizer
 
 SLIDING = ["gemma3_text", "gemma3", "gpt_oss"]  # windows of 16 tokens
 
@@ -83,34 +80,12 @@ def test_a_window_holds_its_spare_and_cuts_back_exactly():
     assert young.trimmable_tokens == 30 and young.trim(30) == 30 and young.offset == young.held == 0
 
 
-@functools.cache
-def _tokenizer():
-    from mlx_lm.utils import load_tokenizer
-
-    from runtime import embedded
-
-    return load_tokenizer(Path(embedded.prepare(progress=False)))
-
-
-def _tiny_with_tokenizer(arch: str):
-    """The tiny ``arch`` model with the embedded model's vocabulary, so real prompts run."""
-    tok = _tokenizer()
-    config = dict(TINY_CONFIGS[arch], vocab_size=len(tok.get_vocab()))
-    if "text_config" in config:
-        config["text_config"] = dict(config["text_config"], vocab_size=config["vocab_size"])
-    mx.random.seed(0)
-    model = build_model(config)
-    model.update(tree_map(lambda p: p * 4 if p.ndim == 2 else p, model.parameters()))
-    mx.eval(model.parameters())
-    return model, tok
-
-
 @pytest.mark.parametrize("arch", ["gemma3", "gpt_oss", "qwen3_next"])
 def test_a_turn_that_diverges_past_the_window_prefills_only_from_where_it_diverges(arch, tmp_path):
     """Sliding windows are cut back to the divergence; a hybrid's recurrent
     states (which cannot be cut back) go back to their latest checkpoint before
     it: where the diverging turn's predecessor started."""
-    model, tok = _tiny_with_tokenizer(arch)
+    model, tok = tiny_model_with_tokenizer(arch)
     spec = ModelCacheSpec.from_model(model)
     engine = Engine(model, tok)
     caches = AgentCaches(CacheStore(tmp_path), arch, spec, KVBudget(spec, 256 << 20, sliding_dtype_bytes=4))

@@ -19,11 +19,10 @@ import anyio
 import httpx
 import mlx.core as mx
 
-from mlx.utils import tree_map
-
-from runtime.model_spec import ModelCacheSpec, build_model
+from runtime import embedded
+from runtime.model_spec import ModelCacheSpec
 from runtime.models import LoadedModel
-from tests.tiny import TINY_CONFIGS
+from tests.tiny import TINY_CONFIGS, embedded_tokenizer, tiny_from_config
 from web.app import ServerConfig
 from web.server import bind, serve
 
@@ -34,19 +33,12 @@ LIMIT = 2048  # the servers' max_tokens limit in these tests
 @functools.cache
 def tiny_loaded(seed: int = 0) -> LoadedModel:
     """Named "tiny" (seed 0) or "tiny-SEED": other seeds are other models."""
-    from mlx_lm.utils import load_tokenizer
-
-    from runtime import embedded
-
-    path = embedded.prepare(progress=False)
-    tokenizer = load_tokenizer(Path(path))
+    tokenizer = embedded_tokenizer()
     config = dict(TINY_CONFIGS["llama"], vocab_size=len(tokenizer.get_vocab()), max_position_embeddings=CONTEXT)
-    mx.random.seed(seed)
-    model = build_model(config)
-    model.update(tree_map(lambda p: p * 4 if p.ndim == 2 else p, model.parameters()))  # as tests.tiny does
-    mx.eval(model.parameters())
+    model = tiny_from_config(config, seed)
     name = f"tiny-{seed}" if seed else "tiny"
-    return LoadedModel(name, Path(path), model, tokenizer, config, ModelCacheSpec.from_model(model), mx.float32)
+    path = Path(embedded.prepare(progress=False))
+    return LoadedModel(name, path, model, tokenizer, config, ModelCacheSpec.from_model(model), mx.float32)
 
 
 @functools.cache
