@@ -177,13 +177,17 @@ class GpuThread:
         else:
             self.post(reply, Done(value), True)
 
+    def _reply(self, cmd, answer) -> None:
+        """Answer a request (a swap the thread started itself has no one to answer)."""
+        if cmd.reply is not None:
+            self.post(cmd.reply, answer, True)
+
     def _progress(self) -> None:
         """Run forks and admit waiting turns, or run a pending model swap once the batch drained."""
         s, forks = self.scheduler, self.cache_commands
         if self.failed is not None:
             for cmd in [*forks.ready_forks(every=True), *([self.swap] if self.swap else [])]:
-                if cmd.reply is not None:
-                    self.post(cmd.reply, Failed(self.failed), True)
+                self._reply(cmd, Failed(self.failed))
             self.swap = None
             s.admission.close(self.failed)
             return
@@ -226,11 +230,9 @@ class GpuThread:
                 self._load(previous)
             if cmd.reply is None:
                 self.scheduler.admission.close(e, model=cmd.model)  # the turns that wanted it
-            else:
-                self.post(cmd.reply, Failed(e), True)
+            self._reply(cmd, Failed(e))
         else:
-            if cmd.reply is not None:
-                self.post(cmd.reply, Done(self.registry.name), True)
+            self._reply(cmd, Done(self.registry.name))
 
     def _idle_unload(self) -> None:
         s = self.scheduler
@@ -246,8 +248,7 @@ class GpuThread:
         self.scheduler.cancel_all()
         self.scheduler.admission.close(closed, cancel_started=True)
         for cmd in [*([self.swap] if self.swap else []), *self.cache_commands.ready_forks(every=True)]:
-            if cmd.reply is not None:
-                self.post(cmd.reply, Failed(closed), True)
+            self._reply(cmd, Failed(closed))
         self.swap = None
         self.stopping = True
 

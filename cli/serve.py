@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     for name, source in models.items():  # a model that is not there is refused now, not at its first request
         say(f"preparing {name} ...")
         resolve(source, progress=True)  # the embedded model is converted once, with a progress bar
-    say(f"loading {first.partition('=')[0]} ...")
+    say(f"loading {next(iter(models))} ...")
     t0 = time.perf_counter()
 
     def ready(rt) -> None:

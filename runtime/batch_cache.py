@@ -64,8 +64,7 @@ from mlx_lm.models.cache import (
 )
 from mlx_lm.models.base import create_causal_mask
 
-from .model_spec import STATE_CHECKPOINTS as CHECKPOINTS  # the turn's start and its prompt's end
-from .model_spec import WINDOW_SPARE, ModelCacheSpec
+from .model_spec import STATE_CHECKPOINTS, WINDOW_SPARE, ModelCacheSpec
 
 __all__ = [
     "BatchQuantizedKVCache",
@@ -330,8 +329,8 @@ class StateCache(ArraysCache):
 
     A state cannot be cut back, so it keeps checkpoints instead: the engine
     ``mark``s it when a turn starts (the cached conversation so far) and when
-    the turn's prompt is in (before the reply); the last ``CHECKPOINTS`` are
-    kept. A turn that diverges from the cached text goes back (``rewind``) to
+    the turn's prompt is in (before the reply); the last ``STATE_CHECKPOINTS``
+    are kept. A turn that diverges from the cached text goes back (``rewind``) to
     the latest checkpoint at or before the divergence -- the reply re-rendered
     differently, the last message edited -- instead of starting cold. The
     arrays are values: a checkpoint holds references, no copy."""
@@ -347,7 +346,7 @@ class StateCache(ArraysCache):
 
     def mark(self) -> None:
         if self.offset and (not self.checkpoints or self.checkpoints[-1][0] != self.offset):
-            self.checkpoints = [*self.checkpoints, (self.offset, list(self.cache))][-CHECKPOINTS:]
+            self.checkpoints = [*self.checkpoints, (self.offset, list(self.cache))][-STATE_CHECKPOINTS:]
 
     def rewind(self, tokens: int) -> None:
         """Go back to the checkpoint at ``tokens`` (or stay, if already there)."""

@@ -30,6 +30,7 @@ next write.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -213,7 +214,7 @@ class BlockUpdate:
     blocks: list[bytearray]  # block files' bytes, blocks first, first + 1, ... up to the last
     ring: bytearray  # the sliding-window layers' file (empty: none)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         """Bytes the directory holds more while this is written, at most: its
         blocks, ring and text, and its manifest (the new one is written beside
@@ -537,7 +538,7 @@ def _ring_layout(layers: list[dict]) -> list[tuple[int, str, str, tuple[int, ...
 
 
 def _ring_names(e: dict) -> list[str]:
-    """Tensor names of a ring-file layer in file order: a state's arrays, then its checkpoint's."""
+    """Tensor names of a ring-file layer in file order: a state's arrays, then its checkpoints'."""
     if e["kind"] == STATE:
         n = range(e["size"])
         return [*map(str, n), *(f"c{k}.{j}" for k in range(len(e["checkpoints"])) for j in n)]

@@ -179,16 +179,20 @@ class _ShapeProbe:
         return keys, values
 
 
+def _one_token(layer: nn.Module, module: nn.Module, cache) -> None:
+    """One token through ``module`` (of ``layer``) into ``cache``: the graph is built
+    and never evaluated (MLX is lazy), so no weight is touched."""
+    module(mx.zeros((1, 1, layer.input_layernorm.weight.shape[0])), None, cache)
+
+
 def _cache_write_shape(model_type: str, layer: nn.Module) -> tuple[int, int, int]:
     """(heads, key width, value width) of what ``layer``'s attention caches per
-    token: one token through it, the graph built and never evaluated (MLX is
-    lazy), so no weight is touched. DeepSeek-V2 caches every head's key and
+    token: one token through it. DeepSeek-V2 caches every head's key and
     value; DeepSeek-V3 one compressed latent (512) and its rope key (64)."""
     attn = layer.self_attn
     probe = _ShapeProbe()
     try:
-        hidden = layer.input_layernorm.weight.shape[0]
-        attn(mx.zeros((1, 1, hidden)), None, probe)
+        _one_token(layer, attn, probe)
         (_, heads, _, k_width), (_, v_heads, _, v_width) = probe.shapes
     except Exception as e:
         raise UnsupportedModel(f"model type {model_type!r} is not supported yet: cannot tell what its attention "
@@ -200,11 +204,10 @@ def _cache_write_shape(model_type: str, layer: nn.Module) -> tuple[int, int, int
 
 
 def _state_elements(model_type: str, layer: nn.Module, size: int) -> int:
-    """Elements of a recurrent layer's state for one sequence: one token through
-    it, the graph built and never evaluated."""
+    """Elements of a recurrent layer's state for one sequence: one token through it."""
     probe = ArraysCache(size)
     try:
-        layer.linear_attn(mx.zeros((1, 1, layer.input_layernorm.weight.shape[0])), None, probe)
+        _one_token(layer, layer.linear_attn, probe)
         return sum(math.prod(x.shape) for x in probe.cache if x is not None)
     except Exception as e:
         raise UnsupportedModel(f"model type {model_type!r} is not supported yet: cannot tell the size of its "

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from runtime.cache_file import MANIFEST, model_key
+from tests.tiny import tiny_config
 
 
 def semantic(*args, env=None):
@@ -59,17 +60,16 @@ UNSUPPORTED = {  # tiny configs of mlx-lm model types whose caches Semantic cann
 def model_dir(path, config: dict, seed: int = 0):
     """A model directory as mlx-lm saves one: its own classes, random weights, the
     embedded model's tokenizer."""
-    import importlib
     import shutil
 
     import mlx.core as mx
     from mlx_lm.utils import save_config, save_model
 
+    from runtime.model_spec import build_model
     from runtime.models import resolve
 
     mx.random.seed(seed)
-    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    save_model(path, module.Model(module.ModelArgs.from_dict(config)))
+    save_model(path, build_model(config))
     save_config(config, path / "config.json")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(resolve("smollm2", progress=False) / name, path / name)
@@ -249,9 +249,8 @@ def test_serve_options_parse():
     assert (args.older_than, args.to) == (7 * 86400, 10 << 30)
 
 
-TINY_LLAMA = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-5, vocab_size=49152,
-                  tie_word_embeddings=True, max_position_embeddings=2048)
+EMBEDDED_VOCAB = 49152  # the tiny models take the embedded model's tokenizer
+TINY_LLAMA = tiny_config("llama", EMBEDDED_VOCAB)
 
 
 def test_serve_two_models_chosen_by_each_request(tmp_path):
@@ -298,43 +297,8 @@ def test_serve_refuses_two_models_of_one_name(tmp_path):
     assert out.returncode == 2 and "two models are named 'x'" in out.stderr and "Traceback" not in out.stderr
 
 
-FAMILIES = {  # tiny configs of the families Semantic serves, with the embedded model's vocabulary
-    "llama": TINY_LLAMA,
-    "qwen3": dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-6, vocab_size=49152,
-                  tie_word_embeddings=True, max_position_embeddings=2048, rope_theta=1e6),
-    "gemma3": dict(model_type="gemma3", vocab_size=49152, text_config=dict(
-        model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64, rms_norm_eps=1e-6, vocab_size=49152,
-        sliding_window=32, sliding_window_pattern=2, max_position_embeddings=2048)),
-    "deepseek_v2": dict(model_type="deepseek_v2", vocab_size=49152, hidden_size=64, intermediate_size=128,
-                        moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                        n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=64, q_lora_rank=None,
-                        qk_rope_head_dim=64, v_head_dim=64, qk_nope_head_dim=64, max_position_embeddings=2048,
-                        rope_scaling={"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 2048,
-                                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.0}),
-    "deepseek_v3": dict(model_type="deepseek_v3", vocab_size=49152, hidden_size=64, intermediate_size=128,
-                        moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                        n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=128, q_lora_rank=None,
-                        qk_rope_head_dim=64, v_head_dim=64, qk_nope_head_dim=64, max_position_embeddings=2048,
-                        n_group=1, topk_group=1),
-    "qwen3_next": dict(model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=64, linear_num_value_heads=2,
-                       linear_num_key_heads=2, linear_key_head_dim=64, linear_value_head_dim=64,
-                       linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
-                       shared_expert_intermediate_size=64, mlp_only_layers=[], moe_intermediate_size=32,
-                       rms_norm_eps=1e-6, vocab_size=49152, rope_theta=10000.0, partial_rotary_factor=0.25,
-                       max_position_embeddings=2048, full_attention_interval=4),
-    "qwen3_5": dict(model_type="qwen3_5", text_config=dict(
-        model_type="qwen3_5_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=64, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=64,
-        linear_value_head_dim=64, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, vocab_size=49152,
-        max_position_embeddings=2048, full_attention_interval=4, tie_word_embeddings=True)),
-    "gpt_oss": dict(model_type="gpt_oss", hidden_size=64, num_hidden_layers=2, intermediate_size=64,
-                    num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_local_experts=4,
-                    num_experts_per_tok=2, vocab_size=49152, sliding_window=32,
-                    layer_types=["sliding_attention", "full_attention"], max_position_embeddings=2048),
-}
+FAMILIES = {arch: tiny_config(arch, EMBEDDED_VOCAB) for arch in  # each family Semantic serves
+            ("llama", "qwen3", "gemma3", "deepseek_v2", "deepseek_v3", "qwen3_next", "qwen3_5", "gpt_oss")}
 
 
 def _serve_dir(path, cache_dir, log):
@@ -364,7 +328,7 @@ def test_each_family_keeps_its_agent_across_turns_and_a_restart(tmp_path, family
     log = tmp_path / "server.log"
     log.touch()
     _serve_dir.starts = {log: 0}
-    system = "You are a patient tutor who answers in short sentences. " * 10  # past a 32-token window
+    system = "You are a patient tutor who answers in short sentences. " * 10  # past the sliding windows
     questions = ["What is a river?", "Where does it start?", "Where does it end?", "Name a long one."]
     usage = []
     for half in (questions[:3], questions[3:]):  # three turns, a restart, the fourth

@@ -118,7 +118,12 @@ def tiny_model_with_tokenizer(arch: str, seed: int = 0):
     """``tiny_model(arch)`` with the embedded model's vocabulary, and that tokenizer,
     so real prompts and chat templates run through it."""
     tok = embedded_tokenizer()
-    config = dict(TINY_CONFIGS[arch], vocab_size=len(tok.get_vocab()))
+    return tiny_from_config(tiny_config(arch, len(tok.get_vocab())), seed), tok
+
+
+def tiny_config(arch: str, vocab_size: int) -> dict:
+    """``TINY_CONFIGS[arch]`` with another vocabulary (a wrapper's text model's too)."""
+    config = dict(TINY_CONFIGS[arch], vocab_size=vocab_size)
     if "text_config" in config:
-        config["text_config"] = dict(config["text_config"], vocab_size=config["vocab_size"])
-    return tiny_from_config(config, seed), tok
+        config["text_config"] = dict(config["text_config"], vocab_size=vocab_size)
+    return config
