@@ -2,7 +2,7 @@
 #   make serve  - the HTTP server (Anthropic, OpenAI and agent APIs) on 127.0.0.1:8000 (PORT=...)
 #   make run    - the embedded model answers a prompt (PROMPT="...")
 #   make test   - the test suite (with the Claude Code and Codex CLIs its client tests drive,
-#                 and chromium for the dashboard's browser test)
+#                 chromium for the dashboard's browser test and haproxy for the many-servers test)
 #   make example - examples/orchestrator.py: agents on the in-process actor API
 PYTHON ?= python3
 VENV := .venv
@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 PORT ?= 8000
 
-.PHONY: serve run test example setup blas model clients browser clean
+.PHONY: serve run test example setup blas model clients browser haproxy clean
 
 setup: $(VENV)/.installed blas
 
@@ -32,6 +32,10 @@ clients:
 browser:
 	@scripts/setup-browser.sh
 
+# haproxy (Debian) for the many-servers test (scripts/haproxy.cfg)
+haproxy:
+	@scripts/setup-haproxy.sh
+
 model: setup
 	$(BIN)/semantic prepare
 
@@ -41,7 +45,7 @@ serve: model
 run: model
 	$(BIN)/semantic generate --prompt "$(PROMPT)"
 
-test: model clients browser
+test: model clients browser haproxy
 	$(BIN)/pytest -q
 
 example: model

@@ -12,7 +12,9 @@ Layout (each module one job; only this file's names are public):
 * ``persistence`` -- writes caches and histories behind the turns;
 * ``eviction``    -- keeps hot caches under the budget's high watermark;
 * ``messages``    -- every message, one union per mailbox;
-* ``errors``      -- what callers may catch.
+* ``errors``      -- what callers may catch;
+* ``archive``     -- one agent's files as one archive, to move it to another
+                     server (``semantic cache export`` / ``import``).
 
 See ``docs/architecture.md`` ("The actor runtime") for who owns what.
 """

@@ -36,6 +36,7 @@ from runtime.models import LoadedModel
 
 from .errors import RuntimeClosed
 from .gpu_thread import Exited, GpuThread, Ready
+from .lockstep import Lockstep, watch
 from .messages import (
     BeginTurn, CancelTurn, DropCache, Failed, FlushCaches, ForkCache, GpuCommand, GpuDown, StopGpu, SwapModel,
     TurnFailed,
@@ -62,6 +63,8 @@ class GpuActor:
         engine_options: dict | None = None,
         model_idle_s: float | None = None,
         catalogue: dict[str, str | LoadedModel] | None = None,
+        group: mx.distributed.Group | None = None,
+        rank_timeout_s: float = 120.0,
     ):
         self.inbox: queue.SimpleQueue[GpuCommand] = queue.SimpleQueue()  # loop -> thread
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # thread -> loop: (sink | None, item, final)
@@ -69,11 +72,12 @@ class GpuActor:
         self._portal: BlockingPortal | None = None
         self._accepting = False
         self.error: SemanticError | None = None  # set when the GPU actor failed
+        self.rank_timeout_s = rank_timeout_s  # sharded: how long one GPU input may wait for the other ranks
         self.hot = HotSnapshot()  # replaced (never mutated) by the GPU thread
         self.batch = BatchSnapshot()  # likewise
         self._thread = GpuThread(
-            self, model, ModelRegistry(store, budget_bytes, engine_options or {}, catalogue),
-            persistence, eviction, model_idle_s,
+            self, model, ModelRegistry(store, budget_bytes, engine_options or {}, catalogue, group),
+            persistence, eviction, model_idle_s, lockstep=None if group is None else Lockstep(group),
         )
 
     # -- for other actors (event loop thread; none of these wait) ----------
@@ -148,6 +152,8 @@ class GpuActor:
             self._portal = portal
             thread = threading.Thread(target=self._thread.main, name="semantic-gpu")
             thread.start()
+            if self._thread.lockstep is not None:
+                watch(self._thread, self.rank_timeout_s)
             try:
                 await self._ready.wait()
                 if self._load_error is None:

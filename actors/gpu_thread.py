@@ -11,6 +11,10 @@ and a decode step).  The work is done by its parts: ``Scheduler`` (turns),
 (load, swap, idle unload), stop and failure.  A swap is asked for
 (``SwapModel``) or needed: the oldest waiting turn names another model.
 
+Sharded (``actors.lockstep``): on rank 0 every input -- a command, or one
+of the loop's own ticks -- is broadcast before the thread acts on it
+(``_act``); the other ranks' threads ``follow``, acting on the same inputs.
+
 Failure: an exception from an engine step is fatal (the batch's state is
 unknown): every turn in flight and waiting fails with ``RuntimeUnhealthy``, the
 engine is dropped, the runtime is marked unhealthy, and the thread keeps
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -30,6 +35,7 @@ from runtime.errors import SemanticError
 
 from .cache_commands import CacheCommands
 from .errors import RuntimeClosed, RuntimeUnhealthy, TurnError
+from .lockstep import IDLE, PROGRESS, STEP, Failure
 from .messages import (
     BeginTurn, CacheRead, CacheWritten, CancelTurn, Demote, Done, DropCache, Failed, FlushCaches, ForkCache, GpuDown,
     StopGpu, SwapModel,
@@ -57,8 +63,9 @@ class GpuThread:
     """Every field is touched only on the GPU thread (``steps`` and the parts'
     counters are read elsewhere for stats only)."""
 
-    def __init__(self, actor, model, registry, persistence, eviction, model_idle_s):
+    def __init__(self, actor, model, registry, persistence, eviction, model_idle_s, lockstep=None):
         self.model = model  # what to load first
+        self.lockstep = lockstep  # a sharded model's ranks (``actors.lockstep.Lockstep``), else None
         self.registry = registry
         self.model_idle_s = model_idle_s
         self.inbox = actor.inbox
@@ -71,6 +78,7 @@ class GpuThread:
         self.failed: RuntimeUnhealthy | None = None
         self.stopping = False
         self.steps = 0
+        self.acting_since: float | None = None  # monotonic time the input being acted on began (a watchdog reads it)
 
     def main(self) -> None:
         try:
@@ -85,7 +93,7 @@ class GpuThread:
                 try:
                     self._serve()
                 except Exception as e:  # an engine step, or a bug in this loop
-                    self._fatal(e)
+                    self._act(Failure(f"{type(e).__name__}: {e}"), cause=e)
         finally:
             try:
                 self.write_behind.hand_over_dirty()
@@ -105,14 +113,59 @@ class GpuThread:
     def _hot_changed(self) -> None:
         self.publisher.hot(self.registry.caches)
 
+    def follow(self) -> None:
+        """(A rank other than 0 of a sharded model) Act on rank 0's inputs until it stops."""
+        try:
+            self._load(self.model)
+            while not self.stopping:
+                event = self.lockstep.receive(self._read_own)
+                try:
+                    self._apply(event)
+                except Exception as e:
+                    # Rank 0 failed on the same input (then its Failure comes next), or this rank alone did.
+                    if not isinstance(nxt := self.lockstep.receive(lambda agent: None), Failure):
+                        raise SemanticError(f"rank {self.lockstep.rank} failed where rank 0 did not: {e!r}") from e
+                    self._apply(nxt, cause=e)
+        finally:
+            self.write_behind.hand_over_dirty()
+            self.registry.loaded = self.registry.engine = self.registry.caches = None
+            mx.synchronize()
+
+    def _read_own(self, agent_id: str):
+        """(A follower) This rank's shard of an agent's warm cache, from its own files."""
+        caches = self.registry.caches
+        return None if caches is None else caches.store.read(agent_id, caches.model_id, caches.spec.hash)
+
+    def _act(self, event, cause: Exception | None = None) -> None:
+        """Act on one input; on rank 0 of a sharded model, broadcast it first."""
+        self.acting_since = time.monotonic()
+        try:
+            if self.lockstep is not None:
+                event = self.lockstep.send(event)
+            self._apply(event, cause)
+        finally:
+            self.acting_since = None
+
+    def _apply(self, event, cause: Exception | None = None) -> None:
+        if event == STEP:
+            self.scheduler.step()
+            self.steps += 1
+            self._progress()
+        elif event == PROGRESS:
+            self._progress()
+        elif event == IDLE:
+            self._idle_unload()
+        elif isinstance(event, Failure):
+            self._fatal(cause or SemanticError(event.error))
+        else:
+            self._handle(event)
+
     def _serve(self) -> None:
         s = self.scheduler
         while not self.stopping:
             self._drain(block=self._idle())
             if not self.stopping and not self._idle():
-                s.step()
-                self.steps += 1
-                self._progress()
+                self._act(STEP)
             self.publisher.batch(s.turns, s.waiting, s.generated)
 
     def _idle(self) -> bool:
@@ -123,16 +176,19 @@ class GpuThread:
         if block:
             timeout = self.model_idle_s if self.registry.loaded is not None and not self.scheduler.waiting else None
             try:
-                self._handle(self.inbox.get(timeout=timeout))
+                command = self.inbox.get(timeout=timeout)
             except queue.Empty:
-                self._idle_unload()
+                self._act(IDLE)
+            else:
+                self._act(command)
         while not self.stopping:
             try:
                 command = self.inbox.get_nowait()
             except queue.Empty:
                 break
-            self._handle(command)
-        self._progress()
+            self._act(command)
+        if not self.stopping:  # a follower stops at StopGpu: nothing may be broadcast after it
+            self._act(PROGRESS)
 
     def _handle(self, cmd) -> None:
         s, caches = self.scheduler, self.cache_commands

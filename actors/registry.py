@@ -60,7 +60,8 @@ class ModelRegistry:
     """The loaded model, its ``Engine`` and its ``HotCaches`` (GPU thread only)."""
 
     def __init__(self, store: CacheStore, budget_bytes: int | None, engine_options: dict,
-                 catalogue: dict[str, str | LoadedModel] | None = None):
+                 catalogue: dict[str, str | LoadedModel] | None = None, group: mx.distributed.Group | None = None):
+        self.group = group  # load this rank's shard of every model (``actors.lockstep``)
         self.catalogue = catalogue or {}  # models turns may name (``runtime.models.catalogue``)
         self.store = store
         self.budget_bytes = budget_bytes
@@ -77,12 +78,18 @@ class ModelRegistry:
         failure nothing is loaded."""
         assert self.loaded is None, "load() over a loaded model: unload() first"
         source = self.catalogue.get(model, model) if isinstance(model, str) else model
-        loaded = source if isinstance(source, LoadedModel) else load(source, progress=False)
+        loaded = source if isinstance(source, LoadedModel) else load(source, progress=False, group=self.group)
         if isinstance(model, str):
             loaded.name = model  # the name turns ask for it by
         engine = Engine(loaded.model, loaded.tokenizer, **self.engine_options)
-        caches = open_caches(loaded, self.store, self.budget_bytes, working_copy=engine.float_attention, cls=HotCaches,
-                             kv_bits=engine.kv_bits)
+        def caches_in(budget: int | None) -> HotCaches:
+            return open_caches(loaded, self.store, budget, working_copy=engine.float_attention, cls=HotCaches,
+                               kv_bits=engine.kv_bits)
+
+        caches = caches_in(self.budget_bytes)
+        if self.group is not None and self.budget_bytes is None:
+            # Every rank must decide alike (admit, evict, preempt): all take the smallest default budget.
+            caches = caches_in(_smallest(caches.budget.budget_bytes, self.group))
         caches.demotions, caches.prefix_drops = self._counts
         self.loaded, self.caches, self.name, self.engine = loaded, caches, loaded.name, engine
         log.info("model %s loaded; KV budget %.0f MiB", loaded.name, caches.budget.budget_bytes / 2**20)
@@ -99,3 +106,8 @@ class ModelRegistry:
     @property
     def context_length(self) -> int:
         return self.loaded.context_length if self.loaded else 0
+
+
+def _smallest(n: int, group: mx.distributed.Group) -> int:
+    """The smallest ``n`` over the ranks of ``group`` (in MiB: int32 on the wire)."""
+    return int(mx.distributed.all_min(mx.array([n >> 20], dtype=mx.int32), group=group).item()) << 20

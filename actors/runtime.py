@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -46,6 +47,10 @@ from runtime.paths import agents_dir
 from runtime.prefix import encode
 from runtime.turns import render
 
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+from .lockstep import follow
 from .agent import AgentActor, AgentContext, AgentSlot, request
 from .errors import AgentExists, AgentGone, RuntimeClosed, TurnCancelled, UnknownModel
 from .eviction import EvictionActor
@@ -119,6 +124,8 @@ class Runtime:
         disk_budget: int | None = None,
         conversation_ttl_s: float | None = None,
         prune_interval_s: float = 60.0,
+        group: mx.distributed.Group | None = None,
+        rank_timeout_s: float = 120.0,
     ) -> AsyncIterator[Runtime]:
         """Open a runtime; leaving the block shuts it down (see the module docstring).
 
@@ -144,7 +151,11 @@ class Runtime:
         this long are removed with their history (None: never).  Both are
         checked at start, at most every ``prune_interval_s`` after writes, and
         at once when writes go over the budget (``runtime.disk``,
-        ``actors.persistence``).
+        ``actors.persistence``).  ``group``: this process is rank 0 of an
+        ``mx.distributed`` group whose ranks each hold a tensor-parallel shard
+        of the model and follow this one's GPU thread (``actors.lockstep``);
+        when one engine input waits longer than ``rank_timeout_s`` for them (a
+        rank died), this process ends.
 
         Raises ``ModelError`` when the model cannot be loaded, ``ValueError`` for
         bad settings.
@@ -162,8 +173,8 @@ class Runtime:
                                        conversation_ttl_s=conversation_ttl_s, prune_interval_s=prune_interval_s)
         eviction = EvictionActor(*eviction_watermarks)
         gpu = GpuActor(next(iter(catalogue)), store, budget, persistence.mailbox, eviction.mailbox,
-                       engine_options={"max_chunk": prefill_chunk, "kv_bits": kv_bits}, model_idle_s=model_idle_s,
-                       catalogue=catalogue)
+                       engine_options=_engine_options(prefill_chunk, kv_bits), model_idle_s=model_idle_s,
+                       catalogue=catalogue, group=group, rank_timeout_s=rank_timeout_s)
         persistence.gpu = eviction.gpu = gpu
         try:
             async with anyio.create_task_group() as tg:
@@ -178,14 +189,35 @@ class Runtime:
                 finally:
                     with anyio.CancelScope(shield=True):
                         await rt._shutdown()
-        except BaseExceptionGroup as group:
+        except BaseExceptionGroup as errors:
             # Task groups wrap even a lone error (the caller's own, or ModelError at start): unwrap it.
-            lone = group
+            lone = errors
             while isinstance(lone, BaseExceptionGroup) and len(lone.exceptions) == 1:
                 lone = lone.exceptions[0]
             if isinstance(lone, BaseExceptionGroup):
                 raise
             raise lone from None
+
+    @staticmethod
+    def follow(
+        group: mx.distributed.Group,
+        model: str = "smollm2",
+        cache_dir: str | Path | None = None,
+        budget: int | None = None,
+        *,
+        models: Iterable[str] = (),
+        prefill_chunk: int = 256,
+        kv_bits: int = 4,
+    ) -> None:
+        """Serve as a rank other than 0 of a sharded model, until rank 0's runtime
+        closes: this rank's shard of the weights, and its shard of every agent's
+        KV cache in its own files under ``cache_dir``.  Give the settings rank 0's
+        ``open`` got.  Raises ``ModelError``, or ``SemanticError`` when this rank
+        cannot follow rank 0."""
+        catalogue = models_catalogue([model, *models])
+        root = Path(cache_dir) if cache_dir is not None else agents_dir()
+        follow(group, next(iter(catalogue)), catalogue, CacheStore(root), budget,
+               _engine_options(prefill_chunk, kv_bits))
 
     # -- the API -------------------------------------------------------------------
 
@@ -720,3 +752,7 @@ class Reply:
     def _finish(self) -> None:
         self._done = True
         self._events.close()
+
+
+def _engine_options(prefill_chunk: int, kv_bits: int) -> dict:
+    return {"max_chunk": prefill_chunk, "kv_bits": kv_bits}

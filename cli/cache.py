@@ -66,7 +66,29 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.action == "prune":
         return _prune(args, root, histories)
+    if args.action in ("export", "import"):
+        return _move(args, root)
     raise AssertionError(args.action)
+
+
+def _move(args: argparse.Namespace, root: Path) -> int:
+    """``export``: one agent's files to an archive; ``import``: an archive's agent into ``root``."""
+    from actors.archive import ArchiveError, export_agent, import_agent
+
+    try:
+        if args.action == "export":
+            summary, left_out = export_agent(root, validate_agent_id(args.agent), Path(args.output))
+            for note in left_out:  # plain print: one line each, whatever the terminal's width
+                print(f"left out {note}")
+            print(f"exported {summary.agent_id} to {args.output}: {summary.describe()}")
+        else:
+            summary = import_agent(root, Path(args.archive), replace=args.replace)
+            print(f"imported {summary.agent_id} into {root}: {summary.describe()}")
+    except ArchiveError as e:
+        raise SemanticError(f"{args.archive}: {e}" if args.action == "import" else str(e)) from None
+    except OSError as e:
+        raise SemanticError(f"cache {args.action}: {e}") from None
+    return 0
 
 
 def _listing(store: CacheStore, histories: Path) -> list[dict]:

@@ -47,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
 
     from .serve import parse_bytes, parse_duration  # argparse only: cheap
 
-    cache = sub.add_parser("cache", help="agents' cache files on disk: ls, verify, rm, du, prune")
+    cache = sub.add_parser("cache", help="agents' cache files on disk: ls, verify, rm, du, prune, export, import")
     cache.add_argument("--cache-dir", help="where agent caches live (default ~/.cache/semantic/agents)")
     actions = cache.add_subparsers(dest="action", required=True, metavar="ACTION")
     p = actions.add_parser("ls", help="list agents on disk: agent, model, tokens, bytes, tier, last use")
@@ -65,6 +65,14 @@ def parser() -> argparse.ArgumentParser:
                    help="then remove quarantined files and the least recently used caches until the directory "
                         "holds at most this much (e.g. 10G)")
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    p = actions.add_parser("export", help="write an agent (its history and its cache for every model) to one archive, "
+                                          "to move it to another server (docs/scaling.md)")
+    p.add_argument("agent")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="the archive to write (a tar)")
+    p = actions.add_parser("import", help="put an agent from an archive of 'cache export' into the cache directory, "
+                                          "checked first (the server on it stopped; a running one: docs/scaling.md)")
+    p.add_argument("archive", metavar="FILE")
+    p.add_argument("--replace", action="store_true", help="replace the agent if the directory holds one of its id")
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
     p = bench.add_parser("model", help="prefill and decode tokens/s of one sequence (median of runs)")
@@ -87,7 +95,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="contexts 1024,2048,4096")
     _add_json(p, "the results")
 
-    p = bench.add_parser("concurrency", help="agents at once through the actor runtime: throughput, TTFT, loop lateness")
+    p = bench.add_parser("concurrency",
+                         help="agents at once through the actor runtime: throughput, TTFT, loop lateness")
     _add_model(p)
     p.add_argument("--context", type=int, help="prompt tokens per agent (default 1024; --quick 256)")
     p.add_argument("--tokens", type=int, help="tokens each agent generates (default 128; --quick 64)")
@@ -110,6 +119,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=4096, help="tokens of the cache loaded and written (default 4096)")
     p.add_argument("--tokens", type=int, default=48, help="tokens the decoding agent generates (default 48)")
     p.add_argument("--rounds", type=int, default=10, help="rounds; medians are reported (default 10)")
+    _add_json(p, "the results")
+
+    p = bench.add_parser("sharded", help="decode with the model sharded over ranks (mlx.launch) vs one process")
+    _add_model(p)
+    p.add_argument("--ranks", type=int, default=3, help="processes the model is sharded over (default 3)")
+    p.add_argument("--context", type=int, default=512, help="tokens of context per sequence (default 512)")
+    p.add_argument("--quick", action="store_true", help="fewer steps and repeats (a few minutes on 2 cores)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one rank, under mlx.launch
+    p.add_argument("--steps", type=int, default=24, help=argparse.SUPPRESS)
+    p.add_argument("--repeats", type=int, default=3, help=argparse.SUPPRESS)
     _add_json(p, "the results")
 
     p = bench.add_parser("compare", help="`semantic serve` against mlx_lm.server over HTTP, side by side")

@@ -69,6 +69,12 @@ def add_parser(sub) -> None:
                         f"(default: {EMBEDDED_MAX_TOKENS} on the embedded model, else the model's context length)")
     p.add_argument("--max-body-bytes", type=parse_bytes, default=32 << 20,
                    help="largest request body (default 32M)")
+    p.add_argument("--distributed", action="store_true",
+                   help="run under mlx.launch: the model is sharded over the ranks (tensor parallel); rank 0 "
+                        "serves HTTP, the others follow it (docs/scaling.md)")
+    p.add_argument("--rank-timeout", type=parse_duration, default=120, metavar="DURATION",
+                   help="with --distributed: end the group when one engine step waits this long for the other ranks "
+                        "(a rank died), e.g. 2m (default 2m)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,15 +86,20 @@ def run(args: argparse.Namespace) -> int:
     from web.server import bind, run as run_server
 
     cache_dir = args.cache_dir or agents_dir()
-    disk_budget = args.disk_budget or disk.default_budget(cache_dir)
     first, *more = args.model or [embedded.NAME]
+    group = _join_group() if args.distributed else None
+    if group is not None and group.rank() != 0:
+        return _follow(args, group, cache_dir, first, more)
+    disk_budget = args.disk_budget or disk.default_budget(cache_dir)
     try:
         models = catalogue([first, *more])
         config = ServerConfig(model=first, models=tuple(more), model_idle_s=args.model_idle, cache_dir=cache_dir,
                               budget=args.budget, kv_bits=args.kv_bits, api_key=args.api_key,
                               max_tokens_cap=args.max_tokens_cap or _default_cap(models),
                               max_body_bytes=args.max_body_bytes,
-                              disk_budget=disk_budget, conversation_ttl_s=args.conversation_ttl)
+                              disk_budget=disk_budget, conversation_ttl_s=args.conversation_ttl,
+                              runtime_options={} if group is None else
+                              {"group": group, "rank_timeout_s": args.rank_timeout})
     except ValueError as e:
         raise SemanticError(str(e)) from None
     sock = bind(args.host, args.port)
@@ -111,6 +122,31 @@ def run(args: argparse.Namespace) -> int:
 
     run_server(config, sock, backend=args.backend, on_ready=ready)
     say("stopped; caches are on disk")
+    return 0
+
+
+def _join_group():
+    """This process's group under ``mlx.launch``; SemanticError when it was not launched so."""
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    if group.size() < 2:
+        raise SemanticError("--distributed runs under mlx.launch, one process per rank, e.g. "
+                            "'mlx.launch --backend ring -n 3 semantic serve --distributed' (docs/scaling.md)")
+    return group
+
+
+def _follow(args: argparse.Namespace, group, cache_dir, first: str, more: list[str]) -> int:
+    """A rank other than 0: no HTTP; it follows rank 0 until rank 0 stops."""
+    import signal
+
+    from actors.runtime import Runtime
+
+    # Ctrl-C reaches every rank of mlx.launch: rank 0 stops the group, in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    say(f"rank {group.rank()} of {group.size()}: following rank 0")
+    Runtime.follow(group, first, cache_dir, args.budget, models=more, kv_bits=args.kv_bits)
+    say(f"rank {group.rank()} stopped; its caches are on disk")
     return 0
 
 

@@ -285,10 +285,12 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def cache_model_id(model_name: str, kv_bits: int = 4) -> str:
-    """Whose caches these are: the model's name, and the KV bits when not the default
-    4 (caches of one model at 8 bits live apart from its 4-bit ones)."""
-    return model_name if kv_bits == 4 else f"{model_name}@kv{kv_bits}"
+def cache_model_id(model_name: str, kv_bits: int = 4, shard: tuple[int, int] | None = None) -> str:
+    """Whose caches these are: the model's name, the KV bits when not the default
+    4 (caches of one model at 8 bits live apart from its 4-bit ones) and, for a
+    tensor-parallel shard, its rank and the group size (each rank keeps its own KV heads)."""
+    model_id = model_name if kv_bits == 4 else f"{model_name}@kv{kv_bits}"
+    return model_id if shard is None else f"{model_id}@rank{shard[0]}of{shard[1]}"
 
 
 def open_caches(loaded, root=None, budget_bytes: int | None = None, working_copy: bool = False,
@@ -313,4 +315,4 @@ def open_caches(loaded, root=None, budget_bytes: int | None = None, working_copy
     budget = KVBudget(loaded.spec, budget_bytes, bits=kv_bits, sliding_dtype_bytes=loaded.dtype.size,
                       working_dtype_bytes=working)
     store = root if isinstance(root, CacheStore) else CacheStore(root or agents_dir())
-    return cls(store, cache_model_id(loaded.name, kv_bits), loaded.spec, budget)
+    return cls(store, cache_model_id(loaded.name, kv_bits, loaded.spec.shard), loaded.spec, budget)

@@ -62,6 +62,7 @@ class ModelCacheSpec:
     layers: tuple[LayerKind, ...]
     attention_sinks: bool
     v_head_dim: int | None = None  # MLA (DeepSeek): the cached values' width; None: as wide as the keys
+    shard: tuple[int, int] | None = None  # (rank, ranks) of a tensor-parallel shard: its KV heads only
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "ModelCacheSpec":
@@ -147,7 +148,7 @@ class ModelCacheSpec:
         """Stable hash that tags cache files: a cache is only valid for an equal spec."""
         fields = asdict(self)
         for d in (fields, *fields["layers"]):  # fields added later count only when set: older files stay valid
-            for name in ("v_head_dim", "state"):
+            for name in ("v_head_dim", "state", "shard"):
                 if d.get(name, 0) is None:
                     del d[name]
         blob = json.dumps(fields, sort_keys=True).encode()

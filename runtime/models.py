@@ -10,7 +10,7 @@ Metal the 4-bit weights stay as they are.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -80,8 +80,11 @@ def resolve(name: str, progress: bool = True) -> Path | str:
     )
 
 
-def load(name: str = embedded.NAME, progress: bool = True) -> LoadedModel:
-    """Load a model and its tokenizer for this device.  Raises ModelError."""
+def load(name: str = embedded.NAME, progress: bool = True, group: mx.distributed.Group | None = None) -> LoadedModel:
+    """Load a model and its tokenizer for this device; with a ``group`` of more
+    than one rank, only this rank's tensor-parallel shard (mlx-lm's ``shard``:
+    its share of the heads and of the MLP; the layers' outputs meet in an
+    all-reduce).  Raises ModelError."""
     from mlx_lm.utils import dequantize_model
     from mlx_lm.utils import load as mlx_lm_load
 
@@ -101,9 +104,23 @@ def load(name: str = embedded.NAME, progress: bool = True) -> LoadedModel:
         dtype = mx.float32
     else:
         dtype = _param_dtype(model)
+    spec = ModelCacheSpec.from_model(model)
+    if group is not None and group.size() > 1:
+        spec = _shard(model, spec, group, name)
     mx.eval(model.parameters())
     path = Path(where) if isinstance(where, Path) else Path(getattr(tokenizer, "name_or_path", where))
-    return LoadedModel(name, path, model, tokenizer, config, ModelCacheSpec.from_model(model), dtype)
+    return LoadedModel(name, path, model, tokenizer, config, spec, dtype)
+
+
+def _shard(model: nn.Module, spec: ModelCacheSpec, group: mx.distributed.Group, name: str) -> ModelCacheSpec:
+    """Keep this rank's shard of ``model`` (in place); the spec of its cache."""
+    ranks = group.size()
+    if not hasattr(model, "shard"):
+        raise ModelError(f"{name}: mlx-lm's {spec.model_type} model cannot be sharded (it has no shard())")
+    if spec.n_kv_heads % ranks:
+        raise ModelError(f"{name}: its {spec.n_kv_heads} KV heads do not split evenly over {ranks} ranks")
+    model.shard(group)
+    return replace(ModelCacheSpec.from_model(model), shard=(group.rank(), ranks))
 
 
 def load_tokenizer(name: str):

@@ -12,12 +12,16 @@ and the point of its history to go on from), and answer JSON or stream SSE.
 A request refused before its first event gets a
 plain HTTP error in its protocol's shape, streaming or not; a failure later
 in a stream is an error event. The guard in front of the routes checks the
-API key, caps the body size and the time a client may take to send it.
+API key, caps the body size and the time a client may take to send it (an
+agent's import reads its archive itself, to disk: it may be any size).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -27,14 +31,16 @@ from pathlib import Path
 
 import anyio
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from actors import Agent, AgentExists, AgentGone, Runtime, TurnError, UnknownModel
+from actors import archive
 from runtime.cache_file import InvalidAgentId
+from runtime.disk import NoRoom, check_room
 from runtime.models import catalogue
 from runtime.errors import SemanticError
 
@@ -54,6 +60,7 @@ log = logging.getLogger("semantic.web")
 STATIC_DIR = Path(__file__).parent / "static"  # the dashboard page (package data)
 STATIC_PREFIX = "/dashboard/static"
 _OPEN_PATHS = ("/health", "/")  # no key needed: no data there (the page asks for the key itself)
+_IMPORT_PATH = re.compile(r"/v1/agents/[^/]+/import")  # reads its own body: an archive may be any size
 EVENTS_KEEP_ALIVE_S = 15.0
 
 
@@ -127,6 +134,7 @@ def create_app(config: ServerConfig, on_ready: Callable[[Runtime], None] | None 
         Route("/v1/agents/{agent_id:path}/messages", s.agent_turn, methods=["POST"]),
         Route("/v1/agents/{agent_id:path}/fork", s.fork_agent, methods=["POST"]),
         Route("/v1/agents/{agent_id:path}/demote", s.demote_agent, methods=["POST"]),
+        Route("/v1/agents/{agent_id:path}/import", s.import_agent, methods=["POST"]),
         Route("/v1/agents/{agent_id:path}", s.get_agent, methods=["GET"]),
         Route("/v1/agents/{agent_id:path}", s.delete_agent, methods=["DELETE"]),
         Route("/v1/models", s.models, methods=["GET"]),
@@ -172,6 +180,7 @@ class _Server:
         self.hub = EventHub()
         self.dashboard: Dashboard | None = None
         self.started = time.time()
+        self.importing = anyio.Lock()  # one import at a time: its check that the agent is new holds until it is in
 
     async def start(self, rt: Runtime) -> None:
         self.rt = rt
@@ -376,6 +385,71 @@ class _Server:
         self.dashboard.changed(agent.id)
         return JSONResponse({"id": agent.id, "demote": "requested"}, status_code=202)
 
+    async def import_agent(self, request: Request) -> Response:
+        """An agent from another server: the body is its archive (``semantic cache
+        export``), checked whole before any of it is put in place; then indexed, so
+        stateless clients find its conversation at once. Never replaces an agent."""
+        try:
+            agent_id = checked_agent_id(request.path_params["agent_id"], "agent id")
+            await self._check_new(agent_id)  # before the upload: no need to wait for it to say no
+            upload = await self._receive_archive(request)
+            try:
+                async with self.importing:
+                    await self._check_new(agent_id)
+                    summary = await anyio.to_thread.run_sync(
+                        lambda: archive.import_agent(self.rt.cache_dir, upload, agent_id=agent_id))
+            except archive.ArchiveError as e:
+                raise RequestError(400, str(e)) from None
+            except AgentExists as e:
+                raise RequestError(409, str(e)) from None
+            except OSError as e:
+                raise _disk_error(e) from None
+            finally:
+                upload.unlink(missing_ok=True)
+            [info] = await self.rt.agents(only=agent_id)
+        except RequestError as err:
+            return _error(request.url.path, err)
+        self.core.index.record(agent_id, info.history)
+        self.dashboard.changed(agent_id)
+        caches = [{"model": model, "tokens": tokens} for model, tokens in summary.caches]
+        return JSONResponse({**agents.agent_json(info), "imported": {"caches": caches, "bytes": summary.bytes}},
+                            status_code=201)
+
+    async def _check_new(self, agent_id: str) -> None:
+        """409 unless this server has nothing of ``agent_id``: no agent, no file."""
+        if await self.rt.agents(only=agent_id):
+            raise RequestError(409, f"agent {agent_id!r} exists on this server; delete it first to replace it")
+        if archive.agent_files(self.rt.cache_dir, agent_id):  # a crash between a first cache and its history
+            raise RequestError(409, f"this server holds cache files of {agent_id!r} but no history; remove them "
+                                    f"first ('semantic cache rm {agent_id}', the server stopped)")
+
+    async def _receive_archive(self, request: Request) -> Path:
+        """The request's body, written to a temp file in the cache directory as it
+        arrives; each piece must come within the body timeout."""
+        root, timeout = self.rt.cache_dir, self.config.body_timeout_s
+        path = root / f"{archive.UPLOAD_PREFIX}{os.getpid()}-{secrets.token_hex(4)}.tar"
+        size = request.headers.get("content-length", "")
+        try:
+            if size.isdigit():
+                check_room(root, int(size))
+            async with await anyio.open_file(path, "xb") as f:
+                chunks = request.stream()
+                while True:
+                    with anyio.move_on_after(timeout) as timer:
+                        chunk = await anext(chunks, None)
+                    if timer.cancelled_caught:
+                        raise RequestError(408, f"the archive stopped arriving for {timeout:g} s")
+                    if chunk is None:
+                        return path
+                    await f.write(chunk)
+        except BaseException as e:
+            path.unlink(missing_ok=True)
+            if isinstance(e, ClientDisconnect):
+                raise RequestError(400, "the client went away before the whole archive arrived") from None
+            if isinstance(e, OSError):
+                raise _disk_error(e) from None
+            raise
+
     async def agent_turn(self, request: Request) -> Response:
         try:
             agent = await self._known(request.path_params["agent_id"])
@@ -427,6 +501,13 @@ class _Server:
     async def metrics_text(self, request: Request) -> Response:
         memory, disk = await anyio.to_thread.run_sync(memory_and_disk, self.rt)
         return Response(self.metrics.render(self.rt.stats(), memory, disk), media_type=CONTENT_TYPE_LATEST)
+
+
+def _disk_error(e: OSError) -> RequestError:
+    """An archive that could not be written or unpacked: 507 when the disk is full."""
+    if isinstance(e, NoRoom) or e.errno == errno.ENOSPC:
+        return RequestError(507, f"no room for the archive: {e}")
+    return RequestError(500, f"the archive could not be written here: {e}")
 
 
 async def _answer(request: Request, turn: ChatTurn, stream: bool, protocol) -> Response:
@@ -483,7 +564,7 @@ async def _final(items: AsyncIterator[StreamItem]) -> ChatResult:
 class _Guard:
     """In front of every route: the API key, the body size limit, and how long
     a client may take to send its body. The body is read here whole and
-    replayed to the route."""
+    replayed to the route (but an import's, which the route streams to disk)."""
 
     def __init__(self, app: ASGIApp, config: ServerConfig):
         self.app = app
@@ -493,11 +574,14 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
+        streamed = scope["method"] == "POST" and _IMPORT_PATH.fullmatch(path)  # the route reads it, to disk
         try:
             self._authorize(scope)
-            body = await self._body(scope, receive)
+            body = b"" if streamed else await self._body(scope, receive)
         except RequestError as err:
             return await _error(path, err)(scope, receive, send)
+        if streamed:
+            return await self.app(scope, receive, send)
         replayed = False
 
         async def replay() -> dict:

@@ -39,7 +39,7 @@ from runtime.errors import ModelError, SemanticError
 from runtime.outcome import TurnResult
 
 from ._aio import closing
-from .identity import ConversationIndex, new_conversation_id
+from .identity import ConversationIndex, forked_conversation_id, new_conversation_id
 from .metrics import Metrics
 from .reasoning import CLOSE, OPEN, ReasoningSplitter, split_reasoning
 from .schema import ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, TextDelta, Usage
@@ -179,7 +179,7 @@ class ChatCore:
         if agent_id is not None:
             checked_agent_id(agent_id, "X-Agent-Id" if agent_id == req.agent_id else "agent")
         if fork_from is not None:
-            agent_id = new_conversation_id(req.hint)
+            agent_id = forked_conversation_id(fork_from)  # routed as its source (docs/scaling.md)
         else:
             agent_id = agent_id or self.index.match(prepared.messages, req.hint) or new_conversation_id(req.hint)
         with self._claimed(agent_id) as release:  # before any await: no other request takes it meanwhile

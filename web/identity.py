@@ -16,7 +16,8 @@ A client's session key (Claude Code's ``X-Claude-Code-Session-Id``,
 OpenAI's ``prompt_cache_key`` or ``user``) is a *hint*, never an agent id: one
 Claude Code session holds several conversations (the main one, each
 sub-agent, the title request), each with its own agent. The hint goes into
-the ids of the agents its conversations create (``conv-<hint hash>-<n>``),
+the ids of the agents its conversations create (``conv-<hint hash>-<n>``; a
+load balancer routes by that hash, ``route_scope``),
 and when no stored conversation is a prefix of the request (the client edited
 or compacted its history), the request takes over the session's agent whose
 conversation shares the most leading messages with it -- at least the first,
@@ -43,10 +44,12 @@ from actors import Message
 from .reasoning import answer_text
 from .tools import ToolFormat, parse_tool_calls
 
-__all__ = ["ConversationIndex", "message_key", "new_conversation_id", "state_hash"]
+__all__ = ["ConversationIndex", "forked_conversation_id", "message_key", "new_conversation_id", "route_scope",
+           "state_hash"]
 
 
 _SCOPED = re.compile(r"conv-([0-9a-f]{12})-[0-9a-f]{8}")
+_UNSCOPED = re.compile(r"conv-[0-9a-f]{16}")
 
 
 def _scope(hint: str) -> str:
@@ -55,7 +58,29 @@ def _scope(hint: str) -> str:
 
 def new_conversation_id(hint: str | None = None) -> str:
     """A fresh id for an anonymous conversation (carrying its session hint's scope)."""
-    return f"conv-{_scope(hint)}-{secrets.token_hex(4)}" if hint else "conv-" + secrets.token_hex(8)
+    return _scoped_id(_scope(hint)) if hint else "conv-" + secrets.token_hex(8)
+
+
+def route_scope(agent_id: str) -> str | None:
+    """What a load balancer hashes to route ``agent_id``'s requests
+    (``scripts/haproxy.cfg``): a session's conversation by its scope, as its
+    session hint routes; an anonymous conversation without one (``conv-<16
+    hex>``) by nothing here (None: the balancer uses the client's address);
+    any other agent by the scope of its id."""
+    if m := _SCOPED.fullmatch(agent_id):
+        return m[1]
+    return None if _UNSCOPED.fullmatch(agent_id) else _scope(agent_id)
+
+
+def forked_conversation_id(source: str) -> str:
+    """A fresh id for a fork of ``source`` (an older response id continued):
+    routed as ``source`` is, so the fork's next turns reach the server that holds it."""
+    scope = route_scope(source)
+    return _scoped_id(scope) if scope else new_conversation_id()
+
+
+def _scoped_id(scope: str) -> str:
+    return f"conv-{scope}-{secrets.token_hex(4)}"
 
 
 def state_hash(messages: Iterable[Message]) -> str:

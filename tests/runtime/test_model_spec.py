@@ -1,6 +1,8 @@
 """ModelCacheSpec against published configs (built without weights) and tiny
 random-weight models of each architecture (actually run)."""
 
+from dataclasses import replace
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
@@ -105,6 +107,8 @@ def test_spec_hash_is_stable_and_distinguishing():
     c = ModelCacheSpec.from_model(build_model(dict(SMOLLM2_135M, num_hidden_layers=29)))
     assert a.hash == b.hash != c.hash
     assert a.hash == "da118edc5265ef23"  # as before fields were added: cache files written then stay valid
+    shards = {replace(a, shard=(rank, 3)).hash for rank in range(3)}  # each rank's files: its own KV heads
+    assert len(shards) == 3 and a.hash not in shards
 
 
 @pytest.mark.parametrize("arch", TINY_CONFIGS)

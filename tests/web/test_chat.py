@@ -3,13 +3,14 @@ flattened), and how the conversation index finds an agent by content."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 from actors import Message
 from runtime.outcome import TurnResult
 from web.anthropic import parse_request
 from web.chat import chat_result, context_first, prepare
-from web.identity import ConversationIndex, new_conversation_id
+from web.identity import ConversationIndex, forked_conversation_id, new_conversation_id, route_scope
 
 from .test_anthropic import CLAUDE_CODE
 
@@ -89,6 +90,20 @@ def test_a_session_hint_lets_an_edited_conversation_keep_its_agent_but_never_ano
     idx.claim(main_id)
     assert idx.match(edited, "s1") is None  # a concurrent request never shares a running agent
     assert idx.match((main, u1, a1, u2, a1, u2), "s1") == other_id  # a proper prefix wins, whatever the session
+
+
+def test_a_fork_is_routed_as_its_source():
+    """What a load balancer hashes (scripts/haproxy.cfg): a session's conversations the
+    scope of the session hint, other agents that of their id, a conversation without a
+    hint nothing (the client's address); a fork (an older response id continued) the
+    same as its source, whatever the request's hint, so it stays on its source's server."""
+    scope = hashlib.sha256(b"s1").hexdigest()[:12]
+    session, anonymous = new_conversation_id("s1"), new_conversation_id()
+    assert route_scope(session) == scope and route_scope(anonymous) is None
+    assert route_scope("alice") == hashlib.sha256(b"alice").hexdigest()[:12]
+    for source in (session, anonymous, "alice"):
+        fork = forked_conversation_id(source)
+        assert fork.startswith("conv-") and fork != source and route_scope(fork) == route_scope(source)
 
 
 def test_a_system_message_after_a_user_message_is_rendered_before_it():

@@ -1,0 +1,200 @@
+"""One model sharded over the ranks of an ``mx.distributed`` group (tensor
+parallel), every rank's GPU thread acting in lockstep.
+
+Rank 0 runs the whole runtime (actors, HTTP).  Its GPU thread is a state
+machine driven by inputs: the commands it takes from its inbox and the ticks
+of its own loop (``PROGRESS``, ``STEP``, ``IDLE``, ``Failure``).  Before it
+acts on one, rank 0 broadcasts it over the group (``Lockstep.send``); every
+other rank runs only a GPU thread (``follow``) that acts on the same inputs
+in the same order.  So each rank's engine runs the same forwards (the
+sharded layers meet in their all-reduces), and its hot caches, budget and
+writes follow rank 0's, for its own shard of every agent's KV cache (its KV
+heads), kept in its own files (``cache_model_id`` names the rank).
+
+What would differ between ranks is made the same on the wire:
+
+* a warm cache is each rank's own file: rank 0 sends the tokens it read,
+  every rank reads its own, and they use them only if every rank has them
+  (``agree``); otherwise the agent starts cold everywhere;
+* a sampler seed left to chance is drawn on rank 0 and sent;
+* replies and the other actors' mailboxes exist only on rank 0: a follower
+  drops what its thread posts, except cache writes, which go to its own
+  store at once.
+
+A rank that fails ends its process; ``mlx.launch`` then ends every rank.
+A collective whose peer died never returns, so rank 0 cannot fail over:
+``watch`` ends rank 0 (and so the group) when one input takes longer than
+``rank_timeout_s``, with a message that says why.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import random
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+import numpy as np
+from anyio.streams.memory import MemoryObjectSendStream
+
+from runtime.cache_file import CacheStore, HostCache
+from runtime.errors import SemanticError
+
+from .messages import BeginTurn, CacheBlocks, CacheRead
+
+__all__ = ["IDLE", "PROGRESS", "STEP", "Failure", "Lockstep", "follow", "watch"]
+
+log = logging.getLogger("semantic.actors")
+
+PROGRESS, STEP, IDLE = "progress", "step", "idle"  # the GPU thread's own ticks (see ``GpuThread._apply``)
+_FRAME = 4096  # bytes of the first all-reduce of a broadcast: most inputs fit in one
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Rank 0's engine failed: every rank drops its batch (``GpuThread._fatal``)."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """A warm cache on the wire: the tokens rank 0 read (each rank reads its own shard)."""
+
+    tokens: tuple[int, ...]
+
+
+class Lockstep:
+    """Broadcasts the GPU thread's inputs from rank 0 to the other ranks of ``group``."""
+
+    def __init__(self, group: mx.distributed.Group):
+        self.group = group
+        self.bytes_sent = 0  # inputs broadcast so far (for benchmarks)
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    def send(self, event):
+        """(Rank 0) Broadcast an input; return it as every rank will act on it."""
+        if isinstance(event, BeginTurn) and event.sampling.seed is None:
+            event = replace(event, sampling=replace(event.sampling, seed=random.getrandbits(32)))
+        data = _dumps(event)
+        self._broadcast(data)
+        self.bytes_sent += len(data)
+        if isinstance(event, CacheRead) and event.cache is not None and not self.agree(True):
+            log.warning("a rank lacks its shard of %s's cache: the agent starts cold", event.agent_id)
+            event = replace(event, cache=None)
+        return event
+
+    def receive(self, read_own):
+        """(Other ranks) The next input, with this rank's own shard of a warm cache
+        (``read_own(agent_id)``: a ``HostCache`` or None)."""
+        event = pickle.loads(self._broadcast(None))
+        if isinstance(event, CacheRead):  # rank 0's model id names rank 0's files: this rank reads its own
+            ranks = self.group.size()
+            model_id = event.model_id.removesuffix(f"@rank0of{ranks}") + f"@rank{self.rank}of{ranks}"
+            own = None
+            if event.cache is not None:
+                own = read_own(event.agent_id)
+                own = own if self.agree(own is not None and tuple(own.tokens) == event.cache.tokens) else None
+            event = replace(event, model_id=model_id, cache=own)
+        return event
+
+    def agree(self, ok: bool) -> bool:
+        """(Every rank) True when ``ok`` on every rank."""
+        votes = mx.distributed.all_sum(mx.array([int(ok)], dtype=mx.int32), group=self.group)
+        return int(votes.item()) == self.group.size()
+
+    def _broadcast(self, data: bytes | None) -> bytes:
+        """Rank 0's ``data``, on every rank: all-reduces where the other ranks add zeros."""
+        frame = np.zeros(_FRAME, np.uint8)
+        if data is not None:
+            head = len(data).to_bytes(8, "little") + data[: _FRAME - 8]
+            frame[: len(head)] = np.frombuffer(head, np.uint8)
+        frame = self._sum(frame)
+        size = int.from_bytes(frame[:8].tobytes(), "little")
+        rest = np.zeros(max(0, size - (_FRAME - 8)), np.uint8)
+        if rest.size:
+            if data is not None:
+                rest[:] = np.frombuffer(data[_FRAME - 8:], np.uint8)
+            rest = self._sum(rest)
+        return frame[8: 8 + size].tobytes() + rest.tobytes()
+
+    def _sum(self, buffer: np.ndarray) -> np.ndarray:
+        return np.array(mx.distributed.all_sum(mx.array(buffer), group=self.group))
+
+
+def watch(thread, rank_timeout_s: float) -> threading.Thread:
+    """(Rank 0) Start a daemon thread that ends this process when the GPU thread has
+    acted on one input for longer than ``rank_timeout_s``: a rank died or hangs, and
+    the collective it left waiting never returns.  Caches are on disk as of their
+    last write (files are replaced atomically)."""
+
+    def run() -> None:
+        while True:
+            time.sleep(min(5.0, rank_timeout_s / 4))
+            since = thread.acting_since
+            if since is not None and time.monotonic() - since > rank_timeout_s:
+                log.critical("rank 0: the other ranks have not answered for %.0f s (a rank died or hangs); "
+                             "ending the group -- relaunch it, agents' caches are on disk", rank_timeout_s)
+                os._exit(70)
+
+    watcher = threading.Thread(target=run, name="semantic-rank-watch", daemon=True)
+    watcher.start()
+    return watcher
+
+
+class _Pickler(pickle.Pickler):
+    """Replies stay on rank 0 (a follower has no one to answer); a warm cache travels as its tokens."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, HostCache):
+            return _Tokens, (tuple(obj.tokens),)
+        if isinstance(obj, MemoryObjectSendStream):
+            return _no_reply, ()
+        return NotImplemented
+
+
+def _no_reply() -> None:
+    return None
+
+
+def _dumps(event) -> bytes:
+    out = io.BytesIO()
+    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(event)
+    return out.getvalue()
+
+
+class _Follower:
+    """What a follower's ``GpuThread`` takes for its actor: no inbox, no event loop."""
+
+    inbox = None
+    hot = batch = None
+
+    def __init__(self, store: CacheStore):
+        self.store = store
+
+    def post(self, sink, item, final: bool = False) -> None:
+        if isinstance(item, CacheBlocks):  # this rank's shard: written now, in order
+            try:
+                self.store.write(item.update)
+            except (OSError, SemanticError, ValueError) as e:  # the agent then starts cold on every rank
+                log.warning("could not write this rank's shard of %s's cache: %s", item.agent_id, e)
+
+
+def follow(group: mx.distributed.Group, model, catalogue: dict, store: CacheStore, budget_bytes: int | None,
+           engine_options: dict) -> None:
+    """(Ranks other than 0) Serve rank 0's GPU inputs until it stops; raises when
+    this rank cannot keep up with rank 0 (its process should then end)."""
+    from .gpu_thread import GpuThread
+    from .registry import ModelRegistry
+
+    registry = ModelRegistry(store, budget_bytes, engine_options, catalogue, group=group)
+    GpuThread(_Follower(store), model, registry, persistence=None, eviction=None, model_idle_s=None,
+              lockstep=Lockstep(group)).follow()
