@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime import cache_file, cache_v1
-from runtime.cache_file import AGENT_DIR_SUFFIX, MANIFEST, CacheFileError, InvalidAgentId, model_key, remove_tree, \
-    validate_agent_id
+from runtime.cache_file import AGENT_DIR_SUFFIX, MANIFEST, CacheFileError, InvalidAgentId, fsync_dir, model_key, \
+    pid_alive, remove_tree, validate_agent_id
 from runtime.disk import check_room, history_path, human_bytes
 from runtime.errors import SemanticError
 
@@ -160,7 +160,7 @@ def _export(root: Path, agent_id: str, out: Path, left_out: dict[str, str]) -> S
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
     return Summary(agent_id, messages, tuple((m, t) for m, _, t in caches), sum(e["bytes"] for e in files.values()))
 
 
@@ -394,7 +394,7 @@ def _move_in(root: Path, staging: Path, agent_id: str, replace: bool) -> None:
             os.replace(dst, src)
         raise
     for d in {root, root / HISTORIES, *(root / p.relative_to(staging).parent for p in new)}:
-        _fsync_dir(d)
+        fsync_dir(d)
 
 
 def _rename(src: Path, dst: Path, done: list) -> None:
@@ -422,27 +422,7 @@ def _remove_abandoned(root: Path) -> None:
     for p in root.glob(f"{UPLOAD_PREFIX}*"):
         try:
             pid = int(p.name[len(UPLOAD_PREFIX):].split("-", 1)[0])
-            if not _alive(pid) or now - p.stat().st_mtime > _ABANDONED_S:
+            if not pid_alive(pid) or now - p.stat().st_mtime > _ABANDONED_S:
                 remove_tree(p)
         except (ValueError, OSError):
             continue
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:  # 0 and -1 would signal whole groups
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

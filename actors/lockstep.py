@@ -23,8 +23,8 @@ What would differ between ranks is made the same on the wire:
 
 A rank that fails ends its process; ``mlx.launch`` then ends every rank.
 A collective whose peer died never returns, so rank 0 cannot fail over:
-``watch`` ends rank 0 (and so the group) when one input takes longer than
-``rank_timeout_s``, with a message that says why.
+``watch`` marks rank 0 unhealthy and then ends it (and so the group) when one
+input takes longer than ``rank_timeout_s``, with a message that says why.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ from anyio.streams.memory import MemoryObjectSendStream
 from runtime.cache_file import CacheStore, HostCache
 from runtime.errors import SemanticError
 
-from .messages import BeginTurn, CacheBlocks, CacheRead
+from .errors import RuntimeUnhealthy
+from .messages import BeginTurn, CacheBlocks, CacheRead, GpuDown
 
 __all__ = ["IDLE", "PROGRESS", "STEP", "Failure", "Lockstep", "follow", "watch"]
 
@@ -74,7 +75,6 @@ class Lockstep:
 
     def __init__(self, group: mx.distributed.Group):
         self.group = group
-        self.bytes_sent = 0  # inputs broadcast so far (for benchmarks)
 
     @property
     def rank(self) -> int:
@@ -84,9 +84,7 @@ class Lockstep:
         """(Rank 0) Broadcast an input; return it as every rank will act on it."""
         if isinstance(event, BeginTurn) and event.sampling.seed is None:
             event = replace(event, sampling=replace(event.sampling, seed=random.getrandbits(32)))
-        data = _dumps(event)
-        self._broadcast(data)
-        self.bytes_sent += len(data)
+        self._broadcast(_dumps(event))
         if isinstance(event, CacheRead) and event.cache is not None and not self.agree(True):
             log.warning("a rank lacks its shard of %s's cache: the agent starts cold", event.agent_id)
             event = replace(event, cache=None)
@@ -130,20 +128,25 @@ class Lockstep:
         return np.array(mx.distributed.all_sum(mx.array(buffer), group=self.group))
 
 
-def watch(thread, rank_timeout_s: float) -> threading.Thread:
+def watch(thread, rank_timeout_s: float, grace_s: float = 5.0) -> threading.Thread:
     """(Rank 0) Start a daemon thread that ends this process when the GPU thread has
     acted on one input for longer than ``rank_timeout_s``: a rank died or hangs, and
-    the collective it left waiting never returns.  Caches are on disk as of their
-    last write (files are replaced atomically)."""
+    the collective it left waiting never returns.  First the runtime is marked
+    unhealthy with the reason (``/health`` answers 503 with it) for ``grace_s``.
+    Caches are on disk as of their last write (files are replaced atomically)."""
 
     def run() -> None:
         while True:
             time.sleep(min(5.0, rank_timeout_s / 4))
             since = thread.acting_since
             if since is not None and time.monotonic() - since > rank_timeout_s:
-                log.critical("rank 0: the other ranks have not answered for %.0f s (a rank died or hangs); "
-                             "ending the group -- relaunch it, agents' caches are on disk", rank_timeout_s)
-                os._exit(70)
+                break
+        reason = (f"rank 0: the other ranks have not answered for {rank_timeout_s:.0f} s (a rank died or hangs); "
+                  "ending the group -- relaunch it, agents' caches are on disk")
+        log.critical(reason)
+        thread.post(None, GpuDown(RuntimeUnhealthy(reason)))
+        time.sleep(grace_s)
+        os._exit(70)
 
     watcher = threading.Thread(target=run, name="semantic-rank-watch", daemon=True)
     watcher.start()

@@ -82,6 +82,7 @@ class ModelRegistry:
         if isinstance(model, str):
             loaded.name = model  # the name turns ask for it by
         engine = Engine(loaded.model, loaded.tokenizer, **self.engine_options)
+
         def caches_in(budget: int | None) -> HotCaches:
             return open_caches(loaded, self.store, budget, working_copy=engine.float_attention, cls=HotCaches,
                                kv_bits=engine.kv_bits)

@@ -40,6 +40,7 @@ import anyio
 from runtime import disk
 from runtime.cache_file import CacheStore, validate_agent_id
 from runtime.engine import SamplingParams
+from runtime.errors import SemanticError
 from runtime.models import LoadedModel, load_tokenizer
 from runtime.models import catalogue as models_catalogue
 from runtime.outcome import TurnResult
@@ -47,10 +48,6 @@ from runtime.paths import agents_dir
 from runtime.prefix import encode
 from runtime.turns import render
 
-if TYPE_CHECKING:
-    import mlx.core as mx
-
-from .lockstep import follow
 from .agent import AgentActor, AgentContext, AgentSlot, request
 from .errors import AgentExists, AgentGone, RuntimeClosed, TurnCancelled, UnknownModel
 from .eviction import EvictionActor
@@ -75,7 +72,11 @@ from .messages import (
     TurnEnded,
     TurnEvent,
 )
+from .lockstep import follow
 from .persistence import PersistenceActor
+
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 __all__ = ["Agent", "AgentInfo", "Reply", "Runtime"]
 
@@ -225,6 +226,11 @@ class Runtime:
     def healthy(self) -> bool:
         """False once the GPU actor failed (every turn in flight failed; reopen the runtime)."""
         return self._gpu.healthy and not self._closing
+
+    @property
+    def error(self) -> SemanticError | None:
+        """Why the GPU actor failed (None while it has not)."""
+        return self._gpu.error
 
     @property
     def model(self) -> str | None:

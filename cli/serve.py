@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     for name, source in models.items():  # a model that is not there is refused now, not at its first request
         say(f"preparing {name} ...")
         resolve(source, progress=True)  # the embedded model is converted once, with a progress bar
+    _other_layouts(cache_dir, first, args.kv_bits, group.size() if group is not None else 1)
     say(f"loading {next(iter(models))} ...")
     t0 = time.perf_counter()
 
@@ -123,6 +124,21 @@ def run(args: argparse.Namespace) -> int:
     run_server(config, sock, backend=args.backend, on_ready=ready)
     say("stopped; caches are on disk")
     return 0
+
+
+def _other_layouts(cache_dir, model: str, kv_bits: int, ranks: int) -> None:
+    """Say so when the cache directory holds this model's caches of another layout:
+    they are not read here (each layout keeps its own files)."""
+    from pathlib import Path
+
+    from runtime.agent_cache import cache_layouts
+
+    def layout(n: int) -> str:
+        return "one process" if n == 1 else f"{n} ranks"
+
+    for n in sorted(cache_layouts(Path(cache_dir), model, kv_bits) - {ranks}):
+        say(f"note: {cache_dir} holds caches of {model} kept by {layout(n)}; this server runs it on {layout(ranks)}, "
+            f"so those agents start cold here (serve them with that layout to use them)")
 
 
 def _join_group():

@@ -15,13 +15,15 @@ A request that cannot fit even with every idle owner freed fails with
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .batch_cache import copy_cache, trimmable_tokens
 from .block_pool import KVBudget, default_budget
-from .cache_file import FORMAT_VERSION, CacheRecord, CacheStore, HostCache
+from .cache_file import FORMAT_VERSION, CacheRecord, CacheStore, HostCache, model_key
 from .errors import SemanticError
 from .model_spec import ModelCacheSpec
 
@@ -291,6 +293,17 @@ def cache_model_id(model_name: str, kv_bits: int = 4, shard: tuple[int, int] | N
     tensor-parallel shard, its rank and the group size (each rank keeps its own KV heads)."""
     model_id = model_name if kv_bits == 4 else f"{model_name}@kv{kv_bits}"
     return model_id if shard is None else f"{model_id}@rank{shard[0]}of{shard[1]}"
+
+
+def cache_layouts(root: Path, model_name: str, kv_bits: int = 4) -> set[int]:
+    """Over how many ranks ``model_name``'s caches under ``root`` were kept (1: one
+    process): a layout reads only its own (``cache_model_id``)."""
+    found = {1} if (root / model_key(cache_model_id(model_name, kv_bits))).is_dir() else set()
+    for d in root.glob("*rank0of*"):
+        if (m := re.search(r"rank0of(\d+)-[0-9a-f]{8}$", d.name)) and \
+                d.name == model_key(cache_model_id(model_name, kv_bits, (0, int(m[1])))):
+            found.add(int(m[1]))
+    return found
 
 
 def open_caches(loaded, root=None, budget_bytes: int | None = None, working_copy: bool = False,

@@ -342,7 +342,7 @@ def _write_atomic(path: Path, data, sync_dir: bool = True) -> None:
         tmp.unlink(missing_ok=True)
         raise
     if sync_dir:
-        _fsync_dir(path.parent)  # makes the rename itself durable
+        fsync_dir(path.parent)  # makes the rename itself durable
 
 
 class _open:
@@ -679,7 +679,8 @@ def _fsync(fd: int) -> None:
     os.fsync(fd)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or a new file in ``directory`` durable."""
     fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)
@@ -745,8 +746,8 @@ class CacheStore:
         d = self.agent_dir(update.agent_id, update.model_id)
         if not d.is_dir():
             d.mkdir(parents=True, exist_ok=True)
-            _fsync_dir(d.parent)
-            _fsync_dir(self.root)
+            fsync_dir(d.parent)
+            fsync_dir(self.root)
         old = self._previous(d, update)
         written = 0
 
@@ -784,7 +785,7 @@ class CacheStore:
             "text": self._text_pieces(old, update.text, put),
             "text_digest": _text_digest(update.text),
         }
-        _fsync_dir(d)  # the files are in place before the manifest that names them
+        fsync_dir(d)  # the files are in place before the manifest that names them
         data = _seal(manifest)
         _write_atomic(d / MANIFEST, data)
         written += len(data)
@@ -970,7 +971,7 @@ class CacheStore:
                 except ValueError:
                     pid = None
                 try:
-                    if pid is None or not _alive(pid) or now - p.stat().st_mtime > _STALE_TMP_S:
+                    if pid is None or not pid_alive(pid) or now - p.stat().st_mtime > _STALE_TMP_S:
                         p.unlink()
                 except FileNotFoundError:  # its writer renamed it meanwhile
                     pass
@@ -1018,7 +1019,8 @@ def remove_tree(path: Path) -> int:
     return 1
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs (a writer that left temp files behind)."""
     if pid <= 0:  # 0 and -1 would signal whole groups: no writer has such a pid
         return False
     try:

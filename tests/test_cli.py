@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -257,7 +258,6 @@ def test_serve_two_models_chosen_by_each_request(tmp_path):
     """``semantic serve --model a=DIR --model b=DIR``: requests alternate by
     ``model`` (OpenAI SDK), each model's next turn reads its own cache; an
     unknown model is a 404 naming both."""
-    import re
     import signal
 
     openai = pytest.importorskip("openai")
@@ -302,7 +302,6 @@ FAMILIES = {arch: tiny_config(arch, EMBEDDED_VOCAB) for arch in  # each family S
 
 
 def _serve_dir(path, cache_dir, log):
-    import re
 
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--port", "0", "--cache-dir", str(cache_dir),
                              "--model", str(path)], stdout=open(log, "a"), stderr=subprocess.STDOUT, text=True)
@@ -347,3 +346,45 @@ def test_each_family_keeps_its_agent_across_turns_and_a_restart(tmp_path, family
     shares = [round(u["reused_tokens"] / u["prompt_tokens"], 3) for u in usage]
     print(f"\n{family}: share of each turn's prompt read from the cache: {shares}")
     assert all(share >= 0.8 for share in shares[1:]), shares
+
+
+def test_serve_says_when_caches_of_another_layout_are_not_read(tmp_path, capsys):
+    """Each layout (one process, n ranks) keeps its own files: a server says which it will not read."""
+    from cli.serve import _other_layouts
+    from runtime.agent_cache import cache_layouts, cache_model_id
+
+    for shard in (None, (0, 3), (1, 3), (0, 2)):
+        (tmp_path / model_key(cache_model_id("smollm2", 4, shard))).mkdir()
+    (tmp_path / model_key(cache_model_id("other", 4, (0, 4)))).mkdir()
+    assert cache_layouts(tmp_path, "smollm2") == {1, 2, 3} and cache_layouts(tmp_path, "smollm2", 8) == set()
+    _other_layouts(tmp_path, "smollm2", 4, 3)
+    out = capsys.readouterr().out
+    assert "kept by one process; this server runs it on 3 ranks" in out and "kept by 2 ranks" in out
+    assert "kept by 3 ranks" not in out
+
+
+def test_serve_distributed_outside_mlx_launch_is_one_line_and_nonzero(tmp_path):
+    out = semantic("serve", "--distributed", "--cache-dir", str(tmp_path))
+    assert out.returncode == 2 and "--distributed runs under mlx.launch" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("arch, ranks, message", [
+    ("gemma3_text", 2, "mlx-lm's gemma3_text model cannot be sharded (it has no shard())"),
+    ("llama", 3, "its 2 KV heads do not split evenly over 3 ranks"),
+])
+def test_a_model_that_cannot_be_sharded_so_is_refused_in_one_line(arch, ranks, message):
+    from runtime.errors import ModelError
+    from runtime.model_spec import ModelCacheSpec, build_model
+    from runtime.models import _shard
+
+    class Group:  # what _shard asks of an mx.distributed group
+        def size(self):
+            return ranks
+
+        def rank(self):
+            return 0
+
+    model = build_model(tiny_config(arch, 512))
+    with pytest.raises(ModelError, match=re.escape(message)):
+        _shard(model, ModelCacheSpec.from_model(model), Group(), "tiny")

@@ -50,11 +50,13 @@ def _launch(*args: str, log: Path) -> subprocess.Popen:
                             stdout=open(log, "a"), stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
 
 
-def test_a_sharded_model_gives_the_logits_of_the_whole_one_within_tolerance(tmp_path):
+def test_a_sharded_model_gives_the_logits_of_the_whole_one_within_tolerance_and_batches_invariantly(tmp_path):
     """Each rank computes its heads and its part of the MLP; the layers' outputs
     meet in all-reduces, which sum in another order than one matmul: the logits
-    of a 48-token conversation (teacher-forced) stay within 1e-3 of the
-    single-process model's, and the first greedy divergence is reported."""
+    of a 50-token conversation (teacher-forced) stay within 1e-3 of the
+    single-process model's, and the first greedy divergence is reported.
+    Batching stays invariant when sharded: a sequence decodes the same tokens
+    alone and between two others."""
     script = tmp_path / "compare.py"
     script.write_text('''
 import json
@@ -83,6 +85,23 @@ if group.rank() == 0:
     print("RESULT", json.dumps({"max_abs": mx.max(mx.abs(got - ref)).item(),
                                 "scale": mx.max(mx.abs(ref)).item(), "positions": len(tokens),
                                 "first_divergence": same.index(False) if False in same else None}), flush=True)
+
+from runtime.engine import Engine, SamplingParams  # batch invariance holds across ranks too
+
+engine = Engine(sharded.model, sharded.tokenizer)
+def replies(prompts):
+    ids = [engine.add(p, SamplingParams(max_tokens=12)) for p in prompts]
+    out = {i: [] for i in ids}
+    while not engine.idle:
+        for d in engine.prefill_step() + engine.step_once():
+            out[d.seq_id] += d.tokens
+    return [out[i] for i in ids]
+others = [sharded.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+          for q in ("Name a colour.", "Tell me about rivers and where they start, in detail.")]
+alone = replies([prompt])[0]
+beside = replies([others[0], prompt, others[1]])[1]
+if group.rank() == 0:
+    print("INVARIANCE", json.dumps({"alone": alone, "beside": beside}), flush=True)
 ''')
     log = tmp_path / "compare.log"
     proc = _launch(str(script), log=log)
@@ -92,6 +111,8 @@ if group.rank() == 0:
     assert result["max_abs"] <= 1e-3, result
     # argmax may still flip where two logits are within the difference; say where.
     assert result["first_divergence"] is None or result["first_divergence"] > 0, result
+    tokens = json.loads(re.search(r"INVARIANCE (.*)", log.read_text()).group(1))
+    assert tokens["alone"] == tokens["beside"] and len(tokens["alone"]) > 4, tokens  # neighbours change nothing
 
 
 def _rank_pid(proc: subprocess.Popen, rank: int) -> int:
@@ -207,11 +228,27 @@ def test_two_agents_on_three_ranks_keep_their_shards_across_a_restart(tmp_path):
         print(f"{agent}: sharded {sharded}\n{agent}: single  {whole}\n{agent}: first divergence: turn {first}")
 
 
-def test_a_rank_that_dies_mid_turn_ends_the_group_and_the_agent_goes_on_after_a_relaunch(tmp_path):
-    """A follower killed while the batch decodes leaves rank 0 inside a collective
-    that never returns: rank 0 ends the group after ``--rank-timeout`` with a
-    message saying why (never a hang); the client's stream ends; relaunched, the
-    agent's next turn runs on its history and the caches its earlier turn wrote."""
+def _unhealthy(url: str, proc: subprocess.Popen) -> dict:
+    """/health once it says 503 (rank 0 says it is unhealthy before it ends the group)."""
+    import httpx
+
+    while proc.poll() is None:
+        r = httpx.get(url + "/health", timeout=5)
+        if r.status_code == 503:
+            return r.json()
+        time.sleep(0.3)
+    raise AssertionError("rank 0 ended without saying it was unhealthy")
+
+
+@pytest.mark.parametrize("fault", ["dies", "hangs"])
+def test_a_rank_that_fails_mid_turn_ends_the_group_and_the_agent_goes_on_after_a_relaunch(tmp_path, fault):
+    """A follower killed (or stopped) while the batch decodes leaves rank 0 inside
+    a collective that never returns.  Killed: mlx.launch sends every rank SIGTERM,
+    and rank 0 stops serving HTTP at once.  Stopped (it hangs; the launcher sees
+    nothing): rank 0 says it is unhealthy and why (/health 503).  Either way,
+    after ``--rank-timeout`` rank 0 ends the group with that message (never a
+    hang), and the client's stream ends.  Relaunched, the agent's next turn runs
+    on its history and the caches its earlier turn wrote."""
     import httpx
 
     cache, log = tmp_path / "cache", tmp_path / "ranks.log"
@@ -223,18 +260,28 @@ def test_a_rank_that_dies_mid_turn_ends_the_group_and_the_agent_goes_on_after_a_
                              json={"content": "Tell me a long story.", "max_tokens": 400, "stream": True}) as r:
                 lines = r.iter_lines()
                 assert next(line for line in lines if line.startswith("event: delta"))  # decoding
-                os.kill(_rank_pid(proc, 2), signal.SIGKILL)
+                follower = _rank_pid(proc, 2)
+                os.kill(follower, signal.SIGKILL if fault == "dies" else signal.SIGSTOP)
                 started = time.monotonic()
+                if fault == "hangs":
+                    health = _unhealthy(url, proc)
+                    assert health["error"].startswith("rank 0: the other ranks have not answered for 10 s"), health
                 with pytest.raises(httpx.HTTPError):  # the stream ends without its done event
                     for line in lines:
                         assert not line.startswith("event: done"), "the turn finished without rank 2"
+        if fault == "hangs":
+            while "Node with rank 0 exited" not in log.read_text():
+                time.sleep(0.2)
+            os.kill(follower, signal.SIGCONT)  # so that it takes mlx.launch's SIGTERM
         proc.wait(timeout=120)  # mlx.launch ends once every rank has (it exits 0 whatever they did)
-        print(f"\nthe group ended {time.monotonic() - started:.0f} s after rank 2 died")
+        print(f"\nthe group ended {time.monotonic() - started:.0f} s after rank 2 {dict(dies='died', hangs='hung')[fault]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert "Node with rank 0 exited with code 70" in log.read_text()
     assert "the other ranks have not answered for 10 s (a rank died or hangs)" in log.read_text()
+    if fault == "hangs":
+        return
 
     proc, url = _start_group(cache, log, 2)
     try:

@@ -479,7 +479,8 @@ class _Server:
         rt = self.rt
         stats = rt.stats()
         memory, disk = await anyio.to_thread.run_sync(memory_and_disk, rt)
-        body = {"status": "ok" if rt.healthy else "unhealthy", "ready": rt.healthy, "model": rt.model,
+        body = {"status": "ok" if rt.healthy else "unhealthy", "ready": rt.healthy,
+                "error": None if rt.error is None else str(rt.error), "model": rt.model,
                 "context_length": rt.context_length, "memory": memory,
                 "disk": {"bytes": memory["disk_bytes"], **disk},
                 "queue_depth": stats.get("waiting", 0), "decoding": stats.get("decoding", 0),

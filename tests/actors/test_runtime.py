@@ -242,7 +242,7 @@ async def test_gpu_failure_fails_turns_in_flight_and_marks_unhealthy(open_runtim
             await streaming.wait()
             boom.set()
         assert len(errors) == 2 and "simulated device failure" in str(errors[0])
-        assert not rt.healthy
+        assert not rt.healthy and "simulated device failure" in str(rt.error)
         with pytest.raises(RuntimeUnhealthy):
             agents[1].send("Anyone there?")
         await rt.flush()  # what needs no model still works
