@@ -9,6 +9,8 @@ Layout (each module one job; only this file's names are public):
 * ``gpu``         -- the GPU actor: the only code touching MLX, on its own
                      thread; continuous batching over ``runtime.engine``;
 * ``registry``    -- the model registry (load, swap, idle unload), on the GPU thread;
+* ``lockstep``    -- a model sharded over ranks: rank 0's GPU thread broadcasts its
+                     inputs, the other ranks' threads follow them;
 * ``persistence`` -- writes caches and histories behind the turns;
 * ``eviction``    -- keeps hot caches under the budget's high watermark;
 * ``messages``    -- every message, one union per mailbox;
