@@ -95,12 +95,7 @@ class GpuThread:
                 except Exception as e:  # an engine step, or a bug in this loop
                     self._act(Failure(f"{type(e).__name__}: {e}"), cause=e)
         finally:
-            try:
-                self.write_behind.hand_over_dirty()
-            except Exception:
-                log.exception("could not hand the hot caches to persistence at shutdown")
-            self.registry.loaded = self.registry.engine = self.registry.caches = None
-            mx.synchronize()
+            self._close()
             mx.clear_streams()  # a thread that used MLX must end its streams, or the process aborts at exit
             self.post(None, Exited())
 
@@ -127,9 +122,16 @@ class GpuThread:
                         raise SemanticError(f"rank {self.lockstep.rank} failed where rank 0 did not: {e!r}") from e
                     self._apply(nxt, cause=e)
         finally:
+            self._close()
+
+    def _close(self) -> None:
+        """Hand the dirty caches over (to be written) and drop the model."""
+        try:
             self.write_behind.hand_over_dirty()
-            self.registry.loaded = self.registry.engine = self.registry.caches = None
-            mx.synchronize()
+        except Exception:
+            log.exception("could not hand the hot caches to persistence at shutdown")
+        self.registry.loaded = self.registry.engine = self.registry.caches = None
+        mx.synchronize()
 
     def _read_own(self, agent_id: str):
         """(A follower) This rank's shard of an agent's warm cache, from its own files."""

@@ -42,6 +42,7 @@ import mlx.core as mx
 import numpy as np
 from anyio.streams.memory import MemoryObjectSendStream
 
+from runtime.agent_cache import shard_suffix
 from runtime.cache_file import CacheStore, HostCache
 from runtime.errors import SemanticError
 
@@ -96,13 +97,21 @@ class Lockstep:
         event = pickle.loads(self._broadcast(None))
         if isinstance(event, CacheRead):  # rank 0's model id names rank 0's files: this rank reads its own
             ranks = self.group.size()
-            model_id = event.model_id.removesuffix(f"@rank0of{ranks}") + f"@rank{self.rank}of{ranks}"
+            model_id = event.model_id.removesuffix(shard_suffix(0, ranks)) + shard_suffix(self.rank, ranks)
             own = None
             if event.cache is not None:
                 own = read_own(event.agent_id)
                 own = own if self.agree(own is not None and tuple(own.tokens) == event.cache.tokens) else None
             event = replace(event, model_id=model_id, cache=own)
         return event
+
+    def rank0_tokens(self, tokens: mx.array) -> mx.array:
+        """(Every rank, in the engine's graph) The tokens rank 0 sampled: a rank on
+        another CPU may round its logits differently and pick another in a near tie."""
+        # Multiplied, not replaced by zeros: every rank's graph must reach this all-reduce only
+        # after the model's own, or the ranks would enter their collectives in different orders.
+        mine = tokens * mx.array(1 if self.rank == 0 else 0, dtype=tokens.dtype)
+        return mx.distributed.all_sum(mine, group=self.group)
 
     def agree(self, ok: bool) -> bool:
         """(Every rank) True when ``ok`` on every rank."""

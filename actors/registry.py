@@ -21,6 +21,8 @@ from runtime.cache_file import CacheStore, HostCache
 from runtime.engine import Engine
 from runtime.models import LoadedModel, load
 
+from .lockstep import Lockstep
+
 __all__ = ["ModelRegistry", "HotCaches"]
 
 log = logging.getLogger("semantic.actors")
@@ -81,7 +83,8 @@ class ModelRegistry:
         loaded = source if isinstance(source, LoadedModel) else load(source, progress=False, group=self.group)
         if isinstance(model, str):
             loaded.name = model  # the name turns ask for it by
-        engine = Engine(loaded.model, loaded.tokenizer, **self.engine_options)
+        shared = {} if self.group is None else {"shared_tokens": Lockstep(self.group).rank0_tokens}
+        engine = Engine(loaded.model, loaded.tokenizer, **self.engine_options, **shared)
 
         def caches_in(budget: int | None) -> HotCaches:
             return open_caches(loaded, self.store, budget, working_copy=engine.float_attention, cls=HotCaches,

@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         return worker(args)
     import runtime  # noqa: F401  (fast BLAS before mlx)
 
+    from runtime.engine import DECODE_ROWS
     from runtime.models import load
 
     steps, repeats = (8, 1) if args.quick else (24, 3)
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     single, _ = decode(loaded, BATCHES, args.context, steps, repeats)
     hidden = loaded.model.args.hidden_size
     layers = loaded.spec.n_layers
-    rows = 8  # the engine's decode forward: 8 token slots, whatever the batch
+    rows = DECODE_ROWS  # the engine's decode forward has this many token slots, whatever the batch
     del loaded
 
     launch = Path(sys.executable).with_name("mlx.launch")

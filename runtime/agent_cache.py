@@ -292,7 +292,12 @@ def cache_model_id(model_name: str, kv_bits: int = 4, shard: tuple[int, int] | N
     4 (caches of one model at 8 bits live apart from its 4-bit ones) and, for a
     tensor-parallel shard, its rank and the group size (each rank keeps its own KV heads)."""
     model_id = model_name if kv_bits == 4 else f"{model_name}@kv{kv_bits}"
-    return model_id if shard is None else f"{model_id}@rank{shard[0]}of{shard[1]}"
+    return model_id if shard is None else model_id + shard_suffix(*shard)
+
+
+def shard_suffix(rank: int, ranks: int) -> str:
+    """What ``cache_model_id`` adds for rank ``rank`` of a model sharded over ``ranks``."""
+    return f"@rank{rank}of{ranks}"
 
 
 def cache_layouts(root: Path, model_name: str, kv_bits: int = 4) -> set[int]:

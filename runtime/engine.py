@@ -45,6 +45,7 @@ from .sampling import Sampler, SamplingParams
 __all__ = ["Engine", "Delta", "Finished", "SamplingParams"]
 
 STOP, LENGTH, CANCELLED, PREEMPTED = "stop", "length", "cancelled", "preempted"
+DECODE_ROWS = 8  # token slots of a decode forward (``Engine.decode_rows``)
 _LAST_IN_CHUNK = 64  # a final chunk longer than this leaves its last token to the decode batch
 
 
@@ -101,7 +102,9 @@ class Engine:
     """Continuous batching over per-sequence Q4 caches.  Not thread-safe: one owner.
 
     ``decode_rows``: token slots of every decode forward (more sequences take
-    more forwards).  ``model`` is made ``rowwise`` in place.
+    more forwards).  ``model`` is made ``rowwise`` in place.  ``shared_tokens``:
+    a model sharded over ranks maps the tokens this rank sampled to those every
+    rank goes on with (rank 0's: another CPU may round the logits differently).
     """
 
     def __init__(
@@ -115,7 +118,8 @@ class Engine:
         min_chunk: int = 32,
         attention_budget: int = 128 << 20,
         float_attention: bool | None = None,
-        decode_rows: int = 8,
+        decode_rows: int = DECODE_ROWS,
+        shared_tokens=None,
     ):
         if decode_rows < 1:
             raise ValueError("decode_rows must be at least 1")
@@ -131,6 +135,7 @@ class Engine:
         # Every decode forward has exactly this many token slots, so each matmul has one
         # shape whatever the batch (BLAS picks kernels by shape, and kernels sum differently).
         self.decode_rows = decode_rows
+        self.shared_tokens = shared_tokens or (lambda tokens: tokens)
         self._n_heads = _query_heads(model)
         self._eos = set(tokenizer.eos_token_ids)
         self._ids = itertools.count()
@@ -233,7 +238,7 @@ class Engine:
                 self._prefilling.rotate(-1)  # round-robin among pending prefills
             return []
         self._prefilling.popleft()
-        token = seq.sampler(logits[0, -1])
+        token = self.shared_tokens(seq.sampler(logits[0, -1])[None])[0]
         mx.eval(token, cache_arrays(seq.view))
         new, text, reason = self._accept(seq, token.item())
         if reason is not None:
@@ -255,7 +260,7 @@ class Engine:
             batch = [BatchQuantizedKVCache(layer) for layer in zip(*(s.view for s in tile))]
             logits = self.model(inputs, cache=batch)[0]
             tokens += [seq.sampler(logits[i]) for i, seq in enumerate(tile)]
-        tokens = mx.stack(tokens)
+        tokens = self.shared_tokens(mx.stack(tokens))
         mx.eval(tokens, [cache_arrays(seq.view) for seq in rows])
         results = [self._accept(seq, t) for seq, t in zip(rows, tokens.tolist())]
         self._decoding = [seq for seq, (_, _, reason) in zip(rows, results) if reason is None]

@@ -179,6 +179,16 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
     assert alone(model, tok, B, other_seed) != done[ids[1]].output_tokens
 
 
+def test_every_sampled_token_goes_through_shared_tokens():
+    """A sharded model's ranks all go on with rank 0's tokens (``actors.lockstep``):
+    the engine takes what ``shared_tokens`` gives, at the first token and in decode."""
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    engine = Engine(model, tok, shared_tokens=lambda tokens: mx.full(tokens.shape, 65, tokens.dtype))
+    ids = [engine.add(p, SamplingParams(max_tokens=5)) for p in prompts(2, seed=5)]
+    done = drain(engine)
+    assert all(done[i].output_tokens == (65,) * 5 for i in ids)
+
+
 def test_cancel_while_prefilling_returns_a_consistent_partial_cache():
     model, tok = tiny_model("llama"), ByteTokenizer()
     engine = Engine(model, tok, max_chunk=32, min_chunk=32)
