@@ -11,12 +11,13 @@ Two halves, one per thread:
   engine and the agents' hot caches, and nothing else -- it opens no file and
   never waits for the loop or the disk.
 
-Posting back: the thread puts ``(sink, item)`` on an outbox queue and goes
-on: it never waits for the loop, and the loop never waits for MLX.  The
-actor's ``_pump`` task waits for the outbox in a worker thread and delivers
-what it holds in order, with ``send_nowait`` on unbounded streams.  (An anyio
-``BlockingPortal`` would not do: ``start_task_soon`` from a thread waits for
-the loop to take the task, ~6% of a decode step under trio.)
+Posting back: the thread puts ``(sink, item)`` on an outbox queue and, if no
+wake-up is pending, schedules ``_pump`` on the loop through an anyio
+``BlockingPortal`` (``start_task_soon`` returns at once: the thread never
+waits for the loop, and the loop never waits for MLX).  ``_pump`` drains the
+outbox in order with ``send_nowait`` on unbounded streams, so one pump call
+delivers everything posted so far, in the order it was posted, whatever order
+the portal runs its tasks in.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import threading
 
 import anyio
 import mlx.core as mx
+from anyio.from_thread import BlockingPortal
 
 from runtime.cache_file import CacheStore
 from runtime.errors import SemanticError
@@ -45,9 +47,6 @@ from .snapshots import BatchSnapshot, HotSnapshot, SequenceInfo
 __all__ = ["BatchSnapshot", "GpuActor", "HotSnapshot", "SequenceInfo"]
 
 log = logging.getLogger("semantic.actors")
-
-_CALL = object()  # an outbox sink: the item is a function to call on the loop (``call_soon``)
-_END = object()  # the outbox's last entry: the pump ends
 
 
 class GpuActor:
@@ -69,6 +68,8 @@ class GpuActor:
     ):
         self.inbox: queue.SimpleQueue[GpuCommand] = queue.SimpleQueue()  # loop -> thread
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # thread -> loop: (sink | None, item, final)
+        self._wake_pending = False
+        self._portal: BlockingPortal | None = None
         self._accepting = False
         self.error: SemanticError | None = None  # set when the GPU actor failed
         self.rank_timeout_s = rank_timeout_s  # sharded: how long one GPU input may wait for the other ranks
@@ -130,7 +131,10 @@ class GpuActor:
 
     def call_soon(self, fn) -> None:
         """Run ``fn()`` on the event loop soon; callable from any thread, never blocks."""
-        self._outbox.put((_CALL, fn, False))
+        try:
+            self._portal.start_task_soon(fn)
+        except (AttributeError, RuntimeError):  # no portal (not running): nothing left to close
+            pass
 
     def cancel(self, turn_id: int) -> None:
         """Cancel a turn (wherever it is) before the next engine step.  Never
@@ -144,8 +148,8 @@ class GpuActor:
         ``ModelError``); return when the thread has ended and been joined."""
         self._ready, self._exited = anyio.Event(), anyio.Event()
         self._load_error: SemanticError | None = None
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._pump)
+        async with BlockingPortal() as portal:
+            self._portal = portal
             thread = threading.Thread(target=self._thread.main, name="semantic-gpu")
             thread.start()
             if self._thread.lockstep is not None:
@@ -161,10 +165,10 @@ class GpuActor:
                 with anyio.CancelScope(shield=True):
                     self.inbox.put(StopGpu())
                     await anyio.to_thread.run_sync(thread.join)
-                    self._outbox.put(_END)  # the pump delivers everything before it, then ends
-        self._refuse_leftovers()
+                    self._pump()
+                    self._refuse_leftovers()
         if self._load_error is not None:
-            raise self._load_error  # outside the task group, so it is not wrapped
+            raise self._load_error  # outside the portal's task group, so it is not wrapped
 
     async def stop(self) -> None:
         """Cancel every turn, hand every dirty cache to persistence, end the thread."""
@@ -175,29 +179,26 @@ class GpuActor:
     # -- thread -> loop ------------------------------------------------------
 
     def post(self, sink, item, final: bool = False) -> None:
-        """(GPU thread) Queue ``item`` for ``sink`` (None: this actor); never waits."""
+        """(GPU thread) Queue ``item`` for ``sink`` (None: this actor) and wake the loop."""
         self._outbox.put((sink, item, final))
+        if not self._wake_pending:
+            self._wake_pending = True
+            try:
+                self._portal.start_task_soon(self._pump)
+            except RuntimeError:  # the portal has closed: run() pumps once more after join
+                pass
 
-    async def _pump(self) -> None:
-        """(Event loop) Deliver what is posted, in order, until ``_END``."""
+    def _pump(self) -> None:
+        """(Event loop) Deliver everything posted so far, in order."""
+        self._wake_pending = False  # before draining: a later post schedules another pump
         while True:
-            batch = [await anyio.to_thread.run_sync(self._outbox.get, abandon_on_cancel=True)]
-            while True:
-                try:
-                    batch.append(self._outbox.get_nowait())
-                except queue.Empty:
-                    break
-            for entry in batch:
-                if entry is _END:
-                    return
-                self._deliver(*entry)
-
-    def _deliver(self, sink, item, final: bool) -> None:
-        if sink is None:
-            self._own(item)
-        elif sink is _CALL:
-            item()
-        else:
+            try:
+                sink, item, final = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if sink is None:
+                self._own(item)
+                continue
             try:
                 sink.send_nowait(item)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
