@@ -13,11 +13,12 @@ Two halves, one per thread:
 
 Posting back: the thread puts ``(sink, item)`` on an outbox queue and, if no
 wake-up is pending, schedules ``_pump`` on the loop through an anyio
-``BlockingPortal`` (``start_task_soon`` returns at once: the thread never
-waits for the loop, and the loop never waits for MLX).  ``_pump`` drains the
-outbox in order with ``send_nowait`` on unbounded streams, so one pump call
-delivers everything posted so far, in the order it was posted, whatever order
-the portal runs its tasks in.
+``BlockingPortal``.  ``start_task_soon`` from a thread waits until the loop
+has taken the task (measured: ~6% of a lone agent's decode step under trio),
+so the thread waits for the loop once per burst of posts, never for a
+consumer.  ``_pump`` drains the outbox in order with ``send_nowait`` on
+unbounded streams, so one pump call delivers everything posted so far, in
+the order it was posted, whatever order the portal runs its tasks in.
 """
 
 from __future__ import annotations
