@@ -12,24 +12,27 @@ Two halves, one per thread:
   never waits for the loop or the disk.
 
 Posting back: the thread puts ``(sink, item)`` on an outbox queue and, if no
-wake-up is pending, schedules ``_pump`` on the loop through an anyio
-``BlockingPortal``.  ``start_task_soon`` from a thread waits until the loop
-has taken the task (measured: ~6% of a lone agent's decode step under trio),
-so the thread waits for the loop once per burst of posts, never for a
-consumer.  ``_pump`` drains the outbox in order with ``send_nowait`` on
-unbounded streams, so one pump call delivers everything posted so far, in
-the order it was posted, whatever order the portal runs its tasks in.
+wake-up is pending, schedules ``_pump`` on the loop with the loop's own
+thread-safe callback (trio's ``TrioToken.run_sync_soon``, asyncio's
+``call_soon_threadsafe``), which queues it and returns: the thread never
+waits for the loop.  (anyio's ``BlockingPortal.start_task_soon`` waits until
+the loop has taken the task: ~6% of a lone agent's decode step under trio.)
+``_pump`` drains the outbox in order with ``send_nowait`` on unbounded
+streams, so one pump call delivers everything posted so far, in the order it
+was posted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
+from typing import Callable
 
 import anyio
 import mlx.core as mx
-from anyio.from_thread import BlockingPortal
+import sniffio
 
 from runtime.cache_file import CacheStore
 from runtime.errors import SemanticError
@@ -70,7 +73,7 @@ class GpuActor:
         self.inbox: queue.SimpleQueue[GpuCommand] = queue.SimpleQueue()  # loop -> thread
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # thread -> loop: (sink | None, item, final)
         self._wake_pending = False
-        self._portal: BlockingPortal | None = None
+        self._call_soon: Callable[[Callable[[], object]], object] | None = None  # the loop's, while it runs
         self._accepting = False
         self.error: SemanticError | None = None  # set when the GPU actor failed
         self.rank_timeout_s = rank_timeout_s  # sharded: how long one GPU input may wait for the other ranks
@@ -130,11 +133,11 @@ class GpuActor:
         else:
             self.inbox.put(command)
 
-    def call_soon(self, fn) -> None:
+    def call_soon(self, fn: Callable[[], object]) -> None:
         """Run ``fn()`` on the event loop soon; callable from any thread, never blocks."""
         try:
-            self._portal.start_task_soon(fn)
-        except (AttributeError, RuntimeError):  # no portal (not running): nothing left to close
+            self._call_soon(fn)
+        except (TypeError, RuntimeError):  # not running, or its loop has ended: nothing left to do
             pass
 
     def cancel(self, turn_id: int) -> None:
@@ -149,27 +152,26 @@ class GpuActor:
         ``ModelError``); return when the thread has ended and been joined."""
         self._ready, self._exited = anyio.Event(), anyio.Event()
         self._load_error: SemanticError | None = None
-        async with BlockingPortal() as portal:
-            self._portal = portal
-            thread = threading.Thread(target=self._thread.main, name="semantic-gpu")
-            thread.start()
-            if self._thread.lockstep is not None:
-                watch(self._thread, self.rank_timeout_s)
-            try:
-                await self._ready.wait()
-                if self._load_error is None:
-                    self._accepting = True
-                    task_status.started()
-                    await self._exited.wait()
-            finally:
-                self._accepting = False
-                with anyio.CancelScope(shield=True):
-                    self.inbox.put(StopGpu())
-                    await anyio.to_thread.run_sync(thread.join)
-                    self._pump()
-                    self._refuse_leftovers()
+        self._call_soon = _loop_call_soon()
+        thread = threading.Thread(target=self._thread.main, name="semantic-gpu")
+        thread.start()
+        if self._thread.lockstep is not None:
+            watch(self._thread, self.rank_timeout_s)
+        try:
+            await self._ready.wait()
+            if self._load_error is None:
+                self._accepting = True
+                task_status.started()
+                await self._exited.wait()
+        finally:
+            self._accepting = False
+            with anyio.CancelScope(shield=True):
+                self.inbox.put(StopGpu())
+                await anyio.to_thread.run_sync(thread.join)
+                self._pump()
+                self._refuse_leftovers()
         if self._load_error is not None:
-            raise self._load_error  # outside the portal's task group, so it is not wrapped
+            raise self._load_error
 
     async def stop(self) -> None:
         """Cancel every turn, hand every dirty cache to persistence, end the thread."""
@@ -184,10 +186,7 @@ class GpuActor:
         self._outbox.put((sink, item, final))
         if not self._wake_pending:
             self._wake_pending = True
-            try:
-                self._portal.start_task_soon(self._pump)
-            except RuntimeError:  # the portal has closed: run() pumps once more after join
-                pass
+            self.call_soon(self._pump)  # once the loop has ended, run() pumps once more after join
 
     def _pump(self) -> None:
         """(Event loop) Deliver everything posted so far, in order."""
@@ -218,8 +217,8 @@ class GpuActor:
         elif isinstance(item, Exited):
             self._ready.set()
             self._exited.set()
-        else:
-            raise AssertionError(f"unknown GPU actor event {item!r}")
+        else:  # a callback must not raise: trio would end the whole run
+            log.error("unknown GPU actor event %r", item)
 
     def _refuse(self, command) -> None:
         error = self.error or RuntimeClosed("the runtime is closed")
@@ -234,6 +233,16 @@ class GpuActor:
                 self._refuse(self.inbox.get_nowait())
             except queue.Empty:
                 return
+
+
+def _loop_call_soon() -> Callable[[Callable[[], object]], object]:
+    """The running event loop's way to run a callback from any thread without
+    waiting for the loop; raises ``RuntimeError`` once the loop has ended."""
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        return trio.lowlevel.current_trio_token().run_sync_soon
+    return asyncio.get_running_loop().call_soon_threadsafe
 
 
 def _send_final(sink, item) -> None:

@@ -39,7 +39,7 @@ import anyio
 
 from runtime import disk
 from runtime.cache_file import CacheStore, validate_agent_id
-from runtime.engine import SamplingParams
+from runtime.engine import DECODE_ROWS, SamplingParams
 from runtime.errors import SemanticError
 from runtime.models import LoadedModel, load_tokenizer
 from runtime.models import catalogue as models_catalogue
@@ -121,6 +121,7 @@ class Runtime:
         model_idle_s: float | None = None,
         prefill_chunk: int = 256,
         kv_bits: int = 4,
+        decode_rows: int = DECODE_ROWS,
         eviction_watermarks: tuple[float, float] = (0.9, 0.75),
         disk_budget: int | None = None,
         conversation_ttl_s: float | None = None,
@@ -144,7 +145,9 @@ class Runtime:
         streams wait for another agent's prefill.  ``kv_bits``: the agents' KV
         caches are quantized to 4 (default) or 8 bits; each setting keeps its own
         cache files (8 bits: about twice the memory, closer to full precision).
-        ``eviction_watermarks``:
+        ``decode_rows``: token slots of every decode forward; more decoding
+        agents take more forwards (1 decodes a lone agent fastest, 8 many at
+        once; any fixed value keeps batching invariant).  ``eviction_watermarks``:
         (high, low) fractions of the budget for the eviction actor.
         ``disk_budget``: bytes the cache directory may hold; the least recently
         written cache files are removed to stay within it (None: no cap).
@@ -174,7 +177,7 @@ class Runtime:
                                        conversation_ttl_s=conversation_ttl_s, prune_interval_s=prune_interval_s)
         eviction = EvictionActor(*eviction_watermarks)
         gpu = GpuActor(next(iter(catalogue)), store, budget, persistence.mailbox, eviction.mailbox,
-                       engine_options=_engine_options(prefill_chunk, kv_bits), model_idle_s=model_idle_s,
+                       engine_options=_engine_options(prefill_chunk, kv_bits, decode_rows), model_idle_s=model_idle_s,
                        catalogue=catalogue, group=group, rank_timeout_s=rank_timeout_s)
         persistence.gpu = eviction.gpu = gpu
         try:
@@ -209,6 +212,7 @@ class Runtime:
         models: Iterable[str] = (),
         prefill_chunk: int = 256,
         kv_bits: int = 4,
+        decode_rows: int = DECODE_ROWS,
     ) -> None:
         """Serve as a rank other than 0 of a sharded model, until rank 0's runtime
         closes: this rank's shard of the weights, and its shard of every agent's
@@ -218,7 +222,7 @@ class Runtime:
         catalogue = models_catalogue([model, *models])
         root = Path(cache_dir) if cache_dir is not None else agents_dir()
         follow(group, next(iter(catalogue)), catalogue, CacheStore(root), budget,
-               _engine_options(prefill_chunk, kv_bits))
+               _engine_options(prefill_chunk, kv_bits, decode_rows))
 
     # -- the API -------------------------------------------------------------------
 
@@ -760,5 +764,5 @@ class Reply:
         self._events.close()
 
 
-def _engine_options(prefill_chunk: int, kv_bits: int) -> dict:
-    return {"max_chunk": prefill_chunk, "kv_bits": kv_bits}
+def _engine_options(prefill_chunk: int, kv_bits: int, decode_rows: int) -> dict:
+    return {"max_chunk": prefill_chunk, "kv_bits": kv_bits, "decode_rows": decode_rows}

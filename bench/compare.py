@@ -360,7 +360,7 @@ def measure(args: argparse.Namespace, plan: Plan, log: Log, workdir: Path) -> di
     texts = Texts(Path(model_dir) / "tokenizer.json")
     ours_cache = workdir / "semantic-cache"
     stand_in = model_dir if getattr(args, "stand_in", False) else None
-    specs = {OURS: ours_spec(args.model, ours_cache, stand_in=stand_in),
+    specs = {OURS: ours_spec(args.model, ours_cache, stand_in=stand_in, decode_rows=getattr(args, "decode_rows", None)),
              PEER: peer_spec(model_dir, workdir / "peer")}
     servers = {side: Server(spec, workdir / f"{side}.log") for side, spec in specs.items()}
     raw: dict = {}
@@ -431,10 +431,10 @@ def run(args: argparse.Namespace) -> int:
     log = Log()
     out = Path(args.out)
     date = datetime.now(timezone.utc)
-    only = getattr(args, "only", None)
+    only, rows = getattr(args, "only", None), getattr(args, "decode_rows", None)
     command = ("semantic bench compare" + (f" --model {args.model}" if args.model != "smollm2" else "")
                + (" --quick" if args.quick else "") + (f" --only {only}" if only else "")
-               + (" --json" if args.json else ""))
+               + (f" --decode-rows {rows}" if rows else "") + (" --json" if args.json else ""))
     previous = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     began = time.perf_counter()

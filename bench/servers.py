@@ -60,7 +60,8 @@ class ServerSpec:
     stop_signal: int = signal.SIGINT
 
 
-def ours_spec(model: str, cache_dir: Path, *, stand_in: str | None = None, budget: int | None = None) -> ServerSpec:
+def ours_spec(model: str, cache_dir: Path, *, stand_in: str | None = None, budget: int | None = None,
+              decode_rows: int | None = None) -> ServerSpec:
     """``semantic serve``; with ``stand_in`` (a model directory) mlx_lm.server
     plays our part instead -- for developing the harness before ``serve`` exists."""
     if stand_in is not None:
@@ -71,7 +72,10 @@ def ours_spec(model: str, cache_dir: Path, *, stand_in: str | None = None, budge
             "--port", "{port}", "--cache-dir", str(cache_dir)]
     if budget is not None:
         argv += ["--budget", str(budget)]
-    return ServerSpec("semantic", argv, "/health", settings={"model": model, "budget": budget})
+    if decode_rows is not None:
+        argv += ["--decode-rows", str(decode_rows)]
+    settings = {"model": model, "budget": budget, "decode_rows": decode_rows}
+    return ServerSpec("semantic", argv, "/health", settings=settings)
 
 
 def peer_spec(model_dir: str, cache_dir: Path, *, kv_bits: int | None = None,

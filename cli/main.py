@@ -45,7 +45,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
 
-    from .serve import parse_bytes, parse_duration  # argparse only: cheap
+    from .serve import parse_bytes, parse_duration, parse_positive_int  # argparse only: cheap
 
     cache = sub.add_parser("cache", help="agents' cache files on disk: ls, verify, rm, du, prune, export, import")
     cache.add_argument("--cache-dir", help="where agent caches live (default ~/.cache/semantic/agents)")
@@ -86,6 +86,8 @@ def parser() -> argparse.ArgumentParser:
     _add_model(p)
     p.add_argument("--context", type=int, default=1024, help="tokens of context per sequence (default 1024)")
     p.add_argument("--quick", action="store_true", help="fewer steps and repeats (< 5 minutes on 2 cores)")
+    p.add_argument("--decode-rows", type=parse_positive_int, metavar="N",
+                   help="token slots of our decode forwards (default: the engine's, 8)")
     _add_json(p, "the results")
 
     p = bench.add_parser("ttft", help="time to first token: cold vs hot (memory) vs warm (disk, fresh process)")
@@ -138,6 +140,8 @@ def parser() -> argparse.ArgumentParser:
                    "(default docs/benchmarks)")
     p.add_argument("--only", metavar="W[,W]", help="only these workloads: multi-turn, restart, many-agents, "
                    "concurrency, memory (default: all)")
+    p.add_argument("--decode-rows", type=parse_positive_int, metavar="N",
+                   help="run ours with 'semantic serve --decode-rows N' (default: serve's default)")
     p.add_argument("--stand-in", action="store_true", help=argparse.SUPPRESS)  # mlx_lm.server plays ours too
     _add_json(p, "the results (only that on stdout; progress goes to stderr)")
 

@@ -30,6 +30,16 @@ def parse_positive_bytes(text: str) -> int:
     return n
 
 
+def parse_positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text!r}")
+    return n
+
+
 def parse_duration(text: str) -> float:
     """``7d``, ``12h``, ``30m``, ``90s``, ``2w``, ``3600`` (seconds) -> seconds, more than 0."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|min|h|d|w)?\s*", text, re.I)
@@ -62,6 +72,10 @@ def add_parser(sub) -> None:
     p.add_argument("--conversation-ttl", type=parse_duration, default=7 * 86400, metavar="DURATION",
                    help="remove anonymous conversations (conv-* agents) unused this long, e.g. 7d, 12h, 30m "
                         "(default 7d)")
+    p.add_argument("--decode-rows", type=parse_positive_int, metavar="N",
+                   help="token slots of every decode forward (default 8); more decoding agents take more forwards. "
+                        "1 decodes a lone agent fastest, 8 many agents at once; a reply does not depend on what it "
+                        "is batched with at any setting (docs/architecture.md)")
     p.add_argument("--api-key", help="require this key (x-api-key or 'Authorization: Bearer'); default: none")
     p.add_argument("--backend", choices=("trio", "asyncio"), default="trio", help="event loop (default trio)")
     p.add_argument("--max-tokens-cap", type=int, metavar="N",
@@ -98,8 +112,7 @@ def run(args: argparse.Namespace) -> int:
                               max_tokens_cap=args.max_tokens_cap or _default_cap(models),
                               max_body_bytes=args.max_body_bytes,
                               disk_budget=disk_budget, conversation_ttl_s=args.conversation_ttl,
-                              runtime_options={} if group is None else
-                              {"group": group, "rank_timeout_s": args.rank_timeout})
+                              runtime_options=_runtime_options(args, group))
     except ValueError as e:
         raise SemanticError(str(e)) from None
     sock = bind(args.host, args.port)
@@ -124,6 +137,16 @@ def run(args: argparse.Namespace) -> int:
     run_server(config, sock, backend=args.backend, on_ready=ready)
     say("stopped; caches are on disk")
     return 0
+
+
+def _engine_settings(args: argparse.Namespace) -> dict:
+    return {} if args.decode_rows is None else {"decode_rows": args.decode_rows}
+
+
+def _runtime_options(args: argparse.Namespace, group) -> dict:
+    """More ``Runtime.open`` keywords: the engine's settings, and the group this is rank 0 of."""
+    group_options = {} if group is None else {"group": group, "rank_timeout_s": args.rank_timeout}
+    return _engine_settings(args) | group_options
 
 
 def _other_layouts(cache_dir, model: str, kv_bits: int, ranks: int) -> None:
@@ -161,7 +184,8 @@ def _follow(args: argparse.Namespace, group, cache_dir, first: str, more: list[s
     # Ctrl-C reaches every rank of mlx.launch: rank 0 stops the group, in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     say(f"rank {group.rank()} of {group.size()}: following rank 0")
-    Runtime.follow(group, first, cache_dir, args.budget, models=more, kv_bits=args.kv_bits)
+    Runtime.follow(group, first, cache_dir, args.budget, models=more, kv_bits=args.kv_bits,
+                   **_engine_settings(args))
     say(f"rank {group.rank()} stopped; its caches are on disk")
     return 0
 

@@ -229,6 +229,8 @@ def test_cache_ls_rm_and_prune(tmp_path):
     (["--conversation-ttl", "7x"], "argument --conversation-ttl: not a duration: '7x' (try 7d, 12h or 30m)"),
     (["--conversation-ttl", "0h"], "argument --conversation-ttl: must be longer than 0"),
     (["--kv-bits", "3"], "argument --kv-bits: invalid choice: 3 (choose from 4, 8)"),
+    (["--decode-rows", "0"], "argument --decode-rows: must be at least 1, not '0'"),
+    (["--decode-rows", "two"], "argument --decode-rows: not a whole number: 'two'"),
 ])
 def test_bad_serve_options_are_a_clear_error(args, message):
     out = semantic("serve", "--port", "1", *args)
@@ -246,6 +248,10 @@ def test_serve_options_parse():
     args = parser().parse_args(["serve"])
     assert (args.disk_budget, args.conversation_ttl, args.kv_bits) == (None, 7 * 86400, 4)
     assert parser().parse_args(["serve", "--kv-bits", "8"]).kv_bits == 8
+    from cli.serve import _runtime_options
+
+    assert _runtime_options(args, None) == {}  # the runtime's default decode rows
+    assert _runtime_options(parser().parse_args(["serve", "--decode-rows", "1"]), None) == {"decode_rows": 1}
     args = parser().parse_args(["cache", "prune", "--older-than", "7d", "--to", "10G"])
     assert (args.older_than, args.to) == (7 * 86400, 10 << 30)
 

@@ -41,8 +41,8 @@ def drain(engine: Engine, until=None) -> dict:
     return done
 
 
-def alone(model, tokenizer, prompt, sampling, prefix=None) -> tuple[int, ...]:
-    engine = Engine(model, tokenizer)
+def alone(model, tokenizer, prompt, sampling, prefix=None, **options) -> tuple[int, ...]:
+    engine = Engine(model, tokenizer, **options)
     cache, cached = (None, 0) if prefix is None else (prefix_cache(engine, prompt[:prefix]), prefix)
     sid = engine.add(prompt, sampling, cache, cached)
     return drain(engine)[sid].output_tokens
@@ -62,18 +62,18 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [mx.random.randint(1, VOCAB, (L,), key=mx.random.split(rng, n)[i]).tolist() for i, L in enumerate(lengths)]
 
 
-def busy_batch_equals_alone(model, tokenizer, steps: int = 12):
+def busy_batch_equals_alone(model, tokenizer, steps: int = 12, **options):
     A, B, C, D, E = prompts(5, seed=1)
     greedy = SamplingParams(max_tokens=steps)
     short = SamplingParams(max_tokens=3)  # B finishes early
     expected = {
-        "A": alone(model, tokenizer, A, greedy),
-        "B": alone(model, tokenizer, B, short),
-        "C": alone(model, tokenizer, C, greedy, prefix=15),  # starts from a Q4 cache + suffix
-        "D": alone(model, tokenizer, D, greedy),  # joins while others decode
-        "E": alone(model, tokenizer, E, greedy),  # cancelled mid-way
+        "A": alone(model, tokenizer, A, greedy, **options),
+        "B": alone(model, tokenizer, B, short, **options),
+        "C": alone(model, tokenizer, C, greedy, prefix=15, **options),  # starts from a Q4 cache + suffix
+        "D": alone(model, tokenizer, D, greedy, **options),  # joins while others decode
+        "E": alone(model, tokenizer, E, greedy, **options),  # cancelled mid-way
     }
-    engine = Engine(model, tokenizer)
+    engine = Engine(model, tokenizer, **options)
     ids = {
         "A": engine.add(A, greedy),
         "B": engine.add(B, short),
@@ -121,6 +121,13 @@ def test_a_long_prompts_last_token_rides_the_next_decode_step(arch):
 @pytest.mark.parametrize("arch", TINY_CONFIGS)
 def test_busy_batch_equals_alone_tiny(arch):
     busy_batch_equals_alone(tiny_model(arch), ByteTokenizer())
+
+
+@pytest.mark.parametrize("decode_rows", [1, 3])
+def test_busy_batch_equals_alone_at_other_decode_rows(decode_rows):
+    """One slot a forward (each sequence its own forward) and 3 (the five sequences
+    take two forwards a step, and move between them as others finish)."""
+    busy_batch_equals_alone(tiny_model("llama"), ByteTokenizer(), decode_rows=decode_rows)
 
 
 @pytest.mark.model
