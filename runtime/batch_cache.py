@@ -31,7 +31,9 @@ Per-sequence caches:
 * ``DequantizingKVCache``: the same Q4 record seen through a float working copy
   (no ``bits``: ``mx.fast.scaled_dot_product_attention``), for the CPU, where
   MLX's quantized matmul is slow, and for attention sinks (GPT-OSS), which the
-  quantized SDPA refuses;
+  quantized SDPA refuses; in a decode forward the batch quantizes every
+  slot's new token at once and holds the Q4 rows for the records
+  (``BatchQuantizedKVCache.attend_new``, ``flush``);
 * sliding window: ``WindowKVCache`` (full precision, bounded by its window and
   ``WINDOW_SPARE`` tokens more, so a diverging turn can trim it as a full layer);
 * recurrent (linear attention): ``StateCache``, a fixed-size state that the
@@ -171,15 +173,18 @@ class DequantizingKVCache(_BaseCache):
     each update's new tokens as they are written, so it always holds exactly
     dequantize(record) and a decode step unpacks one token, not the context. It
     lives as long as this object; the record is what is stored and copied.
+    In a decode forward the copy runs ahead of the record by ``unwritten``
+    tokens, whose Q4 rows the forward's ``BatchQuantizedKVCache`` holds.
     """
 
     def __init__(self, group_size: int = 64, bits: int = 4, quantized: Optional[QuantizedKVCache] = None):
         self.quantized = quantized if quantized is not None else SequenceQuantizedKVCache(group_size, bits)
         self._float: Optional[tuple[mx.array, mx.array]] = None  # same positions as the record
+        self.unwritten = 0  # decoded tokens after the record's, whose Q4 rows a ``BatchQuantizedKVCache`` holds
 
     @property
     def offset(self) -> int:
-        return self.quantized.offset
+        return self.quantized.offset + self.unwritten
 
     @property
     def group_size(self) -> int:
@@ -190,6 +195,8 @@ class DequantizingKVCache(_BaseCache):
         return self.quantized.bits
 
     def update_and_fetch(self, keys, values):
+        if self.unwritten:
+            raise RuntimeError("a decoded token's Q4 rows are not in the record yet (BatchQuantizedKVCache.flush)")
         q, prev = self.quantized, self.quantized.offset
         *qk, new_k = _quantize_unpack(keys, q.group_size, q.bits)
         *qv, new_v = _quantize_unpack(values, q.group_size, q.bits)
@@ -207,6 +214,24 @@ class DequantizingKVCache(_BaseCache):
         fk, fv = self._float
         return fk[..., : q.offset, :], fv[..., : q.offset, :]
 
+    def attend_new(self, new_k: mx.array, new_v: mx.array) -> tuple[mx.array, mx.array]:
+        """Add one decoded token to the working copy only, given as the unpack of
+        its Q4 rows (which its ``BatchQuantizedKVCache`` writes to the record
+        later); return the keys and values to attend over."""
+        q, prev = self.quantized, self.offset
+        if self._float is None:  # first use: the whole record at once
+            self._float = (None, None) if q.keys is None else tuple(
+                _unpack(t, q.group_size, q.bits, new_k.dtype) for t in (q.keys, q.values))
+        fk, fv = self._float
+        if fk is None or fk.shape[2] <= prev:
+            capacity = (prev + q.step) // q.step * q.step
+            fk, fv = _grown(fk, prev, capacity, new_k), _grown(fv, prev, capacity, new_v)
+        fk[..., prev : prev + 1, :] = new_k
+        fv[..., prev : prev + 1, :] = new_v
+        self._float = (fk, fv)
+        self.unwritten += 1
+        return fk[..., : prev + 1, :], fv[..., : prev + 1, :]
+
     def make_mask(self, *args, **kwargs):
         return create_attention_mask(*args, offset=self.offset, **kwargs)
 
@@ -217,7 +242,7 @@ class DequantizingKVCache(_BaseCache):
     @state.setter
     def state(self, v):
         self.quantized = SequenceQuantizedKVCache.from_state(v)
-        self._float = None
+        self._float, self.unwritten = None, 0
 
     def is_trimmable(self):
         return True
@@ -393,13 +418,60 @@ class BatchQuantizedKVCache:
     None): each sequence's cache makes its own.
     """
 
+    ROWS = 32  # decode steps whose new Q4 rows are held before they go to the records
+
     def __init__(self, caches: Sequence):
         if not caches:
             raise ValueError("a batch needs at least one sequence")
         self.caches = list(caches)
+        self._rows: Optional[tuple[mx.array, ...]] = None  # keys' then values' Q4 triples, (slots, H, ROWS, ...)
+        self._held = 0  # steps held in ``_rows``
 
     def make_mask(self, *args, **kwargs):
         return None
+
+    @property
+    def in_float(self) -> bool:
+        """Whether every sequence attends over a float working copy (``attend_new``)."""
+        return all(isinstance(c, DequantizingKVCache) for c in self.caches)
+
+    def attend_new(self, keys: mx.array, values: mx.array) -> list[tuple[mx.array, mx.array]]:
+        """Quantize every slot's new token at once (``keys``, ``values``: (slots,
+        H, 1, D)), add each sequence's to its working copy and hold the Q4 rows
+        for its record; return what each sequence attends over.
+
+        One quantization and six row writes a layer and step for the whole
+        forward, where writing each record costs a dozen MLX ops a sequence;
+        the records get ``ROWS`` steps at once (``flush``). Quantization is per
+        group of a row, so a row's Q4 codes do not depend on the other slots.
+        """
+        c = self.caches[0].quantized
+        *qk, new_k = _quantize_unpack(keys, c.group_size, c.bits)
+        *qv, new_v = _quantize_unpack(values, c.group_size, c.bits)
+        if self._held == self.ROWS:
+            self.flush()
+        if self._rows is None:
+            self._rows = tuple(mx.zeros((*t.shape[:2], self.ROWS, t.shape[3]), t.dtype) for t in (*qk, *qv))
+        for rows, new in zip(self._rows, (*qk, *qv)):
+            rows[:, :, self._held : self._held + 1, :] = new
+        self._held += 1
+        return [c.attend_new(new_k[i : i + 1], new_v[i : i + 1]) for i, c in enumerate(self.caches)]
+
+    def flush(self) -> None:
+        """Write the held Q4 rows to each sequence's record (before anyone reads
+        a record, and when ``ROWS`` steps are held)."""
+        if not self._held:
+            return
+        for i, c in enumerate(self.caches):
+            held = tuple(t[i : i + 1, :, : self._held, :] for t in self._rows)
+            c.quantized.append(held[:3], held[3:])
+            c.unwritten -= self._held
+        self._held = 0
+
+    @property
+    def arrays(self) -> list:
+        """What a step evaluates besides the sequences' caches, so graphs never grow."""
+        return list(self._rows or ())
 
 
 # Per-model helpers: lists of per-layer caches, in layer order.

@@ -142,6 +142,9 @@ class Engine:
         self._prefilling: deque[_Sequence] = deque()
         self._decoding: list[_Sequence] = []
         self._preempted: dict[int, _Sequence] = {}  # out of the engine, without their caches
+        # Each decode forward's per-layer batch caches, kept while its sequences stay the same:
+        # they hold the newest tokens' Q4 rows until ``_flush`` writes them to the records.
+        self._batches: dict[tuple[int, ...], list[BatchQuantizedKVCache]] = {}
 
     # -- queries ---------------------------------------------------------
 
@@ -251,19 +254,27 @@ class Engine:
         if not self._decoding:
             return []
         rows, n = self._decoding, self.decode_rows
+        tiles = [tuple(rows[i : i + n]) for i in range(0, len(rows), n)]
+        keys = [tuple(seq.id for seq in tile) for tile in tiles]
+        if set(keys) != self._batches.keys():  # the forwards' sequences changed: records first
+            self._flush()
+            self._batches = {key: [BatchQuantizedKVCache(layer) for layer in zip(*(s.view for s in tile))]
+                             for key, tile in zip(keys, tiles)}
         tokens = []
-        for tile in (rows[i : i + n] for i in range(0, len(rows), n)):
+        for key, tile in zip(keys, tiles):
             fed = [seq.next_input for seq in tile]
             for seq, token in zip(tile, fed):
                 seq.fed.append(token)
             inputs = mx.array(fed + [0] * (n - len(tile)))[None]  # padding slots feed token 0
-            batch = [BatchQuantizedKVCache(layer) for layer in zip(*(s.view for s in tile))]
-            logits = self.model(inputs, cache=batch)[0]
+            logits = self.model(inputs, cache=self._batches[key])[0]
             tokens += [seq.sampler(logits[i]) for i, seq in enumerate(tile)]
         tokens = self.shared_tokens(mx.stack(tokens))
-        mx.eval(tokens, [cache_arrays(seq.view) for seq in rows])
+        held = [b.arrays for batch in self._batches.values() for b in batch]
+        mx.eval(tokens, [cache_arrays(seq.view) for seq in rows], held)
         results = [self._accept(seq, t) for seq, t in zip(rows, tokens.tolist())]
         self._decoding = [seq for seq, (_, _, reason) in zip(rows, results) if reason is None]
+        if len(self._decoding) < len(rows):
+            self._flush()
         return [
             Delta(seq.id, new, text, None if reason is None else self._finished(seq, reason))
             for seq, (new, text, reason) in zip(rows, results)
@@ -312,7 +323,15 @@ class Engine:
         """Forget a preempted sequence (its turn was cancelled while out)."""
         self._preempted.pop(seq_id, None)
 
+    def _flush(self) -> None:
+        """Write every decode forward's held Q4 rows to the records; forget the forwards."""
+        for batch in self._batches.values():
+            for layer in batch:
+                layer.flush()
+        self._batches = {}
+
     def _take(self, seq_id: int) -> _Sequence | None:
+        self._flush()
         for queue in (self._prefilling, self._decoding):
             for seq in queue:
                 if seq.id == seq_id:

@@ -107,10 +107,12 @@ def _standard(attn: nn.Module, x: mx.array, batch: BatchQuantizedKVCache) -> mx.
     q, k = attn.rope(q, offset=offset), attn.rope(k, offset=offset)
     scale = getattr(attn, "scale", None) or attn.sm_scale
     sinks = attn.get("sinks")
-    outs = []
-    for i, c in enumerate(caches):
-        keys, values = c.update_and_fetch(k[i : i + 1], v[i : i + 1])
-        outs.append(scaled_dot_product_attention(q[i : i + 1], keys, values, c, scale=scale, mask=_mask(c), sinks=sinks))
+    if batch.in_float:  # the CPU: one quantization for every slot, records written every few steps
+        fetched = batch.attend_new(k, v)
+    else:
+        fetched = [c.update_and_fetch(k[i : i + 1], v[i : i + 1]) for i, c in enumerate(caches)]
+    outs = [scaled_dot_product_attention(q[i : i + 1], keys, values, c, scale=scale, mask=_mask(c), sinks=sinks)
+            for i, (c, (keys, values)) in enumerate(zip(caches, fetched))]
     out = _pad_slots(mx.concatenate(outs), slots, axis=0)  # (slots, heads, 1, head_dim)
     return attn.o_proj(out.transpose(2, 0, 1, 3).reshape(1, slots, -1))
 

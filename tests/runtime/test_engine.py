@@ -149,6 +149,51 @@ def test_quantized_and_float_attention_agree(arch):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("leave", ["finish", "cancel", "preempt"])
+def test_decoded_tokens_reach_the_record_exactly(leave):
+    """On the CPU a decode step's new Q4 rows wait in the forward's batch cache and
+    go to the records every ``ROWS`` steps and whenever a sequence leaves: the
+    record a sequence hands back holds exactly the K/V its attention read."""
+    from runtime.batch_cache import BatchQuantizedKVCache, _unpack
+
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    engine = Engine(model, tok, float_attention=True)
+    steps = 2 * BatchQuantizedKVCache.ROWS + 5  # two flushes of full rows, then a partial one
+    long_, short = (engine.add(p, SamplingParams(max_tokens=steps + 10)) for p in prompts(2, seed=4))
+    while engine.prefilling:
+        engine.prefill_step()
+    views = {seq.id: seq.view for seq in engine._decoding}
+    finished = {}
+    for step in range(steps):
+        if step == 20:
+            finished[short] = engine.cancel(short).finished  # leaves mid-rows
+        for d in engine.step_once():
+            finished.update({d.seq_id: d.finished} if d.finished else {})
+    assert long_ not in finished, "the sequence must still be decoding"
+    finished[long_] = {"finish": lambda: engine.cancel(long_, "length").finished,
+                       "cancel": lambda: engine.cancel(long_).finished,
+                       "preempt": lambda: engine.preempt(long_)}[leave]()
+    for sid, f in finished.items():
+        assert len(f.cache_tokens) > (steps if sid == long_ else 20)
+        for record, view in zip(f.cache, views[sid]):
+            n = record.offset
+            assert n == len(f.cache_tokens) and view.unwritten == 0
+            for packed, seen in zip((record.keys, record.values), view._float):
+                unpacked = _unpack(tuple(t[..., :n, :] for t in packed), record.group_size, record.bits, seen.dtype)
+                assert mx.array_equal(unpacked, seen[..., :n, :]).item()
+
+
+def test_a_one_token_prompt_preempted_before_its_prefill_resumes_as_a_decode_input():
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    engine = Engine(model, tok, float_attention=True)
+    sid = engine.add([42], SamplingParams(max_tokens=6))
+    assert engine.preempt(sid).cache_tokens == ()
+    engine.resume(sid)  # no cache: its one token is the next decode input, over an empty record
+    assert (engine.prefilling, engine.decoding) == (0, 1)
+    f = drain(engine)[sid]
+    assert f.cache_tokens == (42, *f.output_tokens[:-1]) and all(c.offset == len(f.cache_tokens) for c in f.cache)
+
+
 def test_finished_cache_covers_exactly_its_tokens():
     model, tok = tiny_model("llama"), ByteTokenizer()
     engine = Engine(model, tok)
