@@ -135,9 +135,11 @@ class GpuActor:
 
     def call_soon(self, fn: Callable[[], object]) -> None:
         """Run ``fn()`` on the event loop soon; callable from any thread, never blocks."""
+        if self._call_soon is None:  # never ran: nothing to deliver to
+            return
         try:
             self._call_soon(fn)
-        except (TypeError, RuntimeError):  # not running, or its loop has ended: nothing left to do
+        except RuntimeError:  # its loop has ended: nothing left to deliver to
             pass
 
     def cancel(self, turn_id: int) -> None:

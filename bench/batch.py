@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import runtime  # noqa: F401  (fast BLAS before mlx)
+from runtime.engine import DECODE_ROWS
 from runtime.models import load
 
 TEXT = Path(__file__).parent / "data" / "lighthouses.txt"
@@ -30,14 +31,14 @@ def contexts(tokenizer, n: int, length: int) -> list[list[int]]:
     return [base[37 * i : 37 * i + length] for i in range(n)]
 
 
-def ours(loaded, ctxs, batch_sizes, steps, repeats, decode_rows=None) -> tuple[dict, dict, float]:
+def ours(loaded, ctxs, batch_sizes, steps, repeats, decode_rows: int = DECODE_ROWS) -> tuple[dict, dict, float]:
     """System decode tokens/s per batch size (median of repeats), TTFT-free."""
     import mlx.core as mx
 
     from runtime.batch_cache import copy_cache
     from runtime.engine import Engine, SamplingParams
 
-    engine = Engine(loaded.model, loaded.tokenizer, **({} if decode_rows is None else {"decode_rows": decode_rows}))
+    engine = Engine(loaded.model, loaded.tokenizer, decode_rows=decode_rows)
     prefilled = []
     for ctx in ctxs:  # prefill each context once
         sid = engine.add(ctx, SamplingParams(max_tokens=1))
@@ -139,21 +140,19 @@ def prefill_peak(loaded, tokens: int, chunks=(128, 512, None)) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from runtime.engine import DECODE_ROWS
-
     loaded = load(args.model)
     sizes = [1, 2, 4, 8]
     steps = 16 if args.quick else 48
     repeats = 1 if args.quick else 3
     ctxs = contexts(loaded.tokenizer, max(sizes), args.context)
-    rows = getattr(args, "decode_rows", None)
+    rows = getattr(args, "decode_rows", None) or DECODE_ROWS
     ours_tps, ours_stream, ratio = ours(loaded, ctxs, sizes, steps, repeats, rows)
     peer_tps = peer(loaded, ctxs, sizes, steps, repeats)
     peak = prefill_peak(loaded, 4096, (512, None) if args.quick else (128, 512, None))
     result = {
         "model": args.model,
         "context_tokens": args.context,
-        "decode_rows": rows or DECODE_ROWS,
+        "decode_rows": rows,
         "decode_steps": steps,
         "repeats": repeats,
         "batch_sizes": sizes,

@@ -424,16 +424,13 @@ class BatchQuantizedKVCache:
         if not caches:
             raise ValueError("a batch needs at least one sequence")
         self.caches = list(caches)
+        # Every sequence attends over a float working copy: ``attend_new`` serves this layer.
+        self.in_float = all(isinstance(c, DequantizingKVCache) for c in self.caches)
         self._rows: Optional[tuple[mx.array, ...]] = None  # keys' then values' Q4 triples, (slots, H, ROWS, ...)
         self._held = 0  # steps held in ``_rows``
 
     def make_mask(self, *args, **kwargs):
         return None
-
-    @property
-    def in_float(self) -> bool:
-        """Whether every sequence attends over a float working copy (``attend_new``)."""
-        return all(isinstance(c, DequantizingKVCache) for c in self.caches)
 
     def attend_new(self, keys: mx.array, values: mx.array) -> list[tuple[mx.array, mx.array]]:
         """Quantize every slot's new token at once (``keys``, ``values``: (slots,

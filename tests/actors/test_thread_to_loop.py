@@ -10,6 +10,7 @@ import pytest
 
 from actors.gpu import _loop_call_soon
 
+
 @pytest.mark.anyio
 async def test_a_thread_schedules_callbacks_without_waiting_for_a_busy_loop():
     call_soon, ran = _loop_call_soon(), []
