@@ -109,6 +109,12 @@ class GpuActor:
         """The loaded ``LoadedModel`` (None while unloaded); read its settings, never run it here."""
         return self._thread.registry.loaded
 
+    @property
+    def row_counts(self):
+        """The loaded engine's ``RowCounts`` (None while unloaded); immutable, read across threads."""
+        engine = self._thread.registry.engine
+        return None if engine is None else engine.row_counts
+
     def stats(self) -> dict:
         """A snapshot for tests and benchmarks (read across threads: approximate)."""
         t, s = self._thread, self._thread.scheduler

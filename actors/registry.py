@@ -20,6 +20,7 @@ from runtime.agent_cache import AgentCaches, AgentMemory, open_caches
 from runtime.cache_file import CacheStore, HostCache
 from runtime.engine import Engine
 from runtime.models import LoadedModel, load
+from runtime.row_counts import cached
 
 from .lockstep import Lockstep
 
@@ -85,6 +86,8 @@ class ModelRegistry:
             loaded.name = model  # the name turns ask for it by
         shared = {} if self.group is None else {"shared_tokens": Lockstep(self.group).rank0_tokens}
         engine = Engine(loaded.model, loaded.tokenizer, **self.engine_options, **shared)
+        if self.group is None:  # ranks must run the same forwards: a sharded model keeps one count
+            engine.row_counts = cached(engine)
 
         def caches_in(budget: int | None) -> HotCaches:
             return open_caches(loaded, self.store, budget, working_copy=engine.float_attention, cls=HotCaches,

@@ -145,9 +145,10 @@ class Runtime:
         streams wait for another agent's prefill.  ``kv_bits``: the agents' KV
         caches are quantized to 4 (default) or 8 bits; each setting keeps its own
         cache files (8 bits: about twice the memory, closer to full precision).
-        ``decode_rows``: token slots of every decode forward; more decoding
-        agents take more forwards (1 decodes a lone agent fastest, 8 many at
-        once; any fixed value keeps batching invariant).  ``eviction_watermarks``:
+        ``decode_rows``: the most token slots of a decode forward; more decoding
+        agents take more forwards.  Which counts up to it give a sequence the
+        same logits is measured when a model loads (``row_counts``), and
+        forwards use only those.  ``eviction_watermarks``:
         (high, low) fractions of the budget for the eviction actor.
         ``disk_budget``: bytes the cache directory may hold; the least recently
         written cache files are removed to stay within it (None: no cap).
@@ -240,6 +241,13 @@ class Runtime:
     def model(self) -> str | None:
         """The name of the loaded model (or the one an idle unload will bring back)."""
         return self._gpu.model_name
+
+    @property
+    def row_counts(self) -> dict | None:
+        """The token slots decode forwards may have on the loaded model, and what
+        measuring them found (``runtime.row_counts``); None while unloaded."""
+        counts = self._gpu.row_counts
+        return None if counts is None else counts.describe()
 
     @property
     def models(self) -> tuple[str, ...]:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import runtime  # noqa: F401  (fast BLAS before mlx)
+from runtime import blas
 from runtime.engine import DECODE_ROWS
 from runtime.models import load
 
@@ -31,14 +32,18 @@ def contexts(tokenizer, n: int, length: int) -> list[list[int]]:
     return [base[37 * i : 37 * i + length] for i in range(n)]
 
 
-def ours(loaded, ctxs, batch_sizes, steps, repeats, decode_rows: int = DECODE_ROWS) -> tuple[dict, dict, float]:
-    """System decode tokens/s per batch size (median of repeats), TTFT-free."""
+def ours(loaded, ctxs, batch_sizes, steps, repeats, decode_rows: int = DECODE_ROWS) -> tuple[dict, dict, float, dict]:
+    """System decode tokens/s per batch size (median of repeats), TTFT-free; and the
+    measured row counts the engine ran with."""
     import mlx.core as mx
 
     from runtime.batch_cache import copy_cache
     from runtime.engine import Engine, SamplingParams
 
+    from runtime.row_counts import cached
+
     engine = Engine(loaded.model, loaded.tokenizer, decode_rows=decode_rows)
+    engine.row_counts = cached(engine)  # the row counts a server would use here
     prefilled = []
     for ctx in ctxs:  # prefill each context once
         sid = engine.add(ctx, SamplingParams(max_tokens=1))
@@ -70,7 +75,7 @@ def ours(loaded, ctxs, batch_sizes, steps, repeats, decode_rows: int = DECODE_RO
             mx.clear_cache()
         results[B] = statistics.median(runs)
         per_stream[B] = results[B] / B
-    return results, per_stream, q4 / fp16
+    return results, per_stream, q4 / fp16, engine.row_counts.describe()
 
 
 def peer(loaded, ctxs, batch_sizes, steps, repeats) -> dict:
@@ -146,13 +151,15 @@ def run(args: argparse.Namespace) -> int:
     repeats = 1 if args.quick else 3
     ctxs = contexts(loaded.tokenizer, max(sizes), args.context)
     rows = getattr(args, "decode_rows", None) or DECODE_ROWS
-    ours_tps, ours_stream, ratio = ours(loaded, ctxs, sizes, steps, repeats, rows)
+    ours_tps, ours_stream, ratio, counts = ours(loaded, ctxs, sizes, steps, repeats, rows)
     peer_tps = peer(loaded, ctxs, sizes, steps, repeats)
     peak = prefill_peak(loaded, 4096, (512, None) if args.quick else (128, 512, None))
     result = {
         "model": args.model,
         "context_tokens": args.context,
         "decode_rows": rows,
+        "row_counts": counts,
+        "blas_kernel": blas.kernel(),
         "decode_steps": steps,
         "repeats": repeats,
         "batch_sizes": sizes,
@@ -171,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title=f"Batched decode, {args.context}-token contexts, {steps} steps, median of {repeats}, "
-                        f"{result['decode_rows']} decode rows")
+                        f"decode rows {', '.join(map(str, counts['counts']))} of 1-{rows} "
+                        f"({result['blas_kernel']})")
     for col in ("batch", "ours tok/s", "per stream", "mlx-lm BatchKVCache tok/s", "ours / mlx-lm"):
         table.add_column(col, justify="right")
     for B in sizes:

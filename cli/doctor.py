@@ -20,6 +20,7 @@ def doctor(as_json: bool) -> int:
     report["cache_dir"] = str(cache_home())
     report["model_ready"] = embedded.is_ready()
     report["model_dir"] = str(embedded.embedded_dir())
+    report["row_counts"] = _row_counts() if report["model_ready"] else None
     if as_json:
         print(json.dumps(report))
         return 0
@@ -28,7 +29,8 @@ def doctor(as_json: bool) -> int:
     out.print(f"device       {report['device']} ({report['device_name']})")
     out.print(f"mlx          {report['mlx_version']}")
     fast = report["matmul_gflops"] >= SLOW_GFLOPS
-    out.print(f"blas         {report['blas']} {report['blas_library'] or ''} {ok if report['blas_fast'] else bad}")
+    out.print(f"blas         {report['blas']} {report['blas_library'] or ''} ({report['blas_kernel']} kernels) "
+              f"{ok if report['blas_fast'] else bad}")
     out.print(f"matmul       {report['matmul_gflops']} GFLOP/s float32 {ok if fast else bad}")
     if not fast or not report["blas_fast"]:
         note = report["blas_note"] or "slow BLAS"
@@ -36,4 +38,18 @@ def doctor(as_json: bool) -> int:
     out.print(f"cache dir    {report['cache_dir']}")
     state = ok if report["model_ready"] else "[yellow]not prepared yet (prepared on first use, or `semantic prepare`)[/]"
     out.print(f"model        {embedded.NAME} {report['model_dir']} {state}")
+    if rows := report["row_counts"]:
+        classes = " | ".join("-".join(map(str, (c[0], c[-1]))) if len(c) > 1 else str(c[0]) for c in rows["classes"])
+        out.print(f"decode rows  {', '.join(map(str, rows['counts']))} of 1-{len(rows['ms'])} "
+                  f"(rows agree within: {classes}; measured in {rows['seconds']} s)")
     return 0
+
+
+def _row_counts() -> dict:
+    """The decode row counts the server uses on the embedded model (measured once, then kept)."""
+    from runtime.engine import Engine
+    from runtime.models import load
+    from runtime.row_counts import cached
+
+    loaded = load(progress=False)
+    return cached(Engine(loaded.model, loaded.tokenizer)).describe()

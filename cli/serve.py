@@ -73,9 +73,9 @@ def add_parser(sub) -> None:
                    help="remove anonymous conversations (conv-* agents) unused this long, e.g. 7d, 12h, 30m "
                         "(default 7d)")
     p.add_argument("--decode-rows", type=parse_positive_int, metavar="N",
-                   help="token slots of every decode forward (default 8); more decoding agents take more forwards. "
-                        "1 decodes a lone agent fastest, 8 many agents at once; a reply does not depend on what it "
-                        "is batched with at any setting (docs/architecture.md)")
+                   help="the most token slots of a decode forward (default 8); more decoding agents take more "
+                        "forwards. Which counts up to N leave a reply unchanged by its neighbours is measured when "
+                        "the model loads and shown by /health (docs/architecture.md)")
     p.add_argument("--api-key", help="require this key (x-api-key or 'Authorization: Bearer'); default: none")
     p.add_argument("--backend", choices=("trio", "asyncio"), default="trio", help="event loop (default trio)")
     p.add_argument("--max-tokens-cap", type=int, metavar="N",

@@ -17,7 +17,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-__all__ = ["BlasStatus", "activate", "status", "INSTALL_HINT"]
+__all__ = ["BlasStatus", "activate", "kernel", "status", "INSTALL_HINT"]
 
 INSTALL_HINT = "sudo apt-get install libopenblas0-pthread"
 
@@ -82,3 +82,15 @@ def activate() -> BlasStatus:
 
 def status() -> BlasStatus:
     return activate()
+
+
+def kernel() -> str:
+    """The kernel set OpenBLAS picked for this CPU (``OPENBLAS_CORETYPE`` overrides
+    it), e.g. ``Haswell``; else the BLAS's name.  Kernels sum in different orders."""
+    s = status()
+    try:
+        corename = ctypes.CDLL(s.library).openblas_get_corename
+    except (OSError, TypeError, AttributeError):
+        return s.name
+    corename.restype = ctypes.c_char_p
+    return corename().decode()

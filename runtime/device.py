@@ -37,6 +37,7 @@ def describe() -> dict:
         "mlx_version": mx.__version__,
         "blas": status.name,
         "blas_library": status.library,
+        "blas_kernel": blas.kernel(),
         "blas_fast": status.fast,
         "blas_note": status.note,
     }

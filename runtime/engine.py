@@ -23,14 +23,17 @@ Every call returns ``Delta``s; the last delta of a sequence carries
 
 Batch invariance: prefill chunks run one sequence alone with a chunk size that
 depends only on that sequence; a decode step runs the decoding sequences in
-forwards of exactly ``decode_rows`` token slots (padded), attention per
-sequence over its own cache (``runtime.batch_cache``). So a sequence's logits
-are bitwise the same whatever else runs, wherever it sits in the batch.
+forwards whose token slots are one of ``row_counts`` (measured to agree by
+``calibrate``: ``runtime.row_counts``), attention per sequence over its own
+cache (``runtime.batch_cache``). So a sequence's logits are bitwise the same
+whatever else runs, wherever it sits in the batch.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
@@ -38,14 +41,16 @@ from typing import Sequence as Seq
 import mlx.core as mx
 import mlx.nn as nn
 
-from .batch_cache import BatchQuantizedKVCache, StateCache, attention_view, cache_arrays, make_sequence_cache
+from .batch_cache import (BatchQuantizedKVCache, StateCache, attention_view, cache_arrays, copy_cache,
+                          make_sequence_cache)
+from .row_counts import RowCounts, choose
 from .rowwise import rowwise
 from .sampling import Sampler, SamplingParams
 
 __all__ = ["Engine", "Delta", "Finished", "SamplingParams"]
 
 STOP, LENGTH, CANCELLED, PREEMPTED = "stop", "length", "cancelled", "preempted"
-DECODE_ROWS = 8  # token slots of a decode forward (``Engine.decode_rows``)
+DECODE_ROWS = 8  # the most token slots of a decode forward (``Engine.decode_rows``)
 _LAST_IN_CHUNK = 64  # a final chunk longer than this leaves its last token to the decode batch
 
 
@@ -101,8 +106,10 @@ class _Sequence:
 class Engine:
     """Continuous batching over per-sequence Q4 caches.  Not thread-safe: one owner.
 
-    ``decode_rows``: token slots of every decode forward (more sequences take
-    more forwards).  ``model`` is made ``rowwise`` in place.  ``shared_tokens``:
+    ``row_counts``: the token slots a decode forward may have (``calibrate``
+    measures them; more sequences than the largest take more forwards);
+    without it every forward has exactly ``decode_rows``, the most
+    ``calibrate`` tries.  ``model`` is made ``rowwise`` in place.  ``shared_tokens``:
     a model sharded over ranks maps the tokens this rank sampled to those every
     rank goes on with (rank 0's: another CPU may round the logits differently).
     """
@@ -119,6 +126,7 @@ class Engine:
         attention_budget: int = 128 << 20,
         float_attention: bool | None = None,
         decode_rows: int = DECODE_ROWS,
+        row_counts: RowCounts | None = None,
         shared_tokens=None,
     ):
         if decode_rows < 1:
@@ -132,9 +140,10 @@ class Engine:
         self.attention_budget = attention_budget
         # MLX's CPU quantized matmul is slow: attend over a dequantized working copy there.
         self.float_attention = mx.default_device() == mx.cpu if float_attention is None else float_attention
-        # Every decode forward has exactly this many token slots, so each matmul has one
-        # shape whatever the batch (BLAS picks kernels by shape, and kernels sum differently).
         self.decode_rows = decode_rows
+        # BLAS picks kernels by shape, and kernels sum differently: decode forwards have only
+        # token slot counts whose rows agree (``calibrate``), or one count.
+        self.row_counts = row_counts or RowCounts.fixed(decode_rows)
         self.shared_tokens = shared_tokens or (lambda tokens: tokens)
         self._n_heads = _query_heads(model)
         self._eos = set(tokenizer.eos_token_ids)
@@ -253,20 +262,20 @@ class Engine:
         """One new token for every decoding sequence; [] when none is decoding."""
         if not self._decoding:
             return []
-        rows, n = self._decoding, self.decode_rows
-        tiles = [tuple(rows[i : i + n]) for i in range(0, len(rows), n)]
-        keys = [tuple(seq.id for seq in tile) for tile in tiles]
+        rows, tiles, at = self._decoding, [], 0
+        for n, slots in self.row_counts.forwards(len(self._decoding)):
+            tiles.append((tuple(rows[at : at + n]), slots))
+            at += n
+        keys = [(slots, *(seq.id for seq in tile)) for tile, slots in tiles]
         if set(keys) != self._batches.keys():  # the forwards' sequences changed: records first
             self._flush()
-            self._batches = {key: [BatchQuantizedKVCache(layer) for layer in zip(*(s.view for s in tile))]
-                             for key, tile in zip(keys, tiles)}
+            self._batches = {key: _batch(s.view for s in tile) for key, (tile, _) in zip(keys, tiles)}
         tokens = []
-        for key, tile in zip(keys, tiles):
+        for key, (tile, slots) in zip(keys, tiles):
             fed = [seq.next_input for seq in tile]
             for seq, token in zip(tile, fed):
                 seq.fed.append(token)
-            inputs = mx.array(fed + [0] * (n - len(tile)))[None]  # padding slots feed token 0
-            logits = self.model(inputs, cache=self._batches[key])[0]
+            logits = self._forward(self._batches[key], fed, slots)
             tokens += [seq.sampler(logits[i]) for i, seq in enumerate(tile)]
         tokens = self.shared_tokens(mx.stack(tokens))
         held = [b.arrays for batch in self._batches.values() for b in batch]
@@ -279,6 +288,50 @@ class Engine:
             Delta(seq.id, new, text, None if reason is None else self._finished(seq, reason))
             for seq, (new, text, reason) in zip(rows, results)
         ]
+
+    def calibrate(self, max_rows: int | None = None, seed: int = 0) -> RowCounts:
+        """Measure which decode row counts 1..``max_rows`` (default
+        ``decode_rows``) give a sequence the same logits, bit for bit: a probe
+        sequence through the real decode forward alone, then beside random
+        neighbours at every count and at its first, middle and last slot.
+        Returns the class ``choose`` picks, with what was measured; does not
+        change the engine (``row_counts`` does) and leaves its sequences alone."""
+        start = time.perf_counter()
+        rng = random.Random(seed)
+        max_rows = max_rows or self.decode_rows
+        prompt = lambda n: [rng.randrange(1, 256) for _ in range(n)]  # every vocabulary has 255 ids after 0
+        probe, neighbours = self._prefilled(prompt(24)), [self._prefilled(prompt(rng.randrange(1, 48)))
+                                                           for _ in range(max_rows - 1)]
+
+        def forward(m: int, at: int) -> mx.array:  # the probe's logits at slot ``at`` of ``m``
+            others = rng.sample(neighbours, m - 1)
+            records = others[:at] + [probe] + others[at:]
+            views = [attention_view(copy_cache(r), self.float_attention) for r in records]
+            fed = [rng.randrange(1, 256) for _ in records]
+            fed[at] = 7
+            row = self._forward(_batch(views), fed, m)[at]
+            mx.eval(row)
+            return row
+
+        rows = {m: [forward(m, at) for at in sorted({0, m // 2, m - 1})] for m in range(1, max_rows + 1)}
+        ms = [float("inf")] * max_rows
+        for _ in range(5):  # rounds over every count, so a load that comes and goes weighs on all alike
+            for m in range(1, max_rows + 1):
+                t0 = time.perf_counter()
+                forward(m, 0)
+                ms[m - 1] = min(ms[m - 1], (time.perf_counter() - t0) * 1e3)
+        classes: list[tuple[int, ...]] = []
+        for m, seen in rows.items():
+            if not all(mx.array_equal(seen[0], r).item() for r in seen[1:]):
+                continue  # the row depends on where it sits: never used
+            same = next((i for i, c in enumerate(classes) if mx.array_equal(rows[c[0]][0], seen[0]).item()), None)
+            if same is None:
+                classes.append((m,))
+            else:
+                classes[same] += (m,)
+        counts = choose(classes, ms)  # (1,) is always a class: one row sits in one place
+        return RowCounts(counts, tuple(classes), tuple(round(t, 2) for t in ms),
+                         round(time.perf_counter() - start, 3))
 
     def cancel(self, seq_id: int, reason: str = CANCELLED) -> Delta | None:
         """Drop a sequence; its final delta says ``reason`` (``cancelled``, or
@@ -341,6 +394,19 @@ class Engine:
 
     # -- internals -------------------------------------------------------
 
+    def _forward(self, batch: list[BatchQuantizedKVCache], fed: list[int], slots: int) -> mx.array:
+        """One decode forward: ``fed[i]`` into the sequence of ``batch``'s slot
+        ``i``, the slots after them padded with token 0; the logits of every slot."""
+        return self.model(mx.array(fed + [0] * (slots - len(fed)))[None], cache=batch)[0]
+
+    def _prefilled(self, tokens: list[int]) -> list:
+        """A fresh sequence cache holding ``tokens``, prefilled alone."""
+        cache = self.new_cache()
+        view = attention_view(cache, self.float_attention)
+        self.model(mx.array(tokens)[None], cache=view)
+        mx.eval(cache_arrays(view))
+        return cache
+
     def _chunk_size(self, context: int) -> int:
         # Attention scores of a chunk are heads x chunk x context floats: cap them.
         per_token = self._n_heads * (context + self.max_chunk) * 4
@@ -394,6 +460,11 @@ class Engine:
             prefilled_tokens=min(len(seq.fed), seq.prompt_tokens) - seq.reused,
             stop_sequence=seq.stop_hit if reason == STOP else None,
         )
+
+
+def _batch(views) -> list[BatchQuantizedKVCache]:
+    """Per-layer batch caches of the sequences whose attention views are ``views``."""
+    return [BatchQuantizedKVCache(layer) for layer in zip(*views)]
 
 
 def _mark(cache: list) -> None:

@@ -118,21 +118,30 @@ def test_a_long_prompts_last_token_rides_the_next_decode_step(arch):
     assert drain(small)[sid].output_tokens == finished.output_tokens
 
 
+def measured(model, tokenizer):
+    """The row counts this machine's decode forward may use for ``model`` (``Engine.calibrate``)."""
+    return Engine(model, tokenizer).calibrate()
+
+
 @pytest.mark.parametrize("arch", TINY_CONFIGS)
 def test_busy_batch_equals_alone_tiny(arch):
-    busy_batch_equals_alone(tiny_model(arch), ByteTokenizer())
+    """Forwards of every measured row count: five sequences, then four, ... as they come and go."""
+    model, tok = tiny_model(arch), ByteTokenizer()
+    busy_batch_equals_alone(model, tok, row_counts=measured(model, tok))
 
 
 @pytest.mark.parametrize("decode_rows", [1, 3])
 def test_busy_batch_equals_alone_at_other_decode_rows(decode_rows):
-    """One slot a forward (each sequence its own forward) and 3 (the five sequences
-    take two forwards a step, and move between them as others finish)."""
+    """One fixed count (not measured): one slot a forward (each sequence its own
+    forward) and 3 (the five sequences take two forwards a step, and move
+    between them as others finish)."""
     busy_batch_equals_alone(tiny_model("llama"), ByteTokenizer(), decode_rows=decode_rows)
 
 
 @pytest.mark.model
 def test_busy_batch_equals_alone_smollm2(smollm2):
-    busy_batch_equals_alone(smollm2.model, smollm2.tokenizer, steps=10)
+    busy_batch_equals_alone(smollm2.model, smollm2.tokenizer, steps=10,
+                            row_counts=measured(smollm2.model, smollm2.tokenizer))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_oss"])

@@ -1,7 +1,8 @@
 """Batch invariance, bit for bit: a sequence's logits at every decode step are
 the same whatever runs beside it -- whatever its neighbours' lengths (a
-left-padded layout would give it every padding 0-63) and wherever it sits in
-the batch (positions 0-8, across a decode-tile boundary).
+left-padded layout would give it every padding 0-63), wherever it sits in
+the batch (positions 0-8, across a decode-tile boundary), and however many
+neighbours come and go (forwards of every row count the engine measured).
 
 Written against the engine's public API so that it also runs on layouts that
 pad rows: such a layout fails wherever the machine's vector width does not
@@ -10,13 +11,17 @@ divide a padding (softmax lanes, BLAS k-loops).
 
 from __future__ import annotations
 
+import random
+
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 from runtime import sampling
 from runtime.batch_cache import copy_cache, trimmable_tokens
 from runtime.engine import Engine, SamplingParams
-from tests.runtime.test_engine import ByteTokenizer, drain
+from runtime.row_counts import RowCounts
+from tests.runtime.test_engine import ByteTokenizer, drain, measured
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
 STEPS = 3  # the first token comes from the row's own prefill; then two batched decode steps
@@ -39,7 +44,7 @@ def logits_by_params(monkeypatch):
 
 def _base(model, tokenizer, tokens: list[int]) -> list:
     """The Q4 cache of ``tokens`` as a finished turn hands it back."""
-    engine = Engine(model, tokenizer)
+    engine = Engine(model, tokenizer)  # prefill only
     sid = engine.add(tokens, SamplingParams(max_tokens=1))
     return drain(engine)[sid].cache
 
@@ -56,8 +61,8 @@ def _row(base_cache, tokens: list[int], length: int, cold: bool):
     return prompt, cache, length
 
 
-def _run(model, tokenizer, rows, seen) -> list[list[mx.array]]:
-    engine = Engine(model, tokenizer)
+def _run(model, tokenizer, rows, seen, row_counts) -> list[list[mx.array]]:
+    engine = Engine(model, tokenizer, row_counts=row_counts)
     seen.clear()  # ids of dead objects are reused
     params = [SamplingParams(max_tokens=STEPS) for _ in rows]  # one object per row: the recorder's key
     for (prompt, cache, cached), p in zip(rows, params):
@@ -67,18 +72,19 @@ def _run(model, tokenizer, rows, seen) -> list[list[mx.array]]:
 
 
 def assert_batch_invariant(model, tokenizer, seen):
+    counts = measured(model, tokenizer)
     tokens = mx.random.randint(1, VOCAB, (LONGEST + 1,), key=mx.random.key(7)).tolist()
     base = _base(model, tokenizer, tokens)
     lengths = [LONGEST] + [LONGEST - p for p in range(1, 65)]
     cold = trimmable_tokens(base) < base[0].offset - min(lengths)  # a cache that cannot be cut back that far
-    alone = {n: _run(model, tokenizer, [_row(base, tokens, n, cold)], seen)[0] for n in lengths}
+    alone = {n: _run(model, tokenizer, [_row(base, tokens, n, cold)], seen, counts)[0] for n in lengths}
     failures = []
     for q in range(8):
         # The anchor (longest) and 8 rows whose paddings under it are 8r + q + 1: every
         # padding 1-64 once over the q loop; rotated so each lands at many positions.
         batch = [LONGEST] + [LONGEST - (8 * r + q + 1) for r in range(8)]
         batch = batch[q:] + batch[:q]
-        runs = _run(model, tokenizer, [_row(base, tokens, n, cold) for n in batch], seen)
+        runs = _run(model, tokenizer, [_row(base, tokens, n, cold) for n in batch], seen, counts)
         for position, (n, got) in enumerate(zip(batch, runs)):
             want = alone[n]
             assert len(got) == len(want) == STEPS
@@ -97,3 +103,71 @@ def test_rows_are_bitwise_invariant_tiny(arch, logits_by_params):
 @pytest.mark.model
 def test_rows_are_bitwise_invariant_smollm2(smollm2, logits_by_params):
     assert_batch_invariant(smollm2.model, smollm2.tokenizer, logits_by_params)
+
+
+def _come_and_go(model, tokenizer, seen, row_counts, seed: int = 0) -> list[str]:
+    """A probe sequence decodes 12 steps alone, then beside 1-7 neighbours that
+    arrive and leave (finish or are cancelled) at random steps; every step's
+    logits must be bitwise the same. Returns what differed."""
+    rng = random.Random(seed)
+    prompt = lambda: [rng.randrange(1, VOCAB) for _ in range(rng.randrange(3, 40))]
+    probe, steps = prompt(), 12
+    runs = []
+    for busy in (False, True):
+        engine = Engine(model, tokenizer, row_counts=row_counts)
+        seen.clear()
+        params = SamplingParams(max_tokens=steps)
+        engine.add(probe, params)
+        live: list[int] = []
+
+        def act(step):
+            if not busy:
+                return
+            if live and rng.random() < 0.3:
+                engine.cancel(live.pop(rng.randrange(len(live))))
+            for _ in range(rng.randrange(0, 3)):
+                if len(live) < 7:
+                    live.append(engine.add(prompt(), SamplingParams(max_tokens=rng.randrange(1, 10))))
+
+        act(0)
+        drain(engine, act)
+        runs.append(seen.pop(id(params)))
+    alone, busy = runs
+    assert len(alone) == len(busy) == steps
+    return [f"step {k}" for k in range(steps) if not mx.array_equal(alone[k], busy[k]).item()]
+
+
+@pytest.mark.parametrize("arch", TINY_CONFIGS)
+def test_rows_agree_as_neighbours_come_and_go(arch, logits_by_params):
+    model, tok = tiny_model(arch), ByteTokenizer()
+    counts = measured(model, tok)
+    for seed in range(3):
+        assert not _come_and_go(model, tok, logits_by_params, counts, seed), (counts, seed)
+
+
+class _RowCountDependent(nn.Module):
+    """A final norm whose rows shift by a count-dependent amount in forwards of
+    ``bad`` rows: a reduction whose blocking follows M, as BLAS kernels do."""
+
+    def __init__(self, norm: nn.Module, bad: set[int]):
+        super().__init__()
+        self.norm, self.bad = norm, bad
+
+    def __call__(self, x):
+        y = self.norm(x)
+        return y + 1e-3 * x.shape[1] if x.shape[1] in self.bad else y
+
+
+def test_calibration_rejects_row_counts_whose_rows_differ(logits_by_params):
+    """With a forward that computes rows differently at 5-8 rows, the measured
+    counts leave them out and replies stay the same alone and batched; made to
+    use every count anyway, the same comparison fails (so it would catch a
+    scheduler that strays outside the measured set)."""
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    model.model.norm = _RowCountDependent(model.model.norm, bad={5, 6, 7, 8})
+    counts = measured(model, tok)
+    assert not {5, 6, 7, 8} & set(counts.counts), counts
+    assert all(len(c) == 1 for c in counts.classes if c[0] >= 5), counts.classes
+    assert not _come_and_go(model, tok, logits_by_params, counts)
+    every = RowCounts(tuple(range(1, 9)))
+    assert any(_come_and_go(model, tok, logits_by_params, every, seed) for seed in range(3))

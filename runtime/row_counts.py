@@ -1,0 +1,165 @@
+"""Which row counts a decode forward may use, measured when a model loads.
+
+A decode forward runs every decoding sequence's next token as one row of the
+projections, norms and MLP (attention runs per sequence: ``runtime.rowwise``).
+BLAS picks its kernel by the matmul's shape and kernels sum in different
+orders, so a row may come out differently at M = 3 than at M = 1 -- or not:
+it depends on the machine. Measured with SmolLM2's weight shapes under
+OpenBLAS 0.3.21 on an AVX-512 EPYC, rows agree with each other in these
+classes of M (1-16):
+
+    Sandybridge, Nehalem   1-16                       every count agrees
+    Haswell, Zen           1-12 | 16                  13-15: a row depends on its position
+    SkylakeX, Cooperlake   1 | 2 | 3-6 | 7-16
+
+So nothing is assumed: ``Engine.calibrate`` runs a probe sequence through
+the real decode forward alone and beside random neighbours at every count
+1..max and at several positions, and compares its logits bitwise. Counts
+whose rows agree form a class; the server decodes only at the counts of one
+class (``choose``), padding a forward up to the next count of the class or
+splitting the batch. Within a class a sequence's logits do not depend on how
+many neighbours it has or where it sits. The result is kept per model,
+machine and library versions (``cached``), so a restart does not measure again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from . import blas
+from .cache_file import write_atomic
+from .paths import cache_home
+
+__all__ = ["RowCounts", "choose", "cached"]
+
+log = logging.getLogger("semantic.runtime")
+
+
+@dataclass(frozen=True)
+class RowCounts:
+    """The token slots a decode forward may have, ascending (``counts``), and
+    what measuring them found: ``classes`` (counts whose rows agree; a count in
+    none gave a row that depends on its position), ``ms`` (a forward's time at
+    1..max rows) and ``seconds`` (what measuring cost). ``fixed(n)``: one
+    count, not measured."""
+
+    counts: tuple[int, ...]
+    classes: tuple[tuple[int, ...], ...] = ()
+    ms: tuple[float, ...] = ()
+    seconds: float = 0.0
+
+    def __post_init__(self):
+        if not self.counts or sorted(set(self.counts)) != list(self.counts) or self.counts[0] < 1:
+            raise ValueError(f"row counts must be distinct positive counts in ascending order, not {self.counts}")
+
+    @classmethod
+    def fixed(cls, rows: int) -> "RowCounts":
+        return cls((rows,))
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.classes)
+
+    def forwards(self, n: int) -> list[tuple[int, int]]:
+        """How ``n`` decoding sequences are run: (sequences, token slots) a
+        forward, in order. Full forwards of the largest count, then the rest
+        padded up to the next count."""
+        top, out = self.counts[-1], []
+        while n > 0:
+            take = min(n, top)
+            out.append((take, next(c for c in self.counts if c >= take)))
+            n -= take
+        return out
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+def choose(classes: list[tuple[int, ...]], ms: list[float]) -> tuple[int, ...]:
+    """The class to decode with: the least worst slowdown, over every number of
+    decoding sequences 1..max, against one forward at exactly that many rows
+    (what a batch that may change answers would cost). Ties go to the class
+    with the smaller counts. ``ms[m - 1]``: a forward's time at m rows."""
+
+    def worst(counts: tuple[int, ...]) -> float:
+        rows = RowCounts(counts)
+        return max(sum(ms[slots - 1] for _, slots in rows.forwards(n)) / ms[n - 1] for n in range(1, len(ms) + 1))
+
+    return min(classes, key=lambda c: (round(worst(c), 3), c))
+
+
+KEPT = 32  # measurements kept (the newest): one per model shape, device and library versions in use
+
+
+def cached(engine, home: Path | None = None) -> RowCounts:
+    """``engine.calibrate()``, kept in a file per model shape, machine, BLAS
+    kernel and library versions under the cache home: a restart reads it back.
+    A file that cannot be read is measured again; one that cannot be written
+    is logged and the result used. The ``KEPT`` newest files stay."""
+    folder = (home or cache_home()) / "row-counts"
+    path = folder / f"{_key(engine)}.json"
+    try:
+        return RowCounts(**{k: _tuples(v) for k, v in json.loads(path.read_text()).items()})
+    except (OSError, ValueError, TypeError) as e:
+        if not isinstance(e, FileNotFoundError):
+            log.warning("row counts in %s unreadable (%s): measuring again", path, e)
+    found = engine.calibrate()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(found.describe()).encode())
+        for old in sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime)[:-KEPT]:
+            old.unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("could not keep the row counts in %s: %s", path, e)
+    return found
+
+
+def _tuples(value):
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _key(engine) -> str:
+    """What the measurement depends on: the model's parameter shapes and types
+    (kernels are picked by shape, never by the numbers: the probe's random
+    neighbours check that), how the engine attends, the most rows, the device,
+    the BLAS kernel, the CPU, the libraries."""
+    parts = {
+        "model": [(name, v.shape, str(v.dtype)) for name, v in tree_flatten(engine.model.parameters())],
+        "class": type(engine.model).__module__,
+        "kv": [engine.kv_bits, engine.kv_group_size, engine.float_attention],
+        "max_rows": engine.decode_rows,
+        "device": str(mx.default_device()),
+        "blas": blas.kernel(),
+        "cpu": [platform.machine(), _cpu()],
+        "versions": [_version("mlx"), _version("mlx-lm")],
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _cpu() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    first: dict[str, str] = {}
+    for line in lines:
+        name, _, value = line.partition(":")
+        if name.strip() in ("vendor_id", "cpu family", "model", "model name", "flags"):
+            first.setdefault(name.strip(), value.strip())
+    return json.dumps(first, sort_keys=True)
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return ""
