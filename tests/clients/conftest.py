@@ -9,11 +9,19 @@ is a failure. ``SEMANTIC_SKIP_CLIENTS=1`` skips them all.
 The server is a subprocess on a free loopback port with a temporary cache
 directory, one per test module; failures quote the CLI's output and the tail
 of the server's log.
+
+Both CLIs take a reply cut at ``max_tokens`` for a failure (Claude Code asks to
+resume, then fails the turn; Codex fails it on ``response.incomplete``), and
+where SmolLM2 stops depends on the BLAS kernels, not only on the prompt. So the
+server runs SmolLM2 as a model directory (``first_word_model``) whose config
+makes every token that holds whitespace an end-of-turn token too: each reply
+ends by itself at its first word (``tests.web.live.first_word_only``).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shutil
@@ -25,11 +33,13 @@ from pathlib import Path
 
 import pytest
 
+from runtime.models import load_tokenizer, resolve
 from runtime.paths import cache_home
+from tests.web.live import word_break_ids
 
 ROOT = Path(__file__).resolve().parents[2]
 SETUP = ROOT / "scripts" / "setup-clients.sh"
-# A system prompt (instructions) under which SmolLM2 answers in a sentence and stops.
+# A system prompt (instructions) for a terse assistant, a few hundred tokens long.
 TERSE_RULES = (
     "Rules you always follow:",
     "1. Answer the question that was asked and nothing else.",
@@ -95,12 +105,30 @@ def serve_help() -> str:
     return out.stdout
 
 
-class Server:
-    """``semantic serve`` on the embedded model, a free loopback port and ``cache_dir``."""
+def first_word_model(root: Path) -> Path:
+    """A model directory of the embedded model's files (linked) whose ``config.json`` makes
+    every token that holds whitespace an end-of-turn token too (see the module docstring)."""
+    source = Path(resolve("smollm2", progress=False))
+    root.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.name != "config.json":
+            (root / f.name).symlink_to(f)
+    config = json.loads((source / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    config["eos_token_id"] = sorted(eos | word_break_ids(load_tokenizer("smollm2")))
+    (root / "config.json").write_text(json.dumps(config))
+    return root
 
-    def __init__(self, cache_dir: Path, log_path: Path):
+
+class Server:
+    """``semantic serve`` on the embedded model (as ``first_word_model``, named smollm2), a free
+    loopback port and ``cache_dir``."""
+
+    def __init__(self, cache_dir: Path, log_path: Path, model: Path):
         self.log_path = log_path
-        args = [sys.executable, "-m", "cli.main", "serve", "--port", "0", "--cache-dir", str(cache_dir)]
+        args = [sys.executable, "-m", "cli.main", "serve", "--port", "0", "--cache-dir", str(cache_dir),
+                "--model", f"smollm2={model}"]
         if "--max-tokens-cap" in serve_help():  # clamps what a client asks for (Claude Code: 32000; Codex: none)
             args += ["--max-tokens-cap", str(MAX_OUTPUT_TOKENS)]
         self._log = open(log_path, "w")
@@ -141,7 +169,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
-    s = Server(tmp / "agents", tmp / "server.log")
+    s = Server(tmp / "agents", tmp / "server.log", first_word_model(tmp / "smollm2"))
     yield s
     s.stop()
 

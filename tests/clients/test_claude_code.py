@@ -11,8 +11,9 @@ prompt and the messages (a few hundred tokens).
 
 A reply must end by itself: Claude Code answers ``stop_reason: max_tokens``
 with up to three "resume" requests and then fails the turn ("response exceeded
-the N output token maximum"). So the questions are ones SmolLM2 answers in a
-sentence under greedy decoding.
+the N output token maximum"). What SmolLM2 says, and whether it stops within
+the cap, depends on the BLAS kernels; so the server ends each reply at its first
+word (``conftest.first_word_model``), and the turns succeed whatever it says.
 """
 
 from __future__ import annotations
@@ -35,9 +36,7 @@ SYSTEM_PROMPT = "You are Terse, a careful assistant that answers in one short se
     + " ".join(TERSE_RULES)
 
 
-QUESTIONS = [("What is the capital of France?", "What is the capital of Italy?"),
-             ("What is 2 + 2?", "What is 3 + 3?"),
-             ("Say hello.", "Say goodbye.")]
+QUESTIONS = ("What is the capital of France?", "What is the capital of Italy?")
 
 
 def claude_env(url: str, home) -> dict:
@@ -53,10 +52,8 @@ def claude_env(url: str, home) -> dict:
     )
 
 
-def claude_turn(claude, server, tmp_path, prompt: str, session: list[str], tools: str) -> dict | None:
-    """One ``claude -p`` turn; its JSON result, after checking that it succeeded,
-    or None when the model did not stop within ``MAX_OUTPUT_TOKENS`` (Claude Code
-    then fails the turn: a small model's answer, not the server's)."""
+def claude_turn(claude, server, tmp_path, prompt: str, session: list[str], tools: str) -> dict:
+    """One ``claude -p`` turn; its JSON result, after checking that it succeeded."""
     argv = [claude, "-p", prompt, *session, "--output-format", "json", "--model", "smollm2",
             "--tools", tools, "--system-prompt", SYSTEM_PROMPT, "--max-turns", "2", "--strict-mcp-config"]
     work = tmp_path / "work"
@@ -67,11 +64,9 @@ def claude_turn(claude, server, tmp_path, prompt: str, session: list[str], tools
         result = json.loads(out.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         pytest.fail(f"claude printed no JSON result (exit {out.returncode})\n" + report(out.stdout, out.stderr, server))
-    if result.get("api_error") == "max_output_tokens":
-        print(f"claude {session[0]}: {prompt!r} rambled past {MAX_OUTPUT_TOKENS} tokens; usage {result.get('usage')}")
-        return None
     assert out.returncode == 0 and result.get("is_error") is False, (
-        f"claude {session[0]} turn failed (exit {out.returncode}): {result.get('result')!r}\n"
+        f"claude {session[0]} turn failed (exit {out.returncode}): {result.get('result')!r} "
+        f"(api_error {result.get('api_error')!r}; usage {result.get('usage')})\n"
         + report(out.stdout, out.stderr, server))
     return result
 
@@ -83,23 +78,16 @@ def claude_turn(claude, server, tmp_path, prompt: str, session: list[str], tools
 ], ids=["bare-Bash", "Bash", "Bash,Agent"])
 def test_two_turn_session_reads_turn_one_from_the_cache(server, tmp_path, tools, extra):
     claude = client_bin("claude")
-    # SmolLM2's answer depends on the whole prompt, which holds the date and the working
-    # directory: a question it answers at length on one day gets the next pair
-    for attempt, (ask, follow_up) in enumerate(QUESTIONS):
-        session = str(uuid.uuid5(uuid.NAMESPACE_URL, f"semantic-test-claude-code-{tools}-{extra}-{attempt}"))
-        first = claude_turn(claude, server, tmp_path, ask, ["--session-id", session, *extra], tools)
-        if first is None:
-            continue
-        assert first["session_id"] == session
-        second = claude_turn(claude, server, tmp_path, follow_up, ["--resume", session, *extra], tools)
-        if second is not None:
-            break
-    else:
-        pytest.fail(f"SmolLM2 did not answer any of {QUESTIONS} within {MAX_OUTPUT_TOKENS} tokens\n{server.tail()}")
+    ask, follow_up = QUESTIONS
+    session = str(uuid.uuid5(uuid.NAMESPACE_URL, f"semantic-test-claude-code-{tools}-{extra}"))
+    first = claude_turn(claude, server, tmp_path, ask, ["--session-id", session, *extra], tools)
+    assert first["session_id"] == session
+    second = claude_turn(claude, server, tmp_path, follow_up, ["--resume", session, *extra], tools)
+    assert second["session_id"] == session
     u = second["usage"]
     prompt = u["input_tokens"] + u["cache_read_input_tokens"] + u["cache_creation_input_tokens"]
-    print(f"claude --tools {tools} {' '.join(extra)}: turn 2 read {u['cache_read_input_tokens']} of {prompt} "
-          "prompt tokens from the cache")
+    print(f"claude --tools {tools} {' '.join(extra)}: replies {first['result']!r}, {second['result']!r}; "
+          f"turn 2 read {u['cache_read_input_tokens']} of {prompt} prompt tokens from the cache")
     assert u["cache_read_input_tokens"] >= 0.9 * prompt, (
         f"turn 2 read {u['cache_read_input_tokens']} of its {prompt} prompt tokens from the cache: {u}\n"
         f"turn 1 usage: {first['usage']}\n--- server log (tail) ---\n{server.tail()}")

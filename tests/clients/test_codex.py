@@ -11,6 +11,10 @@ no top-level ``instructions`` (its base instructions are the first
 come to about 4.5K tokens of messages and 4.3K of tool definitions (SmolLM2
 tokenizer); the configuration below brings them to ~330 tokens of messages
 plus ~1.1K of tools (which SmolLM2's template drops anyway).
+
+Codex fails a turn whose reply was cut at the cap (``response.incomplete``), and
+whether SmolLM2 stops within it depends on the BLAS kernels; so the server ends
+each reply at its first word (``conftest.first_word_model``).
 """
 
 from __future__ import annotations

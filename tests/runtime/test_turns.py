@@ -62,7 +62,7 @@ def test_follow_up_turns_prefill_only_their_new_tokens(smollm2, tmp_path):
 
 def test_cached_turns_against_cold_turns(smollm2, tmp_path):
     """Does a cached turn feed the model what a cold turn would?  Measured, printed;
-    the assertion is only that every turn's reply is sensible text."""
+    the assertion is only that every turn's reply is text, unless the model ended it at once."""
     tok = smollm2.tokenizer
     engine = Engine(smollm2.model, tok)
     caches = caches_for(smollm2, tmp_path / "a")
@@ -78,7 +78,7 @@ def test_cached_turns_against_cold_turns(smollm2, tmp_path):
             for d in cold.prefill_step() + cold.step_once():
                 if d.finished and d.seq_id == sid:
                     same_text += d.finished.text == f.text
-        assert f.text.strip()
+        assert f.text.strip() or f.reason == "stop"  # a reply cut at 24 tokens is text (what it says varies)
     print(f"\ncached prompts equal to a cold tokenization: {same_tokens}/{len(cached)}; "
           f"replies identical to a cold run of the same conversation: {same_text}/{len(cached)}")
 

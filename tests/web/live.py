@@ -4,7 +4,12 @@ served by hypercorn in the test's event loop on a free loopback port.
 ``tiny_loaded()`` is a random-weight Llama small enough to generate hundreds
 of tokens a second, with the embedded model's tokenizer and chat template (so
 prompts render as they do for SmolLM2) and a 512-token context (so a prompt
-over the context is cheap to send)."""
+over the context is cheap to send).
+
+``first_word_only(loaded)`` is a model that ends every reply by itself within
+a word or so: what a client that takes a reply cut at ``max_tokens`` for a
+failure needs, whatever the model would have said (greedy replies of a real
+model depend on the BLAS kernels' rounding, so no prompt is known to end)."""
 
 from __future__ import annotations
 
@@ -48,6 +53,24 @@ def tiny_with_template(template: str) -> LoadedModel:
     wrapper = copy.copy(loaded.tokenizer)
     wrapper._tokenizer = copy.copy(loaded.tokenizer._tokenizer)
     wrapper._tokenizer.chat_template = template
+    return dataclasses.replace(loaded, tokenizer=wrapper)
+
+
+def word_break_ids(tokenizer) -> set[int]:
+    """The ids of the tokens whose text holds whitespace (a space, a newline ...)."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    texts = hf.batch_decode([[i] for i in range(len(hf))])
+    return {i for i, text in enumerate(texts) if any(c.isspace() for c in text)}
+
+
+def first_word_only(loaded: LoadedModel) -> LoadedModel:
+    """``loaded`` (its weights, template and name) with every token that holds whitespace an
+    end-of-turn token too: a reply ends, with reason "stop", where its second word would start,
+    and is the text before it ("The", "I'm", "Paris." ...; "" when it starts with whitespace).
+    Only a first "word" longer than the cap (a run of tokens with no whitespace in any; about
+    two thirds of SmolLM2's 49K tokens hold some) is cut there."""
+    wrapper = copy.copy(loaded.tokenizer)
+    wrapper.eos_token_ids = set(loaded.tokenizer.eos_token_ids) | word_break_ids(loaded.tokenizer)
     return dataclasses.replace(loaded, tokenizer=wrapper)
 
 

@@ -155,6 +155,7 @@ def replayed(request: dict, max_tokens: int = 24) -> tuple[dict, dict]:
     return body, {k: v for k, v in request["headers"].items() if k.lower() not in ("content-length", "host")}
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("variant", ["Bash", "Bash,Agent"])
 async def test_a_replayed_session_with_its_title_and_sub_agent_requests_keeps_each_conversations_agent(
         smollm2, tmp_path, variant):
