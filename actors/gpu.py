@@ -8,8 +8,9 @@ Two halves, one per thread:
   task starts the thread, waits (without blocking the loop) until it ends, and
   joins it.
 * ``GpuThread`` (``actors.gpu_thread``) runs on that thread: the model, the
-  engine and the agents' hot caches, and nothing else -- it opens no file and
-  never waits for the loop or the disk.
+  engine and the agents' hot caches, and nothing else -- between model loads
+  it opens no file and never waits for the loop or the disk (a load reads the
+  weights and the model's measured row counts, ``runtime.row_counts``).
 
 Posting back: the thread puts ``(sink, item)`` on an outbox queue and, if no
 wake-up is pending, schedules ``_pump`` on the loop with the loop's own

@@ -1,6 +1,6 @@
 """The GPU thread's loop: it owns everything MLX, through the model registry
 (model, ``Engine``, the agents' hot caches and the KV budget), and opens no
-file.
+file but when it loads a model (its weights, and its measured row counts).
 
 When the engine is idle the loop blocks on its inbox; when busy it drains the
 inbox between steps (turns arrive, cancels, caches read or written, cache

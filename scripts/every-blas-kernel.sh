@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Batch invariance under every OpenBLAS kernel set this CPU can run, as on other
-# machines of the same kind: each OPENBLAS_CORETYPE in turn runs the invariance
-# tests. A developer's check (CI leaves the BLAS as the machine sets it).
+# Tests under every OpenBLAS kernel set this CPU can run, as on other machines of
+# the same kind: each OPENBLAS_CORETYPE in turn runs the invariance tests, or
+# what the arguments name. `-m model` runs the tests on the embedded model,
+# which must pass whatever it writes under each kernel set's rounding (about
+# 15 minutes a set on 2 cores). A developer's check (CI leaves the BLAS as the
+# machine sets it).
 #
 #   scripts/every-blas-kernel.sh [pytest args]   (default: the invariance tests)
 set -u

@@ -296,6 +296,8 @@ async def test_operations_routes(tmp_path):
         disk = health["disk"]
         assert (disk["budget_bytes"], disk["pruned_files"], disk["failed_writes"]) == (1 << 30, 0, 0)
         assert disk["bytes"] == health["memory"]["disk_bytes"] > 0 and disk["free_bytes"] > 0
+        rows = health["row_counts"]  # measured at load: one class of the counts 1..8, with a time for each
+        assert tuple(rows["counts"]) in map(tuple, rows["classes"]) and len(rows["ms"]) == 8, rows
         models = (await http.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["tiny"]
         text = (await http.get("/metrics")).text
