@@ -9,8 +9,9 @@ Two halves, one per thread:
   joins it.
 * ``GpuThread`` (``actors.gpu_thread``) runs on that thread: the model, the
   engine and the agents' hot caches, and nothing else -- between model loads
-  it opens no file and never waits for the loop or the disk (a load reads the
-  weights and the model's measured row counts, ``runtime.row_counts``).
+  it opens no file and never waits for the loop or the disk (a load by name
+  reads the weights; its decode row counts come from the runtime, which read
+  them at start, and a new measurement goes to persistence to keep).
 
 Posting back: the thread puts ``(sink, item)`` on an outbox queue and, if no
 wake-up is pending, schedules ``_pump`` on the loop with the loop's own
@@ -70,6 +71,7 @@ class GpuActor:
         catalogue: dict[str, str | LoadedModel] | None = None,
         group: mx.distributed.Group | None = None,
         rank_timeout_s: float = 120.0,
+        row_counts: dict | None = None,
     ):
         self.inbox: queue.SimpleQueue[GpuCommand] = queue.SimpleQueue()  # loop -> thread
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # thread -> loop: (sink | None, item, final)
@@ -81,7 +83,7 @@ class GpuActor:
         self.hot = HotSnapshot()  # replaced (never mutated) by the GPU thread
         self.batch = BatchSnapshot()  # likewise
         self._thread = GpuThread(
-            self, model, ModelRegistry(store, budget_bytes, engine_options or {}, catalogue, group),
+            self, model, ModelRegistry(store, budget_bytes, engine_options or {}, catalogue, group, row_counts),
             persistence, eviction, model_idle_s, lockstep=None if group is None else Lockstep(group),
         )
 

@@ -1,6 +1,6 @@
 """The GPU thread's loop: it owns everything MLX, through the model registry
 (model, ``Engine``, the agents' hot caches and the KV budget), and opens no
-file but when it loads a model (its weights, and its measured row counts).
+file but a model's weights when it loads one by name.
 
 When the engine is idle the loop blocks on its inbox; when busy it drains the
 inbox between steps (turns arrive, cancels, caches read or written, cache
@@ -38,7 +38,7 @@ from .errors import RuntimeClosed, RuntimeUnhealthy, TurnError
 from .lockstep import IDLE, PROGRESS, STEP, Failure
 from .messages import (
     BeginTurn, CacheRead, CacheWritten, CancelTurn, Demote, Done, DropCache, Failed, FlushCaches, ForkCache, GpuDown,
-    StopGpu, SwapModel,
+    KeepRowCounts, StopGpu, SwapModel,
 )
 from .scheduler import Scheduler
 from .snapshots import Publisher
@@ -70,6 +70,7 @@ class GpuThread:
         self.model_idle_s = model_idle_s
         self.inbox = actor.inbox
         self.post = post = actor.post  # post(sink, item, final): to the event loop, never waits
+        self.persistence = persistence
         self.publisher = Publisher(actor, post, eviction)
         self.write_behind = WriteBehind(lambda blocks: post(persistence, blocks), self._hot_changed)
         self.scheduler = Scheduler(registry, post, persistence, self.write_behind, self._hot_changed)
@@ -101,6 +102,9 @@ class GpuThread:
 
     def _load(self, model) -> None:
         self.registry.load(model)
+        for key, counts in self.registry.measured:  # for the next start: persistence writes them
+            self.post(self.persistence, KeepRowCounts(key, counts))
+        self.registry.measured.clear()
         self.write_behind.attach(self.registry.caches)
         self.scheduler.reads.reading.clear()  # reads for another model: their answers are dropped
         self._hot_changed()

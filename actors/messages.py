@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
     from runtime.cache_file import BlockUpdate, HostCache
     from runtime.models import LoadedModel
+    from runtime.row_counts import RowCounts
 
 __all__ = [
     "AgentCommand", "BeginTurn", "CacheBlocks", "CacheRead", "CacheWritten", "CancelTurn", "Delta", "Demote",
@@ -320,11 +321,20 @@ class Flush:
 
 
 @dataclass(frozen=True)
+class KeepRowCounts:
+    """A model's decode row counts, measured when it loaded (``runtime.row_counts``):
+    kept under the cache home for the next start."""
+
+    key: str
+    counts: RowCounts
+
+
+@dataclass(frozen=True)
 class Stop:
     """Finish the pending work, then end (persistence, eviction)."""
 
 
-PersistCommand = Union[CacheBlocks, ReadCache, HistoryBytes, ReadHistory, Forget, Flush, Stop]
+PersistCommand = Union[CacheBlocks, ReadCache, HistoryBytes, ReadHistory, Forget, Flush, KeepRowCounts, Stop]
 
 
 # -- the eviction actor's mailbox -------------------------------------------------

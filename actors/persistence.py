@@ -64,15 +64,15 @@ from pathlib import Path
 
 import anyio
 
-from runtime import disk
+from runtime import disk, row_counts
 from runtime.cache_file import CacheStore, StaleBlocks, merged, tree_bytes, write_atomic
 from runtime.disk import NoRoom, history_path
 from runtime.errors import SemanticError
 
 from .history import parse_history, read_history
 from .messages import (
-    CacheBlocks, CacheRead, CacheWritten, Done, Failed, Flush, Forget, HistoryBytes, PersistCommand, ReadCache,
-    ReadHistory, Stop,
+    CacheBlocks, CacheRead, CacheWritten, Done, Failed, Flush, Forget, HistoryBytes, KeepRowCounts, PersistCommand,
+    ReadCache, ReadHistory, Stop,
 )
 
 __all__ = ["PersistenceActor", "history_path"]
@@ -91,6 +91,7 @@ class PersistenceActor:
         self.conversation_ttl_s = conversation_ttl_s  # anonymous conversations unused this long go (None: never)
         self.prune_interval_s = prune_interval_s
         self.gpu = None  # the GpuActor, told when a cache version is durable (set by the runtime)
+        self.row_counts_home: Path | None = None  # where measured decode row counts are kept (None: the cache home)
         # Set by the runtime: agents whose files pruning leaves alone, agents whose caches are
         # in memory, and who to tell (on the event loop) about conversations removed whole.
         self.live: Callable[[], Iterable[str]] = lambda: ()
@@ -175,6 +176,8 @@ class PersistenceActor:
             self._pending[("forget", message.agent_id, id(message))] = message
         elif isinstance(message, Flush):
             self._flushes.append(message.reply)
+        elif isinstance(message, KeepRowCounts):  # a file of its own, outside the cache directory
+            self._readers.start_soon(self._keep_row_counts, message)
         elif isinstance(message, Stop):
             return True
         else:
@@ -273,6 +276,13 @@ class PersistenceActor:
         self._next_prune = min(self._next_prune, self._last_prune + self.prune_interval_s)
         if isinstance(item, CacheBlocks) and self.gpu is not None:
             self.gpu.submit(CacheWritten(item.agent_id, item.version, ok, stale))
+
+    async def _keep_row_counts(self, message: KeepRowCounts) -> None:
+        try:
+            await anyio.to_thread.run_sync(_in_background, row_counts.keep, message.key, message.counts,
+                                           self.row_counts_home)
+        except OSError as e:
+            log.warning("could not keep the decode row counts measured (measured again at the next start): %s", e)
 
     def _retry_histories(self) -> None:
         """A write succeeded, so there may be room again: queue the histories that failed."""

@@ -20,7 +20,7 @@ from runtime.agent_cache import AgentCaches, AgentMemory, open_caches
 from runtime.cache_file import CacheStore, HostCache
 from runtime.engine import Engine
 from runtime.models import LoadedModel, load
-from runtime.row_counts import cached
+from runtime.row_counts import RowCounts, key
 
 from .lockstep import Lockstep
 
@@ -63,7 +63,8 @@ class ModelRegistry:
     """The loaded model, its ``Engine`` and its ``HotCaches`` (GPU thread only)."""
 
     def __init__(self, store: CacheStore, budget_bytes: int | None, engine_options: dict,
-                 catalogue: dict[str, str | LoadedModel] | None = None, group: mx.distributed.Group | None = None):
+                 catalogue: dict[str, str | LoadedModel] | None = None, group: mx.distributed.Group | None = None,
+                 row_counts: dict[str, RowCounts] | None = None):
         self.group = group  # load this rank's shard of every model (``actors.lockstep``)
         self.catalogue = catalogue or {}  # models turns may name (``runtime.models.catalogue``)
         self.store = store
@@ -73,6 +74,8 @@ class ModelRegistry:
         self.engine: Engine | None = None
         self.caches: HotCaches | None = None
         self.name: str | None = None  # the model asked for last; kept across an idle unload
+        self.row_counts = row_counts if row_counts is not None else {}  # measured, by ``runtime.row_counts.key``
+        self.measured: list[tuple[str, RowCounts]] = []  # measured at a load, for persistence to keep
         self._counts = (0, 0)  # demotions and prefix drops of models unloaded: counters never go back
 
     def load(self, model: str | LoadedModel) -> None:
@@ -87,7 +90,11 @@ class ModelRegistry:
         shared = {} if self.group is None else {"shared_tokens": Lockstep(self.group).rank0_tokens}
         engine = Engine(loaded.model, loaded.tokenizer, **self.engine_options, **shared)
         if self.group is None:  # ranks must run the same forwards: a sharded model keeps one count
-            engine.row_counts = cached(engine)
+            k = key(engine)
+            if k not in self.row_counts:
+                self.row_counts[k] = engine.calibrate()
+                self.measured.append((k, self.row_counts[k]))
+            engine.row_counts = self.row_counts[k]
 
         def caches_in(budget: int | None) -> HotCaches:
             return open_caches(loaded, self.store, budget, working_copy=engine.float_attention, cls=HotCaches,

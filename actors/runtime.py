@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from runtime import disk
+from runtime import disk, row_counts
 from runtime.cache_file import CacheStore, validate_agent_id
 from runtime.engine import DECODE_ROWS, SamplingParams
 from runtime.errors import SemanticError
@@ -174,12 +174,13 @@ class Runtime:
         catalogue = models_catalogue([model, *models])  # ValueError for a repeated name
         root = Path(cache_dir) if cache_dir is not None else agents_dir()
         store = await anyio.to_thread.run_sync(CacheStore, root)  # creates it; clears dead writers' temp files
+        measured = await anyio.to_thread.run_sync(row_counts.kept)  # the GPU thread reads no file
         persistence = PersistenceActor(store, root / "histories", disk_budget=disk_budget,
                                        conversation_ttl_s=conversation_ttl_s, prune_interval_s=prune_interval_s)
         eviction = EvictionActor(*eviction_watermarks)
         gpu = GpuActor(next(iter(catalogue)), store, budget, persistence.mailbox, eviction.mailbox,
                        engine_options=_engine_options(prefill_chunk, kv_bits, decode_rows), model_idle_s=model_idle_s,
-                       catalogue=catalogue, group=group, rank_timeout_s=rank_timeout_s)
+                       catalogue=catalogue, group=group, rank_timeout_s=rank_timeout_s, row_counts=measured)
         persistence.gpu = eviction.gpu = gpu
         try:
             async with anyio.create_task_group() as tg:

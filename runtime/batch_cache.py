@@ -442,17 +442,33 @@ class BatchQuantizedKVCache:
         the records get ``ROWS`` steps at once (``flush``). Quantization is per
         group of a row, so a row's Q4 codes do not depend on the other slots.
         """
+        assert self._held < self.ROWS, "a full batch is flushed before its next step (Engine._launch)"
         c = self.caches[0].quantized
         *qk, new_k = _quantize_unpack(keys, c.group_size, c.bits)
         *qv, new_v = _quantize_unpack(values, c.group_size, c.bits)
-        if self._held == self.ROWS:
-            self.flush()
         if self._rows is None:
             self._rows = tuple(mx.zeros((*t.shape[:2], self.ROWS, t.shape[3]), t.dtype) for t in (*qk, *qv))
         for rows, new in zip(self._rows, (*qk, *qv)):
             rows[:, :, self._held : self._held + 1, :] = new
         self._held += 1
         return [c.attend_new(new_k[i : i + 1], new_v[i : i + 1]) for i, c in enumerate(self.caches)]
+
+    @property
+    def held(self) -> int:
+        """Steps whose Q4 rows wait here for the records."""
+        return self._held
+
+    @property
+    def full(self) -> bool:
+        return self._held == self.ROWS
+
+    def drop_last(self) -> None:
+        """Forget the last step's rows: its sequences' working copies drop its token too
+        (a decode step computed ahead and then dropped, ``runtime.engine``)."""
+        assert self._held, "no step held to drop"
+        self._held -= 1
+        for c in self.caches:
+            c.unwritten -= 1
 
     def flush(self) -> None:
         """Write the held Q4 rows to each sequence's record (before anyone reads

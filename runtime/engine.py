@@ -12,7 +12,10 @@ The GPU actor drives it step by step and is its only caller (one thread):
   decode step samples its first token;
 * ``step_once`` feeds every decoding sequence its next input (the token it
   sampled last, or the prompt token it joined with) and samples the next:
-  exactly one new token per sequence;
+  exactly one new token per sequence. While the same sequences decode, the
+  step after is built and started on those tokens before they are read, so
+  the model's graph is built while the last step computes; a sequence that
+  finishes, joins or leaves drops that step (undone in every cache);
 * ``cancel`` drops a sequence wherever it is;
 * ``preempt`` takes a sequence out to free its cache (the owner stores it)
   and ``resume`` puts it back with that cache, or with none (its tokens are
@@ -103,6 +106,16 @@ class _Sequence:
         return self.prompt[len(self.fed)] if len(self.fed) < len(self.prompt) else self.output[-1]
 
 
+@dataclass(eq=False)
+class _Step:
+    """A decode step started (its tokens computing) and not yet read."""
+
+    rows: list[_Sequence]
+    tokens: mx.array  # each row's sampled token
+    layers: list[tuple[BatchQuantizedKVCache, int]]  # the batch caches it wrote, with the steps each held before
+    states: list[tuple[StateCache, int, list]]  # recurrent layers before it (they cannot be cut back)
+
+
 class Engine:
     """Continuous batching over per-sequence Q4 caches.  Not thread-safe: one owner.
 
@@ -145,6 +158,8 @@ class Engine:
         # token slot counts whose rows agree (``calibrate``), or one count.
         self.row_counts = row_counts or RowCounts.fixed(decode_rows)
         self.shared_tokens = shared_tokens or (lambda tokens: tokens)
+        # Build each decode step while the last computes (not sharded: ranks act on rank 0's tokens).
+        self.compute_ahead = shared_tokens is None
         self._n_heads = _query_heads(model)
         self._eos = set(tokenizer.eos_token_ids)
         self._ids = itertools.count()
@@ -154,6 +169,7 @@ class Engine:
         # Each decode forward's per-layer batch caches, kept while its sequences stay the same:
         # they hold the newest tokens' Q4 rows until ``_flush`` writes them to the records.
         self._batches: dict[tuple[int, ...], list[BatchQuantizedKVCache]] = {}
+        self._ahead: _Step | None = None  # the decode step started on tokens not yet read
 
     # -- queries ---------------------------------------------------------
 
@@ -259,34 +275,32 @@ class Engine:
         return [Delta(seq.id, new, text)]
 
     def step_once(self) -> list[Delta]:
-        """One new token for every decoding sequence; [] when none is decoding."""
+        """One new token for every decoding sequence; [] when none is decoding.
+
+        While the same sequences go on decoding, the next step is built and
+        started on these tokens before they are read (``_launch``), so the
+        model's graph is built while the last step computes. A sequence that
+        finishes, joins or leaves drops that step ahead (``_drop_ahead``):
+        nothing it computed is kept."""
         if not self._decoding:
             return []
-        rows, tiles, at = self._decoding, [], 0
-        for n, slots in self.row_counts.forwards(len(self._decoding)):
-            tiles.append((tuple(rows[at : at + n]), slots))
-            at += n
-        keys = [(slots, *(seq.id for seq in tile)) for tile, slots in tiles]
-        if set(keys) != self._batches.keys():  # the forwards' sequences changed: records first
-            self._flush()
-            self._batches = {key: _batch(s.view for s in tile) for key, (tile, _) in zip(keys, tiles)}
-        tokens = []
-        for key, (tile, slots) in zip(keys, tiles):
-            fed = [seq.next_input for seq in tile]
-            for seq, token in zip(tile, fed):
-                seq.fed.append(token)
-            logits = self._forward(self._batches[key], fed, slots)
-            tokens += [seq.sampler(logits[i]) for i, seq in enumerate(tile)]
-        tokens = self.shared_tokens(mx.stack(tokens))
-        held = [b.arrays for batch in self._batches.values() for b in batch]
-        mx.eval(tokens, [cache_arrays(seq.view) for seq in rows], held)
-        results = [self._accept(seq, t) for seq, t in zip(rows, tokens.tolist())]
-        self._decoding = [seq for seq, (_, _, reason) in zip(rows, results) if reason is None]
-        if len(self._decoding) < len(rows):
+        if self._ahead is not None and self._ahead.rows != self._decoding:
+            self._drop_ahead()  # a sequence joined: a fresh step feeds everyone
+        step, self._ahead = self._ahead or self._launch(), None
+        if self.compute_ahead:
+            self._ahead = self._launch(after=step)
+        tokens = step.tokens.tolist()
+        if self._ahead is not None:
+            for seq, token in zip(step.rows, tokens):
+                seq.fed.append(token)  # what the step ahead feeds
+        results = [self._accept(seq, t) for seq, t in zip(step.rows, tokens)]
+        self._decoding = [seq for seq, (_, _, reason) in zip(step.rows, results) if reason is None]
+        if len(self._decoding) < len(step.rows):
+            self._drop_ahead()
             self._flush()
         return [
             Delta(seq.id, new, text, None if reason is None else self._finished(seq, reason))
-            for seq, (new, text, reason) in zip(rows, results)
+            for seq, (new, text, reason) in zip(step.rows, results)
         ]
 
     def calibrate(self, max_rows: int | None = None, seed: int = 0) -> RowCounts:
@@ -388,6 +402,7 @@ class Engine:
         self._batches = {}
 
     def _take(self, seq_id: int) -> _Sequence | None:
+        self._drop_ahead()
         self._flush()
         for queue in (self._prefilling, self._decoding):
             for seq in queue:
@@ -398,10 +413,69 @@ class Engine:
 
     # -- internals -------------------------------------------------------
 
-    def _forward(self, batch: list[BatchQuantizedKVCache], fed: list[int], slots: int) -> mx.array:
-        """One decode forward: ``fed[i]`` into the sequence of ``batch``'s slot
-        ``i``, the slots after them padded with token 0; the logits of every slot."""
-        return self.model(mx.array(fed + [0] * (slots - len(fed)))[None], cache=batch)[0]
+    def _launch(self, after: _Step | None = None) -> _Step:
+        """Build and start a decode step of the decoding sequences, in forwards
+        of ``row_counts``: fed their next inputs, or (``after``) the tokens that
+        step samples, still computing, which ``step_once`` appends to ``fed``
+        once read."""
+        rows, tiles, at = list(self._decoding), [], 0
+        for n, slots in self.row_counts.forwards(len(rows)):
+            tiles.append((rows[at : at + n], slots))
+            at += n
+        keys = [(slots, *(seq.id for seq in tile)) for tile, slots in tiles]
+        if set(keys) != self._batches.keys():  # the forwards' sequences changed: records first
+            self._flush()
+            self._batches = {key: _batch(s.view for s in tile) for key, (tile, _) in zip(keys, tiles)}
+        for layer in (layer for batch in self._batches.values() for layer in batch if layer.full):
+            layer.flush()  # only steps that are read (``after`` is, next) are ever held
+        states = [(c, c.offset, list(c.cache)) for seq in rows for c in seq.view if isinstance(c, StateCache)]
+        layers = [layer for key in keys for layer in self._batches[key]]
+        before = [layer.held for layer in layers]
+        if after is None:
+            fed = [seq.next_input for seq in rows]
+            for seq, token in zip(rows, fed):
+                seq.fed.append(token)
+            inputs = mx.array(fed)
+        else:
+            inputs = after.tokens
+        tokens, at = [], 0
+        for key, (tile, slots) in zip(keys, tiles):
+            logits = self._forward(self._batches[key], inputs[at : at + len(tile)], slots)
+            tokens += [seq.sampler(logits[i]) for i, seq in enumerate(tile)]
+            at += len(tile)
+        tokens = self.shared_tokens(mx.stack(tokens))
+        held = [b.arrays for batch in self._batches.values() for b in batch]
+        mx.async_eval(tokens, [cache_arrays(seq.view) for seq in rows], held)
+        return _Step(rows, tokens, list(zip(layers, before)), states)
+
+    def _drop_ahead(self) -> None:
+        """Undo the step computed ahead, if any: each of its sequences as before
+        it (its input out of ``fed``, its sampler's draw, its token out of every
+        cache: held rows and working copies dropped, records cut back,
+        recurrent states restored)."""
+        step, self._ahead = self._ahead, None
+        if step is None:
+            return
+        for seq in step.rows:
+            seq.fed.pop()
+            seq.sampler.undo()
+        for layer, held in step.layers:
+            if layer.held > held:  # the step's rows wait in the batch (attention through working copies)
+                layer.drop_last()
+                continue
+            for c in layer.caches:  # it wrote them to the records
+                if not isinstance(c, StateCache):
+                    assert c.trim(1) == 1, "every cache a decode step writes can drop its last token"
+        for c, offset, state in step.states:
+            c.offset, c.cache = offset, state
+
+    def _forward(self, batch: list[BatchQuantizedKVCache], inputs, slots: int) -> mx.array:
+        """One decode forward: ``inputs[i]`` (token ids) into the sequence of
+        ``batch``'s slot ``i``, the slots after them padded with token 0; the
+        logits of every slot."""
+        inputs = mx.array(inputs) if isinstance(inputs, list) else inputs.astype(mx.int32)
+        padding = mx.zeros((slots - inputs.shape[0],), mx.int32)
+        return self.model(mx.concatenate([inputs, padding])[None], cache=batch)[0]
 
     def _prefilled(self, tokens: list[int]) -> list:
         """A fresh sequence cache holding ``tokens``, prefilled alone."""

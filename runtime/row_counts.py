@@ -19,11 +19,13 @@ whose rows agree form a class; the server decodes only at the counts of one
 class (``choose``), padding a forward up to the next count of the class or
 splitting the batch. Within a class a sequence's logits do not depend on how
 many neighbours it has or where it sits. The result is kept per model,
-machine and library versions (``cached``), so a restart does not measure again.
+machine and library versions (``kept``, ``keep``), so a restart does not
+measure again.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -39,7 +41,7 @@ from . import blas
 from .cache_file import write_atomic
 from .paths import cache_home
 
-__all__ = ["RowCounts", "choose", "cached"]
+__all__ = ["KEPT", "RowCounts", "cached", "choose", "keep", "kept", "key"]
 
 log = logging.getLogger("semantic.runtime")
 
@@ -100,26 +102,42 @@ def choose(classes: list[tuple[int, ...]], ms: list[float]) -> tuple[int, ...]:
 KEPT = 32  # measurements kept (the newest): one per model shape, device and library versions in use
 
 
-def cached(engine, home: Path | None = None) -> RowCounts:
-    """``engine.calibrate()``, kept in a file per model shape, machine, BLAS
-    kernel and library versions under the cache home: a restart reads it back.
-    A file that cannot be read is measured again; one that cannot be written
-    is logged and the result used. The ``KEPT`` newest files stay."""
+def kept(home: Path | None = None) -> dict[str, RowCounts]:
+    """Every measurement kept under the cache home, by ``key``; a file that
+    cannot be read is left out (logged): its model is measured again."""
+    machine()
+    found = {}
+    for path in sorted((home or cache_home()).joinpath("row-counts").glob("*.json")):
+        try:
+            found[path.stem] = RowCounts(**{k: _tuples(v) for k, v in json.loads(path.read_text()).items()})
+        except (OSError, ValueError, TypeError) as e:
+            log.warning("row counts in %s unreadable (%s): measured again when that model loads", path, e)
+    return found
+
+
+def keep(key: str, counts: RowCounts, home: Path | None = None) -> None:
+    """Write a measurement under the cache home, atomically; the ``KEPT`` newest
+    stay. Raises ``OSError``."""
     folder = (home or cache_home()) / "row-counts"
-    path = folder / f"{_key(engine)}.json"
-    try:
-        return RowCounts(**{k: _tuples(v) for k, v in json.loads(path.read_text()).items()})
-    except (OSError, ValueError, TypeError) as e:
-        if not isinstance(e, FileNotFoundError):
-            log.warning("row counts in %s unreadable (%s): measuring again", path, e)
-    found = engine.calibrate()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(found.describe()).encode())
-        for old in sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime)[:-KEPT]:
-            old.unlink(missing_ok=True)
-    except OSError as e:
-        log.warning("could not keep the row counts in %s: %s", path, e)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_atomic(folder / f"{key}.json", json.dumps(counts.describe()).encode())
+    for old in sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime)[:-KEPT]:
+        old.unlink(missing_ok=True)
+
+
+def cached(engine, home: Path | None = None) -> RowCounts:
+    """``engine.calibrate()``, or what was kept for it (``kept``, ``keep``): for
+    a process that runs an engine itself (benchmarks, ``semantic doctor``); a
+    server's GPU thread gets them from the runtime instead. A measurement that
+    cannot be kept is logged and used."""
+    k = key(engine)
+    found = kept(home).get(k)
+    if found is None:
+        found = engine.calibrate()
+        try:
+            keep(k, found, home)
+        except OSError as e:
+            log.warning("could not keep the row counts measured: %s", e)
     return found
 
 
@@ -127,7 +145,7 @@ def _tuples(value):
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
-def _key(engine) -> str:
+def key(engine) -> str:
     """What the measurement depends on: the model's parameter shapes and types
     (kernels are picked by shape, never by the numbers: the probe's random
     neighbours check that), how the engine attends, the most rows, the device,
@@ -138,11 +156,17 @@ def _key(engine) -> str:
         "kv": [engine.kv_bits, engine.kv_group_size, engine.float_attention],
         "max_rows": engine.decode_rows,
         "device": str(mx.default_device()),
-        "blas": blas.kernel(),
-        "cpu": [platform.machine(), _cpu()],
-        "versions": [_version("mlx"), _version("mlx-lm")],
+        "machine": machine(),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@functools.cache
+def machine() -> dict:
+    """The BLAS kernel set, the CPU and the libraries, read once a process
+    (``kept`` reads them, so a GPU thread computing ``key`` later opens no file)."""
+    return {"blas": blas.kernel(), "cpu": [platform.machine(), _cpu()],
+            "versions": [_version("mlx"), _version("mlx-lm")]}
 
 
 def _cpu() -> str:

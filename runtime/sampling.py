@@ -52,6 +52,7 @@ class Sampler:
         self.params = params
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         self._key = mx.random.key(seed)
+        self._previous_key = self._key
 
     def __call__(self, logits: mx.array) -> mx.array:
         """``logits``: (vocab,) -> a scalar token id (lazy)."""
@@ -65,5 +66,11 @@ class Sampler:
             logprobs = apply_min_p(logprobs, p.min_p)
         if p.top_p < 1:
             logprobs = apply_top_p(logprobs, p.top_p)
+        self._previous_key = self._key
         self._key, key = mx.random.split(self._key)
         return mx.random.categorical(logprobs * (1 / p.temperature), key=key)[0]
+
+    def undo(self) -> None:
+        """Forget the last draw: the next call draws as it would have (a decode
+        step computed ahead and then dropped, ``runtime.engine``)."""
+        self._key = self._previous_key

@@ -422,3 +422,23 @@ def counted_scans(monkeypatch) -> list:
     scans, plan = [], disk.plan
     monkeypatch.setattr(disk, "plan", lambda *a, **kw: scans.append(1) or plan(*a, **kw))
     return scans
+
+
+async def test_a_models_row_counts_are_measured_once_and_kept_by_persistence(tmp_path, monkeypatch):
+    """The GPU thread measures a model's decode row counts at its first load; persistence
+    writes them under the cache home; the next start reads them instead of measuring."""
+    from actors import Runtime
+    from runtime.engine import Engine
+    from tests.web.live import tiny_loaded
+
+    monkeypatch.setenv("SEMANTIC_HOME", str(tmp_path / "home"))
+    calls = []
+    measure = Engine.calibrate
+    monkeypatch.setattr(Engine, "calibrate", lambda self, *a, **k: calls.append(1) or measure(self, *a, **k))
+    loaded = tiny_loaded()
+    async with Runtime.open(loaded, tmp_path / "agents") as rt:
+        first = rt.row_counts
+    (kept,) = (tmp_path / "home" / "row-counts").iterdir()
+    assert len(calls) == 1 and first["counts"] in first["classes"]
+    async with Runtime.open(loaded, tmp_path / "agents") as rt:
+        assert rt.row_counts == first and len(calls) == 1

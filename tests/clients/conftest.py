@@ -122,13 +122,14 @@ def first_word_model(root: Path) -> Path:
 
 
 class Server:
-    """``semantic serve`` on the embedded model (as ``first_word_model``, named smollm2), a free
-    loopback port and ``cache_dir``."""
+    """``semantic serve`` on the embedded model (or ``model``, a directory served as smollm2:
+    ``first_word_model``), a free loopback port and ``cache_dir``."""
 
-    def __init__(self, cache_dir: Path, log_path: Path, model: Path):
+    def __init__(self, cache_dir: Path, log_path: Path, model: Path | None = None):
         self.log_path = log_path
-        args = [sys.executable, "-m", "cli.main", "serve", "--port", "0", "--cache-dir", str(cache_dir),
-                "--model", f"smollm2={model}"]
+        args = [sys.executable, "-m", "cli.main", "serve", "--port", "0", "--cache-dir", str(cache_dir)]
+        if model is not None:
+            args += ["--model", f"smollm2={model}"]
         if "--max-tokens-cap" in serve_help():  # clamps what a client asks for (Claude Code: 32000; Codex: none)
             args += ["--max-tokens-cap", str(MAX_OUTPUT_TOKENS)]
         self._log = open(log_path, "w")

@@ -30,15 +30,21 @@ LONGEST = 130  # the anchor row; the others are 1-64 tokens shorter
 
 @pytest.fixture
 def logits_by_params(monkeypatch):
-    """Every row of logits a sampler sees, keyed by its SamplingParams object."""
+    """Every row of logits a sampler sees, keyed by its SamplingParams object
+    (less those of a step computed ahead and dropped: ``Sampler.undo``)."""
     seen: dict[int, list[mx.array]] = {}
-    call = sampling.Sampler.__call__
+    call, undo = sampling.Sampler.__call__, sampling.Sampler.undo
 
     def recording(self, logits):
         seen.setdefault(id(self.params), []).append(logits)
         return call(self, logits)
 
+    def forgetting(self):
+        seen[id(self.params)].pop()
+        undo(self)
+
     monkeypatch.setattr(sampling.Sampler, "__call__", recording)
+    monkeypatch.setattr(sampling.Sampler, "undo", forgetting)
     return seen
 
 
