@@ -277,18 +277,20 @@ class Engine:
     def step_once(self) -> list[Delta]:
         """One new token for every decoding sequence; [] when none is decoding.
 
-        While the same sequences go on decoding, the next step is built and
-        started on these tokens before they are read (``_launch``), so the
-        model's graph is built while the last step computes. A sequence that
-        finishes, joins or leaves drops that step ahead (``_drop_ahead``):
+        While the same sequences go on decoding (none waiting to join, none at
+        its last token), the next step is built and started on these tokens
+        before they are read (``_launch``), so the model's graph is built while
+        the last step computes. A sequence that still finishes (end of turn, a
+        stop string), joins or leaves drops that step ahead (``_drop_ahead``):
         nothing it computed is kept."""
         if not self._decoding:
             return []
         if self._ahead is not None and self._ahead.rows != self._decoding:
             self._drop_ahead()  # a sequence joined: a fresh step feeds everyone
         step, self._ahead = self._ahead or self._launch(), None
-        if self.compute_ahead:
-            self._ahead = self._launch(after=step)
+        if self.compute_ahead and not self._prefilling and all(
+                len(seq.output) + 1 < seq.sampling.max_tokens for seq in step.rows):
+            self._ahead = self._launch(after=step)  # (not when a sequence is about to join or reach its length)
         tokens = step.tokens.tolist()
         if self._ahead is not None:
             for seq, token in zip(step.rows, tokens):
