@@ -467,7 +467,8 @@ class Engine:
                 continue
             for c in layer.caches:  # it wrote them to the records
                 if not isinstance(c, StateCache):
-                    assert c.trim(1) == 1, "every cache a decode step writes can drop its last token"
+                    trimmed = c.trim(1)
+                    assert trimmed == 1, "every cache a decode step writes can drop its last token"
         for c, offset, state in step.states:
             c.offset, c.cache = offset, state
 
