@@ -144,6 +144,15 @@ def test_busy_batch_equals_alone_smollm2(smollm2):
                             row_counts=measured(smollm2.model, smollm2.tokenizer))
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_busy_batch_equals_alone_attending_over_q4(arch):
+    """Attention over the Q4 records themselves (Metal's path): a step computed
+    ahead and dropped (the cancel, the sequences that join) is cut back out of
+    the records, and recurrent states go back."""
+    model, tok = tiny_model(arch), ByteTokenizer()
+    busy_batch_equals_alone(model, tok, float_attention=False, row_counts=measured(model, tok))
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
 def test_quantized_and_float_attention_agree(arch):
     """Decode attends over Q4 directly (Metal) or over a dequantized working copy
