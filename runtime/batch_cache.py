@@ -16,12 +16,12 @@ neighbours, on any machine. Two things make them depend in a padded batch:
   small-matrix kernel below M*N*K = 1e6 on SkylakeX, other blockings from
   M = 13 on Haswell and Zen), and each kernel sums in its own order.
 
-So a forward is one row of a *fixed* number of token slots (the engine's
-``decode_rows`` for decode), and each layer gets a ``BatchQuantizedKVCache``:
-the caches of the sequences in the forward, one slot each. ``runtime.rowwise``
-makes attention run per sequence over its own cache, with the same shapes as
-when the sequence is alone; everything else runs over all slots at once, with
-M fixed.
+So a forward is one row of token slots whose count is one of those measured
+to give the same rows (``runtime.row_counts``), and each layer gets a
+``BatchQuantizedKVCache``: the caches of the sequences in the forward, one
+slot each. ``runtime.rowwise`` makes attention run per sequence over its own
+cache, with the same shapes as when the sequence is alone; everything else
+runs over all slots at once.
 
 Per-sequence caches:
 
@@ -406,7 +406,7 @@ class StateCache(ArraysCache):
 class BatchQuantizedKVCache:
     """One layer's caches of the sequences decoded together in a forward.
 
-    The forward's input is one row of a fixed number of token slots; slot ``i``
+    The forward's input is one row of token slots (a measured count); slot ``i``
     holds the next token of the sequence whose cache is ``caches[i]``, and slots
     after the last sequence are padding. Three agents in a forward of 4 slots:
 

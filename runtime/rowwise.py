@@ -7,9 +7,9 @@ sequence's own cache, with the shapes it has when the sequence is alone. Two
 ways, with the same result by construction:
 
 * **standard layout** (Llama, Qwen 2/3, Gemma 3, GPT-OSS): projections, q/k
-  norms and RoPE (per-slot positions) run over all slots at once -- fixed
-  shapes, so BLAS picks one kernel -- and only the cache write and the SDPA
-  run per sequence;
+  norms and RoPE (per-slot positions) run over all slots at once -- at slot
+  counts whose rows agree (``runtime.row_counts``) -- and only the cache write
+  and the SDPA run per sequence;
 * **other attention classes**, and linear attention (Qwen3-Next's recurrent
   layers): the module itself runs once per sequence, on its own slot.
 """
