@@ -46,6 +46,7 @@ from runtime.cache_file import AGENT_DIR_SUFFIX, MANIFEST, CacheFileError, Inval
     pid_alive, remove_tree, validate_agent_id
 from runtime.disk import check_room, history_path, human_bytes
 from runtime.errors import SemanticError
+from runtime.json_reader import JSONError, read_json
 
 from .errors import AgentExists
 from .history import parse_history
@@ -314,7 +315,10 @@ def _check_index(staging: Path, found: dict[str, dict], agent_id: str | None) ->
     if INDEX not in found:
         raise ArchiveError(f"no {INDEX} in it: not an agent archive of 'semantic cache export'")
     try:
-        index = json.loads((staging / INDEX).read_bytes())
+        index = read_json((staging / INDEX).read_bytes(), INDEX)
+    except JSONError as e:
+        raise ArchiveError(f"{e}: not an agent archive of 'semantic cache export'") from None
+    try:
         ok = index["format"] == FORMAT and isinstance(index["files"], dict) and isinstance(index["agent_id"], str)
     except (ValueError, KeyError, TypeError):
         ok = False

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from runtime.disk import history_path
+from runtime.json_reader import read_json
 
 from .messages import Message
 
@@ -55,6 +56,6 @@ def read_history(histories: Path, agent_id: str, move_aside: bool = True) -> tup
 
 def parse_history(raw: bytes, agent_id: str) -> tuple[Message, ...]:
     """A history file's messages; raises ``ValueError`` (and the like) when it is not ``agent_id``'s history."""
-    doc = json.loads(raw)
+    doc = read_json(raw, "history")
     assert doc["format"] == HISTORY_FORMAT and doc["version"] == 1 and doc["agent_id"] == agent_id
     return tuple(Message.from_dict(m) for m in doc["messages"])

@@ -51,6 +51,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from .batch_cache import DequantizingKVCache, SequenceQuantizedKVCache, StateCache, WindowKVCache
 from .errors import SemanticError
+from .json_reader import JSONError, read_json
 
 __all__ = [
     "BLOCK_TOKENS",
@@ -414,8 +415,8 @@ def read_manifest(directory: os.PathLike | str) -> dict:
     if len(raw) > _MAX_MANIFEST:
         raise CacheFileError(path, "unparsable", "manifest too large")
     try:
-        m = json.loads(raw)
-    except (ValueError, RecursionError) as e:
+        m = read_json(raw, "manifest")
+    except JSONError as e:
         raise CacheFileError(path, "unparsable" if raw else "truncated", f"manifest is not JSON: {e}") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise CacheFileError(path, "unparsable", "not a Semantic cache manifest")

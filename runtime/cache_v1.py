@@ -16,7 +16,6 @@ Tensors are read one at a time from one open file, hashed as they arrive.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import re
@@ -29,6 +28,7 @@ import numpy as np
 from .cache_file import (
     _DTYPES, _FLOATS, _PARTS, DEQUANTIZING, FORMAT, QUANTIZED, ROTATING, CacheFileError, CacheRecord, HostCache, _open,
 )
+from .json_reader import JSONError, read_json
 
 __all__ = ["SUFFIX", "VERSION", "read", "read_meta", "verify"]
 
@@ -141,8 +141,8 @@ def _read_header(path, f: BinaryIO) -> _Header:
         raise CacheFileError(path, "truncated", f"header of {n} bytes but the file has {size}")
     raw = _read_exact(path, f, n, "header")
     try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, absurd nesting
+        doc = read_json(raw, "header")
+    except JSONError as e:  # bad UTF-8, bad JSON, absurd nesting
         raise CacheFileError(path, "unparsable", f"header is not JSON: {e}") from None
     meta = doc.get("__metadata__") if isinstance(doc, dict) else None
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
@@ -191,13 +191,13 @@ def _parse(path, header: _Header) -> dict:
             "model_id": meta["model_id"],
             "spec_hash": meta["spec_hash"],
             "token_count": int(meta["token_count"]),
-            "tokens": json.loads(meta["tokens"]),
+            "tokens": read_json(meta["tokens"], "tokens"),
             "text": meta["text"],
             "created": float(meta["created"]),
             "updated": float(meta["updated"]),
             "bits": int(meta["bits"]) if meta["bits"] else None,
             "group_size": int(meta["group_size"]) if meta["group_size"] else None,
-            "layers": json.loads(meta["layers"]),
+            "layers": read_json(meta["layers"], "layers"),
             "checksum": meta["checksum"],
             "bytes": header.size,
         }

@@ -48,6 +48,8 @@ import secrets
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import TYPE_CHECKING
 
+from runtime.json_reader import JSONError, read_json
+
 from . import _validate as v
 from ._aio import closing
 from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, Usage, cancelled,
@@ -121,9 +123,9 @@ def _metadata_session(metadata: Mapping | None) -> str | None:
     if not isinstance(user_id, str):
         return None
     try:
-        session = json.loads(user_id).get("session_id")
+        session = read_json(user_id).get("session_id")
         return session if isinstance(session, str) and session else None
-    except (json.JSONDecodeError, AttributeError):
+    except (JSONError, AttributeError):
         pass
     return m[1] if (m := _SESSION.search(user_id)) else None
 

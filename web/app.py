@@ -35,7 +35,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from actors import Agent, AgentExists, AgentGone, Runtime, TurnError, UnknownModel
 from actors import archive
@@ -565,7 +565,11 @@ async def _final(items: AsyncIterator[StreamItem]) -> ChatResult:
 class _Guard:
     """In front of every route: the API key, the body size limit, and how long
     a client may take to send its body. The body is read here whole and
-    replayed to the route (but an import's, which the route streams to disk)."""
+    replayed to the route (but an import's, which the route streams to disk).
+    An answer that starts before the whole body has arrived (a refusal before
+    the upload) first reads the rest and drops it, up to twice the body limit
+    and within the body timeout, so the connection stays usable; past that it
+    closes the connection (``Connection: close``)."""
 
     def __init__(self, app: ASGIApp, config: ServerConfig):
         self.app = app
@@ -574,6 +578,7 @@ class _Guard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        receive, send = self._draining(scope, receive, send)
         path = scope["path"]
         streamed = scope["method"] == "POST" and _IMPORT_PATH.fullmatch(path)  # the route reads it, to disk
         try:
@@ -593,6 +598,35 @@ class _Guard:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    def _draining(self, scope: Scope, receive: Receive, send: Send) -> tuple[Receive, Send]:
+        """``receive`` and a ``send`` that, on a response begun while the request's
+        body is still coming, drain the body first or close (HTTP/1: an HTTP/2
+        stream ends on its own)."""
+        headers = {k.lower(): v for k, v in scope["headers"]}
+        length = headers.get(b"content-length", b"0")
+        pending = (length.isdigit() and int(length) > 0) or b"transfer-encoding" in headers
+        if not pending or not scope.get("http_version", "1.1").startswith("1"):
+            return receive, send
+
+        async def receiving() -> Message:
+            nonlocal pending
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                pending = False
+            return message
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start" and pending:
+                size, limit = 0, 2 * self.config.max_body_bytes
+                with anyio.move_on_after(self.config.body_timeout_s):
+                    while pending and size <= limit:
+                        size += len((await receiving()).get("body", b""))
+                if pending:
+                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        return receiving, sending
 
     def _authorize(self, scope: Scope) -> None:
         key = self.config.api_key

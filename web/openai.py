@@ -40,6 +40,8 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import TYPE_CHECKING
 
+from runtime.json_reader import JSONError, read_json
+
 from . import _validate as v
 from ._aio import closing
 from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, Usage, cancelled,
@@ -236,9 +238,9 @@ def tool_arguments(args: object, where: str) -> dict:
     """A tool call's arguments: a JSON object, or a string encoding one (empty: ``{}``)."""
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as e:
-            raise v.bad(where, f"is not valid JSON: {e}") from None
+            args = read_json(args) if args.strip() else {}
+        except JSONError as e:
+            raise v.bad(where, str(e).removeprefix("JSON ")) from None
     if not isinstance(args, dict):
         raise v.bad(where, f"must encode a JSON object, not {v.jtype(args)}")
     return args

@@ -22,10 +22,11 @@ templates ``tojson`` them), and a tool message names the call it answers:
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
+
+from runtime.json_reader import JSONError, read_json
 
 from ._aio import closing
 
@@ -78,11 +79,9 @@ class RequestError(Exception):
 def load_json(body: bytes) -> dict:
     """The JSON object in a request body; raises ``RequestError`` (400) otherwise."""
     try:
-        data = json.loads(body)
-    except UnicodeDecodeError:
-        raise RequestError(400, "request body is not UTF-8 text") from None
-    except json.JSONDecodeError as e:
-        raise RequestError(400, f"request body is not valid JSON: {e}") from None
+        data = read_json(body, "request body")
+    except JSONError as e:
+        raise RequestError(400, str(e)) from None
     if not isinstance(data, dict):
         raise RequestError(400, "request body must be a JSON object")
     return data

@@ -27,6 +27,8 @@ from collections.abc import AsyncIterable, AsyncIterator, Collection
 from dataclasses import replace
 from typing import Literal
 
+from runtime.json_reader import JSONError, check_depth, read_json
+
 from .schema import ChatResult, StreamItem, TextDelta, ToolCall
 
 __all__ = [
@@ -98,8 +100,8 @@ def _call(obj: object, keys: tuple[str, ...]) -> ToolCall | None:
     args = next((obj[k] for k in keys if k in obj), {})
     if isinstance(args, str):  # some models double-encode the arguments
         try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
+            args = read_json(args) if args.strip() else {}
+        except JSONError:
             return None
     if not isinstance(args, dict):
         return None
@@ -110,8 +112,8 @@ def _parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
     calls, kept, pos = [], [], 0
     for m in _HERMES_CALL.finditer(text):
         try:
-            call = _call(json.loads(m.group(1)), ("arguments", "parameters"))
-        except json.JSONDecodeError:
+            call = _call(read_json(m.group(1)), ("arguments", "parameters"))
+        except JSONError:
             call = None
         if call is not None:
             calls.append(call)
@@ -125,6 +127,10 @@ def _parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
 
 def _json_calls(payload: str, tool_names: Collection[str] | None) -> list[ToolCall] | None:
     """All of ``payload`` as JSON calls separated by ';' or whitespace, else None."""
+    try:
+        check_depth(payload)
+    except JSONError:
+        return None
     decoder, calls, i = json.JSONDecoder(), [], 0
     while True:
         while i < len(payload) and (payload[i].isspace() or payload[i] == ";"):
@@ -145,7 +151,7 @@ def _builtin_call(payload: str) -> list[ToolCall] | None:
     """``brave_search.call(query="x")`` (Llama's built-in tools), else None."""
     try:
         node = ast.parse(payload.strip(), mode="eval").body
-    except SyntaxError:
+    except (SyntaxError, RecursionError, MemoryError):  # a model's text may nest anything
         return None
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
             and node.func.attr == "call" and isinstance(node.func.value, ast.Name) and not node.args):

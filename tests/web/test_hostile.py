@@ -1,0 +1,159 @@
+"""Hostile input over a real socket: JSON nested past the limit, in a body or
+inside a string field or an archive, is a 400 in the route's own shape; an
+answer sent before the body has arrived leaves the connection usable; and
+generated bodies at every JSON route never make a 5xx."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from datetime import timedelta
+
+import anyio
+import httpx
+import pytest
+
+from actors.archive import INDEX
+from runtime.json_reader import MAX_DEPTH
+
+from .live import client, live_server, tiny_loaded
+
+DEEP = "[" * 100_000 + "]" * 100_000  # 200 KB; json.loads: RecursionError
+TOO_DEEP = f"more than {MAX_DEPTH} deep"
+ASK = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+JSON_ROUTES = ("/v1/messages", "/v1/messages/count_tokens", "/v1/chat/completions", "/v1/responses", "/v1/agents",
+               "/v1/agents/ada/messages")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _model():
+    tiny_loaded()
+
+
+def _message(r: httpx.Response) -> str:
+    return r.json()["error"]["message"]
+
+
+@pytest.mark.anyio
+async def test_json_nested_past_the_limit_is_a_400_everywhere(tmp_path):
+    async with live_server(tmp_path) as url, client(url) as http:
+        await http.post("/v1/agents", json={"id": "ada"})
+        for path in JSON_ROUTES:
+            for body in (DEEP, json.dumps({**ASK, "messages": [{"role": "user", "content": "x"}]})[:-1]
+                         + ', "extra": ' + DEEP + "}"):
+                r = await http.post(path, content=body)
+                assert r.status_code == 400 and TOO_DEEP in _message(r), (path, r.text[:300])
+        anthropic_shape = (await http.post("/v1/messages", content=DEEP)).json()
+        assert anthropic_shape["type"] == "error" and anthropic_shape["error"]["type"] == "invalid_request_error"
+
+        # JSON inside string fields: a tool call's arguments (chat, Responses) ...
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP}}
+        r = await http.post("/v1/chat/completions", json={**ASK, "messages": [
+            {"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]})
+        assert r.status_code == 400 and TOO_DEEP in _message(r) and "arguments" in _message(r), r.text[:300]
+        r = await http.post("/v1/responses", json={"model": "m", "max_output_tokens": 4, "input": [
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": DEEP},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"}]})
+        assert r.status_code == 400 and TOO_DEEP in _message(r), r.text[:300]
+        # ... and Claude Code's metadata.user_id, which is only a hint: not JSON, so no session
+        r = await http.post("/v1/messages", json={**ASK, "metadata": {"user_id": DEEP}})
+        assert r.status_code == 200, r.text[:300]
+
+        # an archive whose index nests past the limit
+        tar = io.BytesIO()
+        with tarfile.open(fileobj=tar, mode="w") as t:
+            info = tarfile.TarInfo(INDEX)
+            info.size = len(DEEP)
+            t.addfile(info, io.BytesIO(DEEP.encode()))
+        r = await http.post("/v1/agents/bo/import", content=tar.getvalue())
+        assert r.status_code == 400 and TOO_DEEP in _message(r), r.text[:300]
+        assert (await http.get("/health")).status_code == 200
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("refusal", ["import into an agent that exists", "wrong API key", "over the body limit"])
+async def test_an_answer_before_the_body_leaves_the_connection_usable(tmp_path, refusal):
+    """The refused body is read and dropped (up to twice the body limit), so the
+    keep-alive connection answers its next request; the client reads the refusal."""
+    limit = 4 << 20
+    async with live_server(tmp_path, api_key="k", max_body_bytes=limit) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=20, headers={"x-api-key": "k"},
+                                     limits=httpx.Limits(max_connections=1)) as http:
+            assert (await http.post("/v1/agents", json={"id": "ada"})).status_code == 201
+            path, status, headers, size = {
+                "import into an agent that exists": ("/v1/agents/ada/import", 409, {}, 6 << 20),
+                "wrong API key": ("/v1/messages", 401, {"x-api-key": "bad"}, 6 << 20),
+                "over the body limit": ("/v1/messages", 413, {}, 6 << 20),
+            }[refusal]
+            r = await http.post(path, content=b"x" * size, headers=headers)
+            assert r.status_code == status and "connection" not in r.headers, (r.status_code, r.headers)
+            for _ in range(2):
+                assert (await http.get("/health")).status_code == 200
+            assert (await http.post("/v1/agents/ada/messages", json={"content": "Hi", "max_tokens": 2})).is_success
+
+
+@pytest.mark.anyio
+async def test_a_body_past_what_is_drained_closes_the_connection(tmp_path):
+    """A refusal whose body keeps coming past twice the limit (or past the body
+    timeout) says ``Connection: close`` and closes."""
+    async with live_server(tmp_path, api_key="k", max_body_bytes=1024, body_timeout_s=1) as url:
+        host, port = url.removeprefix("http://").split(":")
+        async with await anyio.connect_tcp(host, int(port)) as sock:
+            await sock.send(f"POST /v1/messages HTTP/1.1\r\nhost: {host}\r\nx-api-key: k\r\n"
+                            f"content-length: {100 << 20}\r\n\r\n".encode() + b"x" * 4096)
+            answer = b""
+            with anyio.fail_after(30):
+                while chunk := await _receive(sock):
+                    answer += chunk
+        head = answer.split(b"\r\n\r\n")[0].lower()
+        assert head.startswith(b"http/1.1 413") and b"connection: close" in head, answer[:300]
+
+
+async def _receive(sock) -> bytes:
+    try:
+        return await sock.receive()
+    except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
+        return b""
+
+
+# -- generated bodies ---------------------------------------------------------------------------------------------
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_leaf = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
+         | st.text(max_size=40) | st.sampled_from(["user", "assistant", "system", "tool", "text", "image", "m"]))
+_value = st.recursive(_leaf, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+    st.sampled_from(["role", "content", "type", "text", "name", "arguments", "tool_calls", "id", "input"])
+    | st.text(max_size=8), inner, max_size=4), max_leaves=12)
+_fields = st.fixed_dictionaries({}, optional={
+    k: _value | st.integers(-5, 40) for k in ("model", "max_tokens", "max_output_tokens", "messages", "input",
+                                              "content", "system", "tools", "tool_choice", "temperature", "top_p",
+                                              "stop", "id", "metadata", "stream", "instructions", "seed")})
+_bodies = (_fields.map(lambda d: json.dumps(d).encode())
+           | _value.map(lambda v: json.dumps(v).encode())
+           | st.binary(max_size=64)
+           | st.integers(MAX_DEPTH - 2, 300).map(lambda n: ("[" * n + "]" * n).encode())
+           | st.just(DEEP.encode()))
+
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory) -> str:
+    """A live server on a portal thread (Hypothesis runs the requests synchronously), with agent ``ada``."""
+    with anyio.from_thread.start_blocking_portal() as portal, portal.wrap_async_context_manager(
+            live_server(tmp_path_factory.mktemp("fuzz"), max_tokens_cap=4)) as url:
+        httpx.post(f"{url}/v1/agents", json={"id": "ada"}, timeout=30).raise_for_status()
+        yield url
+
+
+@settings(max_examples=150, deadline=timedelta(seconds=20), derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(path=st.sampled_from(JSON_ROUTES), body=_bodies)
+def test_generated_bodies_never_make_a_5xx(running, path, body):
+    with httpx.Client(base_url=running, timeout=60) as http:
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code < 500, (path, body[:200], r.text[:300])
+        assert http.get("/health").status_code == 200
