@@ -63,6 +63,7 @@ _CHUNK = 1 << 20
 _ATTEMPTS = 5  # exports restarted because a running server replaced a cache meanwhile
 _NOT_MODELS = (HISTORIES, cache_file.CacheStore.QUARANTINE)
 _MODEL_KEY = r"(?!histories/|quarantine/)[A-Za-z0-9_-][A-Za-z0-9._-]*"
+_NAME_MAX = 255  # bytes in one path component (Linux, macOS)
 _LAYOUT = re.compile(  # every path an archive may hold; group "agent" is whose it is
     rf"{HISTORIES}/(?P<agent>[^/]+)\.json"
     rf"|(?P<cache>{_MODEL_KEY}/(?P<agent2>[^/]+)\{AGENT_DIR_SUFFIX})/(?:{MANIFEST}|[0-9a-f]{{64}}\.(?:block|ring|text))"
@@ -282,16 +283,25 @@ def _checked_name(member: tarfile.TarInfo) -> str | None:
     needed), else ``ArchiveError``: the path escapes, or names no file of an agent."""
     name = member.name
     parts = name.split("/")
+    shown = repr(name[:100]) + ("..." if len(name) > 100 else "")
+    try:
+        too_long = any(len(part.encode()) > _NAME_MAX for part in parts)
+    except UnicodeEncodeError:  # tarfile keeps bytes that are not UTF-8 as surrogates
+        raise ArchiveError(f"archive member {shown} has a name that is not UTF-8: refused") from None
+    if not name.isprintable():
+        raise ArchiveError(f"archive member {shown} has a NUL or control character in its name: refused")
+    if too_long:
+        raise ArchiveError(f"archive member {shown} has a name longer than {_NAME_MAX} bytes: refused")
     if name.startswith("/"):
-        raise ArchiveError(f"archive member {name!r} has an absolute path: refused")
+        raise ArchiveError(f"archive member {shown} has an absolute path: refused")
     if ".." in parts or "\\" in name:
-        raise ArchiveError(f"archive member {name!r} leads outside the cache directory: refused")
+        raise ArchiveError(f"archive member {shown} leads outside the cache directory: refused")
     if member.isdir():
         return None
-    if not member.isreg():
-        raise ArchiveError(f"archive member {name!r} is a link or a special file: refused")
+    if not member.isreg() or member.issparse():
+        raise ArchiveError(f"archive member {shown} is a link, a sparse or a special file: refused")
     if name != INDEX and not _LAYOUT.fullmatch(name):
-        raise ArchiveError(f"archive member {name!r} is not an agent's history or cache file: refused")
+        raise ArchiveError(f"archive member {shown} is not an agent's history or cache file: refused")
     return name
 
 

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 import tarfile
 from datetime import timedelta
+from pathlib import Path
 
 import anyio
 import httpx
@@ -157,3 +160,48 @@ def test_generated_bodies_never_make_a_5xx(running, path, body):
         r = http.post(path, content=body, headers={"content-type": "application/json"})
         assert r.status_code < 500, (path, body[:200], r.text[:300])
         assert http.get("/health").status_code == 200
+
+
+def _archive(member: tarfile.TarInfo, data: bytes = b"{}", fmt: int = tarfile.PAX_FORMAT) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=fmt, encoding="utf-8", errors="surrogateescape") as t:
+        member.size = len(data)
+        t.addfile(member, io.BytesIO(data))
+    return out.getvalue()
+
+
+def _member(name: str, kind: bytes = tarfile.REGTYPE) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.pax_headers = {"path": name}  # as given: a ustar name field would end at a NUL
+    return info
+
+
+@pytest.mark.anyio
+async def test_archive_members_with_hostile_names_or_kinds_are_a_400(tmp_path):
+    cases = {
+        "NUL": (_archive(_member("histories/a\x00b.json")), "NUL or control character"),
+        "long": (_archive(_member("histories/" + "a" * 300 + ".json")), "longer than 255 bytes"),
+        "not UTF-8": (_archive(_member("histories/a\udcffb.json")), "not UTF-8"),
+        "sparse": (_archive(_member("histories/ada.json", tarfile.GNUTYPE_SPARSE), fmt=tarfile.GNU_FORMAT),
+                   "a sparse or a special file"),
+        "link": (_archive(_member("histories/ada.json", tarfile.SYMTYPE), b""), "a link"),
+    }
+    async with live_server(tmp_path) as url, client(url) as http:
+        for case, (body, needle) in cases.items():
+            r = await http.post("/v1/agents/ada/import", content=body)
+            assert r.status_code == 400 and needle in _message(r), (case, r.status_code, r.text[:300])
+        assert (await http.get("/health")).status_code == 200
+    assert not list(tmp_path.glob("histories/*")), "nothing of a refused archive is left"
+
+
+def test_semantic_cache_import_refuses_the_same_archives_in_one_line(tmp_path):
+    deep = _member(INDEX)
+    for name, body in (("nul", _archive(_member("histories/a\x00b.json"))), ("deep", _archive(deep, DEEP.encode()))):
+        (tmp_path / f"{name}.tar").write_bytes(body)
+        r = subprocess.run([sys.executable, "-m", "cli.main", "cache", "--cache-dir", str(tmp_path / "cache"),
+                            "import", str(tmp_path / f"{name}.tar")], capture_output=True, text=True, timeout=120,
+                           cwd=Path(__file__).parents[2])
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-500:]
+        assert ("has a NUL" if name == "nul" else TOO_DEEP) in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
