@@ -25,6 +25,8 @@ from runtime.errors import SemanticError
 from runtime.outcome import TurnResult  # re-exported: a turn's reply stream ends with it
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from anyio.streams.memory import MemoryObjectSendStream as Sink
 
     from runtime.cache_file import BlockUpdate, HostCache
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AgentCommand", "BeginTurn", "CacheBlocks", "CacheRead", "CacheWritten", "CancelTurn", "Delta", "Demote",
     "DropCache", "Done", "EvictCommand", "Failed", "FlushCaches", "ForkCache", "Forget", "Fork",
-    "Flush", "GpuCommand", "GpuDown", "HistoryBytes", "HotAgent", "HotSet", "Message", "Open",
+    "Flush", "GpuCommand", "GpuDown", "HistoryBytes", "HotAgent", "HotSet", "ImportArchive", "Message", "Open",
     "PersistCommand", "ReadCache", "ReadHistory", "Send", "StopGpu", "Stop", "SwapModel", "TurnEnded", "TurnEvent",
     "TurnFailed", "TurnResult", "Delete",
 ]
@@ -314,6 +316,19 @@ class Forget:
 
 
 @dataclass(frozen=True)
+class ImportArchive:
+    """Put the agent in ``archive`` (``actors.archive``, ``size`` bytes) into the
+    cache directory, in line with the writes and within the disk budget:
+    ``Done(Summary)``, or ``Failed`` with ``ArchiveError``, ``AgentExists`` or
+    ``NoRoom`` (pruning could not make room for ``size`` bytes)."""
+
+    archive: Path
+    agent_id: str
+    size: int
+    reply: Sink[Done | Failed]
+
+
+@dataclass(frozen=True)
 class Flush:
     """Answer once everything pending when it arrived is on disk."""
 
@@ -334,7 +349,8 @@ class Stop:
     """Finish the pending work, then end (persistence, eviction)."""
 
 
-PersistCommand = Union[CacheBlocks, ReadCache, HistoryBytes, ReadHistory, Forget, Flush, KeepRowCounts, Stop]
+PersistCommand = Union[CacheBlocks, ReadCache, HistoryBytes, ReadHistory, Forget, ImportArchive, Flush, KeepRowCounts,
+                       Stop]
 
 
 # -- the eviction actor's mailbox -------------------------------------------------

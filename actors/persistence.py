@@ -51,6 +51,7 @@ writes those not on disk and then the manifest; histories go through
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -69,10 +70,11 @@ from runtime.cache_file import CacheStore, StaleBlocks, merged, tree_bytes, writ
 from runtime.disk import NoRoom, history_path
 from runtime.errors import SemanticError
 
+from . import archive
 from .history import parse_history, read_history
 from .messages import (
-    CacheBlocks, CacheRead, CacheWritten, Done, Failed, Flush, Forget, HistoryBytes, KeepRowCounts, PersistCommand,
-    ReadCache, ReadHistory, Stop,
+    CacheBlocks, CacheRead, CacheWritten, Done, Failed, Flush, Forget, HistoryBytes, ImportArchive, KeepRowCounts,
+    PersistCommand, ReadCache, ReadHistory, Stop,
 )
 
 __all__ = ["PersistenceActor", "history_path"]
@@ -174,6 +176,8 @@ class PersistenceActor:
             self._queue(("history", message.agent_id), message)
         elif isinstance(message, Forget):  # in line: it must not overtake writes queued before it
             self._pending[("forget", message.agent_id, id(message))] = message
+        elif isinstance(message, ImportArchive):  # in line, like a write: pruning makes room for it first
+            self._pending[("import", message.agent_id, id(message))] = message
         elif isinstance(message, Flush):
             self._flushes.append(message.reply)
         elif isinstance(message, KeepRowCounts):  # a file of its own, outside the cache directory
@@ -251,6 +255,9 @@ class PersistenceActor:
         if isinstance(item, Forget):
             await self._forget(item)
             return
+        if isinstance(item, ImportArchive):
+            await self._import(item)
+            return
         ok, stale = True, False
         what = f"cache of agent {item.agent_id!r} for {item.model_id}" if isinstance(item, CacheBlocks) \
             else f"history of agent {item.agent_id!r}"
@@ -322,6 +329,8 @@ class PersistenceActor:
         item = next(iter(self._pending.values()), None)
         if isinstance(item, CacheBlocks):
             return item.update.nbytes
+        if isinstance(item, ImportArchive):
+            return item.size  # what its files can take at most: an archive holds no sparse members
         return len(item.data) if isinstance(item, HistoryBytes) else 0
 
     def _over(self) -> bool:
@@ -382,6 +391,27 @@ class PersistenceActor:
         plan = disk.plan(files, budget=budget, target=target,
                          conversation_ttl=self.conversation_ttl_s, protected=protected, live=live, hot=hot)
         return plan, disk.apply(plan)
+
+    async def _import(self, message: ImportArchive) -> None:
+        """Unpack an archive into the directory (``actors.archive.import_agent``),
+        after the prune that made room for it; refused (``NoRoom``) if it could
+        still take the directory over its budget."""
+        budget = self.disk_budget
+        if budget is not None and self._disk_bytes + message.size > budget:
+            _answer(message.reply, Failed(NoRoom(errno.ENOSPC, (
+                f"the archive ({disk.human_bytes(message.size)}) does not fit in the disk budget of "
+                f"{disk.human_bytes(budget)}, which holds {disk.human_bytes(self._disk_bytes)} that pruning "
+                "cannot remove"))))
+            return
+        try:
+            summary = await anyio.to_thread.run_sync(_in_background, partial(
+                archive.import_agent, self.store.root, message.archive, agent_id=message.agent_id))
+        except (SemanticError, OSError) as e:
+            _answer(message.reply, Failed(e))
+            return
+        self._disk_bytes += summary.bytes
+        self._next_prune = min(self._next_prune, self._last_prune + self.prune_interval_s)
+        _answer(message.reply, Done(summary))
 
     async def _forget(self, message: Forget) -> None:
         """Drop the agent's pending writes and delete its files (every model's cache, its history)."""

@@ -63,6 +63,7 @@ from .messages import (
     FlushCaches,
     Fork,
     HistoryBytes,
+    ImportArchive,
     Message,
     Open,
     ReadHistory,
@@ -77,6 +78,8 @@ from .persistence import PersistenceActor
 
 if TYPE_CHECKING:
     import mlx.core as mx
+
+    from .archive import Summary
 
 __all__ = ["Agent", "AgentInfo", "Reply", "Runtime"]
 
@@ -404,6 +407,17 @@ class Runtime:
         self._check_open(unhealthy_ok=True)
         _raise_failed(await request(lambda r: self._gpu.submit(FlushCaches(r))))
         _raise_failed(await request(lambda r: self._persistence.mailbox.send_nowait(Flush(r))))
+
+    async def import_archive(self, archive: Path, agent_id: str) -> Summary:
+        """Put the agent in ``archive`` (``semantic cache export``; ``agent_id`` must
+        be the one it holds) into the cache directory, through the persistence
+        actor: in line with its writes, checked whole first, within the disk
+        budget. Raises ``ArchiveError``, ``AgentExists``, ``NoRoom``, ``OSError``,
+        ``RuntimeClosed``; on any of them the directory is as it was."""
+        self._check_open()
+        size = (await anyio.Path(archive).stat()).st_size
+        return _raise_failed(await request(
+            lambda r: self._persistence.mailbox.send_nowait(ImportArchive(Path(archive), agent_id, size, r))))
 
     def stats(self) -> dict:
         """Counters for tests, benchmarks and monitoring (a snapshot)."""

@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import secrets
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -40,7 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from actors import Agent, AgentExists, AgentGone, Runtime, TurnError, UnknownModel
 from actors import archive
 from runtime.cache_file import InvalidAgentId
-from runtime.disk import NoRoom, check_room
+from runtime.disk import NoRoom, check_room, human_bytes
 from runtime.models import catalogue
 from runtime.errors import SemanticError
 
@@ -387,8 +388,10 @@ class _Server:
 
     async def import_agent(self, request: Request) -> Response:
         """An agent from another server: the body is its archive (``semantic cache
-        export``), checked whole before any of it is put in place; then indexed, so
-        stateless clients find its conversation at once. Never replaces an agent."""
+        export``), received into a temp file outside the cache directory, then
+        put in place by the persistence actor (checked whole first, within the
+        disk budget); then indexed, so stateless clients find its conversation
+        at once. Never replaces an agent."""
         try:
             agent_id = checked_agent_id(request.path_params["agent_id"], "agent id")
             await self._check_new(agent_id)  # before the upload: no need to wait for it to say no
@@ -396,8 +399,7 @@ class _Server:
             try:
                 async with self.importing:
                     await self._check_new(agent_id)
-                    summary = await anyio.to_thread.run_sync(
-                        lambda: archive.import_agent(self.rt.cache_dir, upload, agent_id=agent_id))
+                    summary = await self.rt.import_archive(upload, agent_id)
             except archive.ArchiveError as e:
                 raise RequestError(400, str(e)) from None
             except AgentExists as e:
@@ -424,14 +426,22 @@ class _Server:
                                     f"first ('semantic cache rm {agent_id}', the server stopped)")
 
     async def _receive_archive(self, request: Request) -> Path:
-        """The request's body, written to a temp file in the cache directory as it
-        arrives; each piece must come within the body timeout."""
-        root, timeout = self.rt.cache_dir, self.config.body_timeout_s
-        path = root / f"{archive.UPLOAD_PREFIX}{os.getpid()}-{secrets.token_hex(4)}.tar"
+        """The request's body, written to a temp file as it arrives (outside the
+        cache directory, which holds only what the persistence actor puts there);
+        each piece must come within the body timeout, and all of it within the
+        disk budget."""
+        timeout, budget = self.config.body_timeout_s, self.config.disk_budget
+        folder = Path(tempfile.gettempdir())
+        path = folder / f"semantic-upload-{os.getpid()}-{secrets.token_hex(4)}.tar"
+        too_big = RequestError(507, f"the archive is larger than this server's disk budget, "
+                                    f"{human_bytes(budget or 0)}")
         size = request.headers.get("content-length", "")
+        received = 0
         try:
             if size.isdigit():
-                check_room(root, int(size))
+                if budget is not None and int(size) > budget:
+                    raise too_big
+                check_room(folder, int(size))
             async with await anyio.open_file(path, "xb") as f:
                 chunks = request.stream()
                 while True:
@@ -441,6 +451,9 @@ class _Server:
                         raise RequestError(408, f"the archive stopped arriving for {timeout:g} s")
                     if chunk is None:
                         return path
+                    received += len(chunk)
+                    if budget is not None and received > budget:
+                        raise too_big
                     await f.write(chunk)
         except BaseException as e:
             path.unlink(missing_ok=True)

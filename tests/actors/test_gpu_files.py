@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from pathlib import Path
 
 import anyio
 import pytest
@@ -21,11 +22,15 @@ _touched: list[tuple[str, object]] = []
 _armed = threading.Event()
 
 
+_recording = threading.Event()  # record what the GPU thread touches, without refusing it
+
+
 def _no_files_on_the_gpu_thread(event: str, args: tuple) -> None:
-    if _armed.is_set() and threading.current_thread().name == "semantic-gpu" \
+    if (_armed.is_set() or _recording.is_set()) and threading.current_thread().name == "semantic-gpu" \
             and (event == "open" or event.startswith(("os.", "shutil.", "glob."))):
         _touched.append((event, args[:1]))
-        raise PermissionError(f"the GPU thread touched a file: {event} {args[:1]}")
+        if _armed.is_set():
+            raise PermissionError(f"the GPU thread touched a file: {event} {args[:1]}")
 
 
 sys.addaudithook(_no_files_on_the_gpu_thread)  # once per process; inert unless armed
@@ -80,3 +85,34 @@ async def test_the_gpu_thread_opens_no_file(tmp_path):
     # after the restart every turn came from disk (random weights' replies may not re-tokenize
     # the same, so a turn after such a reply may go cold: the reuse tests cover reuse)
     assert all(hooked[a][-1][1] > 0 for a in ("agent-0", "agent-2", "agent-0-fork")), hooked
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("anyio_backend", ["trio"])  # loading SmolLM2 three times: one backend
+async def test_the_gpu_thread_reads_only_a_model_it_loads_by_name(smollm2, tmp_path):
+    """Loading a model by name is the one time the GPU thread reads files (mlx-lm's
+    loader makes MLX arrays as it reads: ``docs/architecture.md``): at start-up, on
+    a swap and on a reload after ``model_idle_s``, it opens that model's directory
+    and the Python code it imports, nothing of the cache directory or the cache home."""
+    name, tiny = smollm2.name, tiny_loaded()
+    _touched.clear()
+    _recording.set()
+    try:
+        async with Runtime.open(name, tmp_path / "cache", 256 << 20, models=[tiny], model_idle_s=0.5) as rt:
+            agent = await rt.agent("reader", system="You are terse.")
+            await agent.reply("Hi.", max_tokens=2)  # start-up: loaded by name
+            await agent.reply("Hi.", model=tiny.name, max_tokens=2)  # a swap to a model in memory
+            await agent.reply("Hi.", model=name, max_tokens=2)  # and back: loaded by name
+            with anyio.fail_after(60):
+                while rt.stats()["loaded"]:
+                    await anyio.sleep(0.05)
+            await agent.reply("Hi.", max_tokens=2)  # reloaded after idle
+    finally:
+        _recording.clear()
+    code = tuple(str(p) for p in {Path(sys.prefix), Path(sys.base_prefix), Path(__file__).parents[2]})
+    model_dir = str(smollm2.path)
+    data = [(e, a) for e, a in _touched if a and not str(a[0]).startswith(model_dir)
+            and not (str(a[0]).startswith(code) and (str(a[0]).endswith((".py", ".pyc", ".so"))
+                                                      or e in ("os.listdir", "os.scandir")))]
+    assert data == [], data
+    assert sum(e == "open" and str(a[0]).endswith("config.json") for e, a in _touched) >= 3, "three loads by name"

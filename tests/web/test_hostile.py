@@ -17,7 +17,7 @@ import anyio
 import httpx
 import pytest
 
-from actors.archive import INDEX
+from actors.archive import INDEX, export_agent
 from runtime.json_reader import MAX_DEPTH
 
 from .live import client, live_server, tiny_loaded
@@ -205,3 +205,35 @@ def test_semantic_cache_import_refuses_the_same_archives_in_one_line(tmp_path):
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-500:]
         assert ("has a NUL" if name == "nul" else TOO_DEEP) in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+@pytest.mark.anyio
+async def test_imports_stay_within_the_disk_budget(tmp_path):
+    """Imports go through the persistence actor: it prunes older caches to make
+    room for each archive, or refuses it (507), so the directory never holds
+    more than the budget; an archive larger than the whole budget is a 507 at once."""
+    async with live_server(tmp_path / "a") as url, client(url) as http:
+        for i in range(5):
+            assert (await http.post("/v1/agents", json={"id": f"ag{i}", "system": f"Agent {i}. " + "word " * 200})
+                    ).status_code == 201
+            assert (await http.post(f"/v1/agents/ag{i}/messages", json={"content": "Hi", "max_tokens": 2})).is_success
+    archives = []
+    for i in range(5):
+        export_agent(tmp_path / "a", f"ag{i}", tmp_path / f"ag{i}.tar")
+        archives.append((tmp_path / f"ag{i}.tar").read_bytes())
+    budget = int(max(map(len, archives)) * 2.5)
+    async with live_server(tmp_path / "b", disk_budget=budget) as url, client(url) as http:
+        imported = []
+        for i, body in enumerate(archives):
+            r = await http.post(f"/v1/agents/ag{i}/import", content=body)
+            assert r.status_code in (201, 507), r.text
+            imported.append(r.status_code == 201)
+            assert _tree_bytes(tmp_path / "b") <= budget, (i, _tree_bytes(tmp_path / "b"), budget)
+        assert sum(imported) >= 3, imported  # older caches made room for later archives
+        r = await http.post("/v1/agents/big/import", content=b"x" * (budget + 1))
+        assert r.status_code == 507 and "disk budget" in _message(r), r.text
+        assert _tree_bytes(tmp_path / "b") <= budget
