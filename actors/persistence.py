@@ -28,6 +28,11 @@ writes those not on disk and then the manifest; histories go through
   go to the GPU actor (``CacheRead``).  An unusable cache is quarantined
   here, an unreadable history moved aside.  A history whose write failed
   is answered from the bytes waiting to be written again.
+* **Imports** (``ImportArchive``): an agent's archive is unpacked in line
+  with the writes (``actors.archive.import_agent``: checked whole, then moved
+  into place), after a prune that made room for the archive's size under the
+  disk budget, or refused (``NoRoom``) when pruning cannot; the bytes it
+  placed are counted like a write's.
 * **Shutdown**: ``Stop`` writes everything pending, then ends.  A write in
   progress is never abandoned: worker threads are not cancellable, and every
   write is a temp file renamed into place.
