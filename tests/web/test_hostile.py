@@ -76,7 +76,8 @@ async def test_json_nested_past_the_limit_is_a_400_everywhere(tmp_path):
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("refusal", ["import into an agent that exists", "wrong API key", "over the body limit"])
+@pytest.mark.parametrize("refusal", ["import into an agent that exists", "import under an invalid id", "wrong API key",
+                                     "over the body limit", "no such route"])
 async def test_an_answer_before_the_body_leaves_the_connection_usable(tmp_path, refusal):
     """The refused body is read and dropped (up to twice the body limit), so the
     keep-alive connection answers its next request; the client reads the refusal."""
@@ -87,6 +88,8 @@ async def test_an_answer_before_the_body_leaves_the_connection_usable(tmp_path, 
             assert (await http.post("/v1/agents", json={"id": "ada"})).status_code == 201
             path, status, headers, size = {
                 "import into an agent that exists": ("/v1/agents/ada/import", 409, {}, 6 << 20),
+                "import under an invalid id": ("/v1/agents/a%20b/import", 400, {}, 6 << 20),
+                "no such route": ("/v1/nothing", 404, {}, 2 << 20),
                 "wrong API key": ("/v1/messages", 401, {"x-api-key": "bad"}, 6 << 20),
                 "over the body limit": ("/v1/messages", 413, {}, 6 << 20),
             }[refusal]
@@ -129,9 +132,15 @@ from hypothesis import strategies as st  # noqa: E402
 
 _leaf = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
          | st.text(max_size=40) | st.sampled_from(["user", "assistant", "system", "tool", "text", "image", "m"]))
-_value = st.recursive(_leaf, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-    st.sampled_from(["role", "content", "type", "text", "name", "arguments", "tool_calls", "id", "input"])
-    | st.text(max_size=8), inner, max_size=4), max_leaves=12)
+_key = st.sampled_from(["role", "content", "type", "text", "name", "arguments", "tool_calls", "id", "input"]) \
+    | st.text(max_size=8)
+
+
+def _nested(inner):
+    return st.lists(inner, max_size=4) | st.dictionaries(_key, inner, max_size=4)
+
+
+_value = st.recursive(_leaf, _nested, max_leaves=12)
 _fields = st.fixed_dictionaries({}, optional={
     k: _value | st.integers(-5, 40) for k in ("model", "max_tokens", "max_output_tokens", "messages", "input",
                                               "content", "system", "tools", "tool_choice", "temperature", "top_p",
@@ -141,6 +150,12 @@ _bodies = (_fields.map(lambda d: json.dumps(d).encode())
            | st.binary(max_size=64)
            | st.integers(MAX_DEPTH - 2, 300).map(lambda n: ("[" * n + "]" * n).encode())
            | st.just(DEEP.encode()))
+
+
+_header_value = st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF, exclude_characters="\x7f"),
+                        max_size=300).map(lambda t: t.strip().encode("latin-1"))
+_headers = st.fixed_dictionaries({}, optional={name: _header_value for name in (
+    "x-agent-id", "x-claude-code-session-id", "anthropic-version", "anthropic-beta", "openai-beta")})
 
 
 @pytest.fixture(scope="module")
@@ -154,10 +169,10 @@ def running(tmp_path_factory) -> str:
 
 @settings(max_examples=150, deadline=timedelta(seconds=20), derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(path=st.sampled_from(JSON_ROUTES), body=_bodies)
-def test_generated_bodies_never_make_a_5xx(running, path, body):
+@given(path=st.sampled_from(JSON_ROUTES), body=_bodies, headers=_headers)
+def test_generated_bodies_never_make_a_5xx(running, path, body, headers):
     with httpx.Client(base_url=running, timeout=60) as http:
-        r = http.post(path, content=body, headers={"content-type": "application/json"})
+        r = http.post(path, content=body, headers={"content-type": "application/json", **headers})
         assert r.status_code < 500, (path, body[:200], r.text[:300])
         assert http.get("/health").status_code == 200
 
