@@ -51,13 +51,14 @@ from runtime.json_reader import JSONError, read_json
 from .errors import AgentExists
 from .history import parse_history
 
-__all__ = ["INDEX", "UPLOAD_PREFIX", "ArchiveError", "Summary", "agent_files", "export_agent", "import_agent"]
+__all__ = ["INDEX", "UPLOAD_PREFIX", "ArchiveError", "Summary", "agent_files", "export_agent", "import_agent",
+           "remove_abandoned"]
 
 FORMAT = "semantic-agent-archive"
 VERSION = 1
 INDEX = "semantic-archive.json"
 HISTORIES = "histories"
-UPLOAD_PREFIX = ".tmp-import-"  # <cache dir>/.tmp-import-<pid>-<hex>[.tar]: an import (or upload) under way
+UPLOAD_PREFIX = ".tmp-import-"  # <cache dir>/.tmp-import-<pid>-<hex>: an import under way; <temp dir>/...tar: an upload
 _ABANDONED_S = 3600.0  # an import's temp files older than this, or of a dead process, are removed
 _CHUNK = 1 << 20
 _ATTEMPTS = 5  # exports restarted because a running server replaced a cache meanwhile
@@ -241,7 +242,7 @@ def import_agent(root: Path, archive: Path, *, agent_id: str | None = None, repl
     on any of them ``root`` is as it was."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned(root)
+    remove_abandoned(root)
     staging = root / f"{UPLOAD_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
     staging.mkdir()
     try:
@@ -430,10 +431,12 @@ def _model_dirs(root: Path) -> list[Path]:
                   if d.is_dir() and not d.name.startswith(".") and d.name not in _NOT_MODELS)
 
 
-def _remove_abandoned(root: Path) -> None:
-    """Remove the temp files of imports that died (their process is gone, or they are old)."""
+def remove_abandoned(folder: Path) -> None:
+    """Remove the temp files of imports and uploads that died (their process is
+    gone, or they are old) from ``folder``: the cache directory, or where a
+    server receives uploads."""
     now = time.time()
-    for p in root.glob(f"{UPLOAD_PREFIX}*"):
+    for p in Path(folder).glob(f"{UPLOAD_PREFIX}*"):
         try:
             pid = int(p.name[len(UPLOAD_PREFIX):].split("-", 1)[0])
             if not pid_alive(pid) or now - p.stat().st_mtime > _ABANDONED_S:

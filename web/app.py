@@ -432,7 +432,8 @@ class _Server:
         disk budget."""
         timeout, budget = self.config.body_timeout_s, self.config.disk_budget
         folder = Path(tempfile.gettempdir())
-        path = folder / f"semantic-upload-{os.getpid()}-{secrets.token_hex(4)}.tar"
+        await anyio.to_thread.run_sync(archive.remove_abandoned, folder)  # uploads of a server that died
+        path = folder / f"{archive.UPLOAD_PREFIX}{os.getpid()}-{secrets.token_hex(4)}.tar"
         too_big = RequestError(507, f"the archive is larger than this server's disk budget, "
                                     f"{human_bytes(budget or 0)}")
         size = request.headers.get("content-length", "")

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import tarfile
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 
@@ -252,3 +253,24 @@ async def test_imports_stay_within_the_disk_budget(tmp_path):
         r = await http.post("/v1/agents/big/import", content=b"x" * (budget + 1))
         assert r.status_code == 507 and "disk budget" in _message(r), r.text
         assert _tree_bytes(tmp_path / "b") <= budget
+
+
+@pytest.mark.anyio
+async def test_uploads_go_outside_the_cache_directory_and_abandoned_ones_are_swept(tmp_path, monkeypatch):
+    """An upload is received outside the cache directory and removed after its
+    import; one left by a server that died (its pid gone) goes at the next import."""
+    uploads = tmp_path / "tmp"
+    uploads.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(uploads))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    abandoned = uploads / f".tmp-import-{int(dead.stdout)}-0000.tar"
+    abandoned.write_bytes(b"x" * 100)
+    async with live_server(tmp_path / "a") as url, client(url) as http:
+        assert (await http.post("/v1/agents", json={"id": "ada"})).status_code == 201
+        assert (await http.post("/v1/agents/ada/messages", json={"content": "Hi", "max_tokens": 2})).is_success
+    export_agent(tmp_path / "a", "ada", tmp_path / "ada.tar")
+    async with live_server(tmp_path / "b") as url, client(url) as http:
+        r = await http.post("/v1/agents/ada/import", content=(tmp_path / "ada.tar").read_bytes())
+        assert r.status_code == 201, r.text
+    assert list(uploads.iterdir()) == [], "the upload removed, the abandoned one swept"
+    assert not list((tmp_path / "b").glob(".tmp-import-*")), "nothing staged is left in the cache directory"
