@@ -14,13 +14,13 @@ from runtime import disk
 from runtime.cache_file import CacheStore, validate_agent_id
 from runtime.disk import human_bytes as _size
 from runtime.errors import SemanticError
-from runtime.paths import agents_dir
+from runtime.paths import agents_dir, usable_dir
 
 HISTORY_ONLY = "history only"
 
 
 def run(args: argparse.Namespace) -> int:
-    root = Path(args.cache_dir) if args.cache_dir else agents_dir()
+    root = usable_dir(args.cache_dir or agents_dir())
     store = CacheStore(root)
     histories = root / "histories"
     out = Console(highlight=False)

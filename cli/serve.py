@@ -95,11 +95,11 @@ def run(args: argparse.Namespace) -> int:
     import runtime  # noqa: F401  (fast BLAS before mlx)
     from runtime import disk, embedded
     from runtime.models import catalogue, resolve
-    from runtime.paths import agents_dir
+    from runtime.paths import agents_dir, usable_dir
     from web.app import ServerConfig
     from web.server import bind, run as run_server
 
-    cache_dir = args.cache_dir or agents_dir()
+    cache_dir = usable_dir(args.cache_dir or agents_dir())
     first, *more = args.model or [embedded.NAME]
     group = _join_group() if args.distributed else None
     if group is not None and group.rank() != 0:

@@ -232,6 +232,16 @@ def test_cache_ls_rm_and_prune(tmp_path):
     assert sorted(p.name for p in histories.iterdir()) == ["bo.json", "carol.json"]
 
 
+@pytest.mark.parametrize("command", [["cache", "--cache-dir", "{dir}", "ls"], ["serve", "--port", "0", "--cache-dir", "{dir}"]])
+def test_a_cache_directory_that_cannot_be_one_is_one_line(tmp_path, command):
+    (tmp_path / "a-file").write_text("")
+    for where, reason in ((tmp_path / "a-file", "a file, not a directory"),
+                          (tmp_path / "a-file" / "below", "Not a directory")):
+        out = semantic(*(a.format(dir=where) for a in command))
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert out.stderr.strip().splitlines()[-1] == f"semantic: error: cannot keep files in {where}: {reason}"
+
+
 @pytest.mark.parametrize("args, message", [
     (["--disk-budget", "0"], "argument --disk-budget: must be more than 0 bytes"),
     (["--disk-budget", "lots"], "argument --disk-budget: not a size: 'lots'"),
