@@ -244,6 +244,8 @@ def loads(text: str, source: str = "<string>") -> Scenario:
         raise ScenarioError(source, mark.line + 1 if mark else 1, "", f"invalid YAML: {e.problem or e}") from None
     except yaml.YAMLError as e:
         raise ScenarioError(source, 1, "", f"invalid YAML: {e}") from None
+    except RecursionError:  # PyYAML composes nested nodes recursively
+        raise ScenarioError(source, 1, "", "invalid YAML: nested too deeply") from None
     return _Validator(source).scenario(doc)
 
 

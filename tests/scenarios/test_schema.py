@@ -227,3 +227,8 @@ def test_judge_phase_with_payoff_matrix():
     assert s.phases[-1].judge.payoff_matrix == (("both silent", "1 year each"), ("both confess", "5 years"))
     e = error(text.replace("agents: [eve]\n    judge", "agents: [eve, bob]\n    judge"))
     assert "one agent and one round" in e.message
+
+
+def test_yaml_nested_past_what_the_parser_can_take_is_a_scenario_error():
+    with pytest.raises(ScenarioError, match="invalid YAML: nested too deeply"):
+        loads("[" * 50_000 + "]" * 50_000, "deep.yaml")
