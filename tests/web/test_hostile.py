@@ -1,7 +1,9 @@
 """Hostile input over a real socket: JSON nested past the limit, in a body or
 inside a string field or an archive, is a 400 in the route's own shape; an
-answer sent before the body has arrived leaves the connection usable; and
-generated bodies at every JSON route never make a 5xx."""
+answer sent before the body has arrived leaves the connection usable; an
+archive member no file system holds is a 400 (and one CLI line); imports
+stay within the disk budget; and generated bodies and headers at every JSON
+route never make a 5xx."""
 
 from __future__ import annotations
 
