@@ -39,6 +39,7 @@ from mlx.utils import tree_flatten
 
 from . import blas
 from .cache_file import write_atomic
+from .json_reader import read_json
 from .paths import cache_home
 
 __all__ = ["KEPT", "RowCounts", "cached", "choose", "keep", "kept", "key"]
@@ -109,8 +110,8 @@ def kept(home: Path | None = None) -> dict[str, RowCounts]:
     found = {}
     for path in sorted((home or cache_home()).joinpath("row-counts").glob("*.json")):
         try:
-            found[path.stem] = RowCounts(**{k: _tuples(v) for k, v in json.loads(path.read_text()).items()})
-        except (OSError, ValueError, TypeError) as e:
+            found[path.stem] = RowCounts(**{k: _tuples(v) for k, v in read_json(path.read_bytes(), path.name).items()})
+        except (OSError, ValueError, TypeError, AttributeError) as e:  # AttributeError: JSON, not an object
             log.warning("row counts in %s unreadable (%s): measured again when that model loads", path, e)
     return found
 

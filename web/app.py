@@ -592,12 +592,13 @@ class _Guard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        receive, send = self._draining(scope, receive, send)
+        headers = {k.lower(): v for k, v in scope["headers"]}
+        receive, send = self._draining(scope, headers, receive, send)
         path = scope["path"]
         streamed = scope["method"] == "POST" and _IMPORT_PATH.fullmatch(path)  # the route reads it, to disk
         try:
-            self._authorize(scope)
-            body = b"" if streamed else await self._body(scope, receive)
+            self._authorize(path, headers)
+            body = b"" if streamed else await self._body(headers, receive)
         except RequestError as err:
             return await _error(path, err)(scope, receive, send)
         if streamed:
@@ -613,11 +614,10 @@ class _Guard:
 
         await self.app(scope, replay, send)
 
-    def _draining(self, scope: Scope, receive: Receive, send: Send) -> tuple[Receive, Send]:
+    def _draining(self, scope: Scope, headers: dict, receive: Receive, send: Send) -> tuple[Receive, Send]:
         """``receive`` and a ``send`` that, on a response begun while the request's
         body is still coming, drain the body first or close (HTTP/1: an HTTP/2
         stream ends on its own)."""
-        headers = {k.lower(): v for k, v in scope["headers"]}
         length = headers.get(b"content-length", b"0")
         pending = (length.isdigit() and int(length) > 0) or b"transfer-encoding" in headers
         if not pending or not scope.get("http_version", "1.1").startswith("1"):
@@ -642,12 +642,10 @@ class _Guard:
 
         return receiving, sending
 
-    def _authorize(self, scope: Scope) -> None:
+    def _authorize(self, path: str, headers: dict) -> None:
         key = self.config.api_key
-        path = scope["path"]
         if key is None or path in _OPEN_PATHS or path.startswith(STATIC_PREFIX + "/"):
             return
-        headers = {k.lower(): v for k, v in scope["headers"]}
         given = headers.get(b"x-api-key", b"")
         auth = headers.get(b"authorization", b"")
         if auth[:7].lower() == b"bearer ":
@@ -655,12 +653,12 @@ class _Guard:
         if not secrets.compare_digest(given, key.encode()):
             raise RequestError(401, "invalid or missing API key: send it as 'x-api-key' or 'Authorization: Bearer'")
 
-    async def _body(self, scope: Scope, receive: Receive) -> bytes:
+    async def _body(self, headers: dict, receive: Receive) -> bytes:
         limit = self.config.max_body_bytes
         too_big = RequestError(413, f"request body is over this server's limit of {limit} bytes")
-        for k, v in scope["headers"]:
-            if k.lower() == b"content-length" and v.isdigit() and int(v) > limit:
-                raise too_big
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            raise too_big
         chunks, size = [], 0
         with anyio.move_on_after(self.config.body_timeout_s) as timer:
             while True:

@@ -50,6 +50,8 @@ def test_the_measurement_is_kept_and_read_back(tmp_path, monkeypatch):
     again = cached(engine, home=tmp_path)
     assert len(calls) == 2 and again.classes == first.classes  # (which class: by the times measured then)
     assert json.loads(kept.read_text())["counts"] == list(again.counts)
+    kept.write_text("[1, 2]")  # JSON, but not a measurement: measured again too
+    assert cached(engine, home=tmp_path).classes == first.classes and len(calls) == 3
     other = Engine(tiny_model("qwen3"), ByteTokenizer())  # another model shape: its own file
     cached(other, home=tmp_path)
     assert len(list((tmp_path / "row-counts").iterdir())) == 2
