@@ -46,6 +46,7 @@ import mlx.nn as nn
 
 from .batch_cache import (BatchQuantizedKVCache, StateCache, attention_view, cache_arrays, copy_cache,
                           make_sequence_cache)
+from . import row_plans
 from .row_counts import RowCounts, choose
 from .rowwise import rowwise
 from .sampling import Sampler, SamplingParams
@@ -305,16 +306,35 @@ class Engine:
             for seq, (new, text, reason) in zip(step.rows, results)
         ]
 
+    @property
+    def row_counts(self) -> RowCounts:
+        return self._row_counts
+
+    @row_counts.setter
+    def row_counts(self, counts: RowCounts) -> None:
+        row_plans.apply(self.model, counts.plans)
+        self._row_counts = counts
+
     def calibrate(self, max_rows: int | None = None, seed: int = 0) -> RowCounts:
         """Measure which decode row counts 1..``max_rows`` (default
-        ``decode_rows``) give a sequence the same logits, bit for bit: a probe
-        sequence through the real decode forward alone, then beside random
-        neighbours at every count and at its first, middle and last slot.
-        Returns the class ``choose`` picks, with what was measured; does not
-        change the engine (``row_counts`` does) and leaves its sequences alone."""
+        ``decode_rows``) give a sequence the same logits, bit for bit: first
+        how each weight shape's matmul takes its rows (``row_plans.measure``),
+        then, with those plans, a probe sequence through the real decode
+        forward alone and beside random neighbours at every count and at its
+        first, middle and last slot. Returns the class ``choose`` picks, with
+        what was measured; does not change the engine (``row_counts`` does) and
+        leaves its sequences alone."""
         start = time.perf_counter()
         rng = random.Random(seed)
         max_rows = max_rows or self.decode_rows
+        plans = row_plans.measure(self.model, max_rows, seed)
+        before, self.row_counts = self.row_counts, RowCounts((max_rows,), plans=plans)
+        try:
+            return self._calibrate(max_rows, rng, start)
+        finally:
+            self.row_counts = before
+
+    def _calibrate(self, max_rows: int, rng: random.Random, start: float) -> RowCounts:
         prompt = lambda n: [rng.randrange(1, 256) for _ in range(n)]  # every vocabulary has 255 ids after 0
         probe, neighbours = self._prefilled(prompt(24)), [self._prefilled(prompt(rng.randrange(1, 48)))
                                                            for _ in range(max_rows - 1)]
@@ -351,7 +371,7 @@ class Engine:
                 classes[same] += (m,)
         counts = choose(classes, ms)  # (1,) is always a class: one row sits in one place
         return RowCounts(counts, tuple(classes), tuple(round(t, 2) for t in ms),
-                         round(time.perf_counter() - start, 3))
+                         round(time.perf_counter() - start, 3), self.row_counts.plans)
 
     def cancel(self, seq_id: int, reason: str = CANCELLED) -> Delta | None:
         """Drop a sequence; its final delta says ``reason`` (``cancelled``, or

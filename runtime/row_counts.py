@@ -41,6 +41,7 @@ from . import blas
 from .cache_file import write_atomic
 from .json_reader import read_json
 from .paths import cache_home
+from .row_plans import RowPlan
 
 __all__ = ["KEPT", "RowCounts", "cached", "choose", "keep", "kept", "key"]
 
@@ -49,20 +50,23 @@ log = logging.getLogger("semantic.runtime")
 
 @dataclass(frozen=True)
 class RowCounts:
-    """The token slots a decode forward may have, ascending (``counts``), and
-    what measuring them found: ``classes`` (counts whose rows agree; a count in
-    none gave a row that depends on its position), ``ms`` (a forward's time at
-    1..max rows) and ``seconds`` (what measuring cost). ``fixed(n)``: one
-    count, not measured."""
+    """The token slots a decode forward may have, ascending (``counts``), the
+    way each weight shape's matmul takes its rows (``plans``), and what
+    measuring them found: ``classes`` (counts whose rows agree, with those
+    plans; a count in none gave a row that depends on its position), ``ms`` (a
+    forward's time at 1..max rows) and ``seconds`` (what measuring cost).
+    ``fixed(n)``: one count, not measured."""
 
     counts: tuple[int, ...]
     classes: tuple[tuple[int, ...], ...] = ()
     ms: tuple[float, ...] = ()
     seconds: float = 0.0
+    plans: tuple[RowPlan, ...] = ()  # how each weight shape's matmul takes its rows (``runtime.row_plans``)
 
     def __post_init__(self):
         if not self.counts or sorted(set(self.counts)) != list(self.counts) or self.counts[0] < 1:
             raise ValueError(f"row counts must be distinct positive counts in ascending order, not {self.counts}")
+        object.__setattr__(self, "plans", tuple(p if isinstance(p, RowPlan) else RowPlan(**p) for p in self.plans))
 
     @classmethod
     def fixed(cls, rows: int) -> "RowCounts":
@@ -156,6 +160,7 @@ def key(engine) -> str:
         "class": type(engine.model).__module__,
         "kv": [engine.kv_bits, engine.kv_group_size, engine.float_attention],
         "max_rows": engine.decode_rows,
+        "measured": "per weight shape, then the forward",  # what older servers kept was whole forwards only
         "device": str(mx.default_device()),
         "machine": machine(),
     }

@@ -151,6 +151,14 @@ def test_rows_agree_as_neighbours_come_and_go(arch, logits_by_params):
         assert not _come_and_go(model, tok, logits_by_params, counts, seed), (counts, seed)
 
 
+@pytest.mark.model
+def test_rows_agree_as_neighbours_come_and_go_smollm2(smollm2, logits_by_params):
+    """The embedded model at every count measured here: where the weight shapes
+    needed plans (SkylakeX, Cooperlake), with them."""
+    counts = measured(smollm2.model, smollm2.tokenizer)
+    assert not _come_and_go(smollm2.model, smollm2.tokenizer, logits_by_params, counts), counts
+
+
 class _RowCountDependent(nn.Module):
     """A final norm whose rows shift by a count-dependent amount in forwards of
     ``bad`` rows: a reduction whose blocking follows M, as BLAS kernels do."""

@@ -1,0 +1,231 @@
+"""How each matmul of a forward takes its rows, so that a row comes out the
+same at every row count.
+
+BLAS picks a kernel by the matmul's shape, and kernels sum in different
+orders. Under OpenBLAS's SkylakeX and Cooperlake kernels a 576x576 matmul
+computes its rows one way at M = 1-2 and another at M >= 3 (a small-matrix
+kernel, then the packed one), so a lone agent's row at M = 1 is not its row
+beside two neighbours. Padding the whole forward to the larger class costs a
+lone agent every matmul's larger kernel; a plan per weight shape costs only
+what that shape needs, one of two ways:
+
+* ``pieces``: cut the rows into pieces of at most the largest count of the
+  class that holds M = 1 (a 576x576 matmul at M = 5 runs as 2 + 2 + 1);
+* ``floor``: pad fewer rows up to the smallest count from which every count
+  agrees (a 576x1536 matmul at M = 1 runs at 2).
+
+``measure`` finds each weight shape's classes with random rows (kernels are
+picked by shape, never by the numbers), at every count 1..max and at the
+first, middle and last row, times both ways and keeps, per shape, the one
+whose worst slowdown against the exact count is least. ``apply`` installs
+plans on a model's linear layers; the engine's whole-forward calibration
+(``Engine.calibrate``) then checks the result, so a plan is never trusted
+alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+__all__ = ["RowPlan", "apply", "measure", "shape_key"]
+
+_PLANNED = (nn.Linear, nn.QuantizedLinear)  # exactly these classes: subclasses may compute otherwise
+
+
+_ALIGN = 16  # column tiles are multiples of this wide: kernels handle a ragged tail their own way
+WAYS = ("tiles", "pieces", "floor")
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How a weight shape's matmul takes 1..``upto`` rows (``way``):
+
+    * ``tiles``: more than ``rows`` rows run as column tiles, each no larger
+      than ``rows`` full rows (the small kernel's size);
+    * ``pieces``: rows in pieces of at most ``rows``;
+    * ``floor``: fewer than ``rows`` rows padded up to ``rows``.
+    """
+
+    shape: str  # ``shape_key`` of the layers it applies to
+    way: str
+    rows: int
+    upto: int
+
+    def __post_init__(self):
+        if self.way not in WAYS or not 1 <= self.rows <= self.upto:
+            raise ValueError(f"not a row plan: {self}")
+
+    def calls(self, m: int, n: int) -> list[tuple[int, int, int, int, int]]:
+        """The matmul calls for ``m`` rows of an ``n``-column output: rows
+        ``a:b`` computed as ``rows`` rows (zeros after them), columns ``c:d``."""
+        if m > self.upto or (m <= self.rows and self.way != "floor"):
+            return [(0, m, m, 0, n)]
+        if self.way == "floor":
+            return [(0, m, max(m, self.rows), 0, n)]
+        if self.way == "pieces":
+            return [(a, min(a + self.rows, m), min(self.rows, m - a), 0, n) for a in range(0, m, self.rows)]
+        width = max(_ALIGN, self.rows * n // m // _ALIGN * _ALIGN)
+        return [(0, m, m, c, min(c + width, n)) for c in range(0, n, width)]
+
+
+def shape_key(layer: nn.Module) -> str:
+    """What picks a layer's kernel: its class, weight shape and type, bias,
+    quantization."""
+    weight = layer["weight"]
+    extra = f" q{layer.bits}g{layer.group_size}" if isinstance(layer, nn.QuantizedLinear) else ""
+    return (f"{type(layer).__name__} {'x'.join(map(str, weight.shape))} {weight.dtype}"
+            f"{' bias' if 'bias' in layer else ''}{extra}".replace("mlx.core.", ""))
+
+
+def apply(model: nn.Module, plans: tuple[RowPlan, ...]) -> None:
+    """Give each linear layer of ``model`` the plan of its shape (none: it runs
+    as mlx-lm's). In place; the layer keeps its parameters and names."""
+    by_shape = {p.shape: p for p in plans}
+    for layer in _linears(model):
+        plan = by_shape.get(shape_key(layer))
+        base = _base(type(layer))
+        layer.__class__ = base if plan is None else _planned_class(base)
+        object.__setattr__(layer, "row_plan", plan)
+
+
+def measure(model: nn.Module, max_rows: int, seed: int = 0) -> tuple[RowPlan, ...]:
+    """A plan for every weight shape of ``model``'s linear layers whose rows
+    differ between counts 1..``max_rows`` (shapes whose rows all agree need
+    none): of the ways whose rows were measured to agree at every count and
+    position, the set whose matmuls together slow down least, at their worst
+    count, against running each count exactly."""
+    rng = random.Random(seed)
+    layers: dict[str, list[nn.Module]] = {}
+    for layer in _linears(model):
+        layers.setdefault(shape_key(layer), []).append(layer)
+    exact, choices = [0.0] * max_rows, []
+    for key, same in layers.items():
+        layer, x = same[0], _inputs(same[0], max_rows, rng)
+        plain = _times(layer, None, x, max_rows)
+        exact = [e + len(same) * t for e, t in zip(exact, plain)]
+        ways = [] if _agrees(layer, None, x, max_rows) else [
+            (plan, _times(layer, plan, x, max_rows)) for plan in _candidates(key, layer, x, max_rows)
+            if _agrees(layer, plan, x, max_rows)]  # none: the whole-forward calibration will see it
+        choices.append([(plan, [len(same) * t for t in ms]) for plan, ms in ways or [(None, plain)]])
+
+    def worst(chosen) -> float:
+        return max(sum(ms[m] for _, ms in chosen) / exact[m] for m in range(max_rows))
+
+    best = min(itertools.product(*choices), key=worst)
+    return tuple(plan for plan, _ in best if plan is not None)
+
+
+def _candidates(key: str, layer: nn.Module, x: mx.array, max_rows: int) -> list[RowPlan]:
+    """The ways to try, from the counts whose rows agree with one row's
+    (``small``) and the smallest count from which every count agrees."""
+    rows = {m: _rows(layer, None, x, m) for m in range(1, max_rows + 1)}
+    one = rows[1][0]
+    small = next(m for m in range(1, max_rows + 2) if m > max_rows or not _same(rows[m], one)) - 1
+    floor = next((b for b in range(2, max_rows + 1) if all(_same(rows[m], rows[b][0]) for m in range(b, max_rows + 1))),
+                 None)
+    ways = [RowPlan(key, "tiles", small, max_rows), RowPlan(key, "pieces", small, max_rows)]
+    return ways + ([RowPlan(key, "floor", floor, max_rows)] if floor else [])
+
+
+def _agrees(layer: nn.Module, plan: RowPlan | None, x: mx.array, max_rows: int) -> bool:
+    """Whether the probe's row is the same at every count and position."""
+    one = _rows(layer, plan, x, 1)[0]
+    return all(_same(_rows(layer, plan, x, m), one) for m in range(2, max_rows + 1))
+
+
+def _rows(layer: nn.Module, plan: RowPlan | None, x: mx.array, m: int) -> list[mx.array]:
+    """The probe's (``x[0]``) output row at the first, middle and last of ``m``
+    rows, the others ``x[1:]``."""
+    probe, others = x[:1], x[1:]
+    outs = [_call(layer, plan, mx.concatenate([others[:at], probe, others[at : m - 1]]))[at]
+            for at in sorted({0, m // 2, m - 1})]
+    mx.eval(outs)
+    return outs
+
+
+def _same(rows: list[mx.array], row: mx.array) -> bool:
+    return all(mx.array_equal(r, row).item() for r in rows)
+
+
+def _times(layer: nn.Module, plan: RowPlan | None, x: mx.array, max_rows: int, rounds: int = 7) -> list[float]:
+    """A call's median seconds at 1..``max_rows`` rows, rounds interleaved."""
+    seen: list[list[float]] = [[] for _ in range(max_rows)]
+    for _ in range(rounds):
+        for m in range(1, max_rows + 1):
+            rows = x[:m]
+            mx.eval(rows)
+            t0 = time.perf_counter()
+            mx.eval(_call(layer, plan, rows))
+            seen[m - 1].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in seen]
+
+
+def _inputs(layer: nn.Module, rows: int, rng: random.Random) -> mx.array:
+    """``rows`` random inputs for ``layer``, of the type its activations have."""
+    if isinstance(layer, nn.QuantizedLinear):
+        width, dtype = layer["weight"].shape[-1] * 32 // layer.bits, layer["scales"].dtype
+    else:
+        width, dtype = layer["weight"].shape[-1], layer["weight"].dtype
+    return mx.random.normal((rows, width), key=mx.random.key(rng.randrange(2**31))).astype(dtype)
+
+
+def _linears(model: nn.Module) -> list[nn.Module]:
+    return [m for _, m in model.named_modules() if type(m) in _PLANNED or isinstance(m, _Planned)]
+
+
+def _base(cls: type) -> type:
+    return cls.__mro__[2] if issubclass(cls, _Planned) else cls
+
+
+def _call(layer: nn.Module, plan: RowPlan | None, x: mx.array) -> mx.array:
+    """``layer(x)`` for rows ``x`` (m, width), its matmuls as ``plan`` says."""
+    m, width = x.shape
+    call = _base(type(layer)).__call__
+    calls = [(0, m, m, 0, None)] if plan is None else plan.calls(m, layer["weight"].shape[0])
+    outs = []
+    for a, b, rows, c, d in calls:
+        piece = x[a:b] if rows == b - a else mx.concatenate([x[a:b], mx.zeros((rows - b + a, width), x.dtype)])
+        out = call(layer, piece) if d is None or (c, d) == (0, layer["weight"].shape[0]) else _columns(layer, piece, c, d)
+        outs.append(out[: b - a])
+    if len(outs) == 1:
+        return outs[0]
+    return mx.concatenate(outs, axis=-1 if calls[0][:2] == calls[-1][:2] else 0)
+
+
+def _columns(layer: nn.Module, x: mx.array, c: int, d: int) -> mx.array:
+    """Output columns ``c:d`` of ``layer(x)``: the same call on those rows of its weight."""
+    bias = layer["bias"][c:d] if "bias" in layer else None
+    if isinstance(layer, nn.QuantizedLinear):
+        biases = layer.get("biases")
+        out = mx.quantized_matmul(x, layer["weight"][c:d], scales=layer["scales"][c:d],
+                                  biases=None if biases is None else biases[c:d], transpose=True,
+                                  group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
+        return out if bias is None else out + bias
+    weight = layer["weight"][c:d]
+    return x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
+
+
+class _Planned:
+    """Marks linear classes that ``apply`` derived."""
+
+
+@functools.cache
+def _planned_class(cls: type) -> type:
+    def __call__(self, x):
+        *lead, width = x.shape
+        m = math.prod(lead)
+        if m > self.row_plan.upto:
+            return cls.__call__(self, x)
+        out = _call(self, self.row_plan, x.reshape(m, width))
+        return out.reshape(*lead, out.shape[-1])
+
+    return type(cls.__name__, (_Planned, cls), {"__call__": __call__, "__module__": cls.__module__})

@@ -1,0 +1,98 @@
+"""Row plans: how each weight shape's matmul takes its rows so a row comes out
+the same at every count (``runtime.row_plans``). The whole forward's check is
+in test_invariance.py."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from runtime import row_counts, row_plans
+from runtime.engine import Engine
+from runtime.row_counts import RowCounts
+from runtime.row_plans import RowPlan
+from tests.runtime.test_engine import ByteTokenizer, busy_batch_equals_alone
+from tests.tiny import TINY_CONFIGS, tiny_model
+
+
+def test_a_plan_cuts_rows_or_columns_or_pads():
+    tiles = RowPlan("s", "tiles", 2, 8)
+    assert tiles.calls(2, 576) == [(0, 2, 2, 0, 576)]  # within the small class: as it is
+    assert tiles.calls(8, 576) == [(0, 8, 8, c, c + 144) for c in range(0, 576, 144)]
+    assert tiles.calls(7, 576) == [(0, 7, 7, 0, 160), (0, 7, 7, 160, 320), (0, 7, 7, 320, 480), (0, 7, 7, 480, 576)]
+    assert tiles.calls(9, 576) == [(0, 9, 9, 0, 576)]  # past ``upto``: never measured, never planned
+    assert RowPlan("s", "tiles", 1, 8).calls(8, 40) == [(0, 8, 8, 0, 16), (0, 8, 8, 16, 32), (0, 8, 8, 32, 40)]
+    assert RowPlan("s", "pieces", 2, 8).calls(5, 10) == [(0, 2, 2, 0, 10), (2, 4, 2, 0, 10), (4, 5, 1, 0, 10)]
+    assert RowPlan("s", "floor", 3, 8).calls(1, 10) == [(0, 1, 3, 0, 10)]
+    assert RowPlan("s", "floor", 3, 8).calls(5, 10) == [(0, 5, 5, 0, 10)]
+    for bad in [("s", "halves", 2, 8), ("s", "tiles", 0, 8), ("s", "floor", 9, 8)]:
+        with pytest.raises(ValueError):
+            RowPlan(*bad)
+
+
+@pytest.mark.parametrize("way", row_plans.WAYS)
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "q4"])
+def test_every_way_computes_what_the_layer_computes(quantized, way):
+    """Each way is the same matmul cut differently: equal to the layer's own
+    call within float32 rounding, for every count, on any machine. (200
+    columns: the last tile is ragged.)"""
+    layer = nn.QuantizedLinear(128, 200, bias=True, group_size=64, bits=4) if quantized else nn.Linear(128, 200)
+    x = mx.random.normal((8, 128), key=mx.random.key(0))
+    plan = RowPlan(row_plans.shape_key(layer), way, 2 if way != "floor" else 5, 8)
+    for m in range(1, 9):
+        want = layer(x[:m])
+        got = row_plans._call(layer, plan, x[:m])
+        assert got.shape == want.shape and mx.allclose(got, want, atol=1e-5, rtol=1e-5).item(), (m, way)
+
+
+def test_applied_plans_run_through_the_model_and_come_off_again():
+    model = tiny_model("qwen2")  # biases on q/k/v
+    x = mx.random.normal((1, 5, 128), key=mx.random.key(1))
+    layer = model.layers[0].self_attn.q_proj
+    want = layer(x)
+    plan = RowPlan(row_plans.shape_key(layer), "tiles", 1, 8)
+    row_plans.apply(model, (plan,))
+    assert type(layer).__name__ == "Linear" and isinstance(layer, nn.Linear) and layer.row_plan == plan
+    assert mx.allclose(layer(x), want, atol=1e-5).item()
+    assert set(dict(model.parameters()).keys()) == set(dict(tiny_model("qwen2").parameters()).keys())
+    row_plans.apply(model, ())
+    assert type(layer) is nn.Linear and layer.row_plan is None
+
+
+def test_a_shape_whose_rows_depend_on_the_count_gets_a_plan_that_makes_them_agree(monkeypatch):
+    """A linear layer whose rows shift from three rows up (as a small-matrix
+    kernel hands over to a packed one): the measurement sees it and picks a
+    way under which the probe row is the same at every count and position."""
+    call = nn.Linear.__call__
+    monkeypatch.setattr(nn.Linear, "__call__", lambda self, x: call(self, x) + (1e-3 if x.shape[0] >= 3 else 0))
+    model = tiny_model("llama")
+    plans = row_plans.measure(model, 8)
+    assert plans and all(p.upto == 8 for p in plans), plans
+    row_plans.apply(model, plans)
+    layer = model.layers[0].mlp.down_proj
+    x = mx.random.normal((8, 256), key=mx.random.key(3))
+    rows = [layer(x[:m])[0] for m in range(1, 9)]  # the probe row first, at every count
+    assert all(mx.array_equal(r, rows[0]).item() for r in rows[1:])
+
+
+def test_plans_are_kept_with_the_counts_and_read_back(tmp_path):
+    plans = (RowPlan("Linear 576x576 float32", "tiles", 2, 8), RowPlan("Linear 576x1536 float32", "floor", 2, 8))
+    counts = RowCounts((1, 2, 3), ((1, 2, 3),), (1.0, 2.0, 3.0), 0.5, plans)
+    row_counts.keep("k", counts, home=tmp_path)
+    assert row_counts.kept(tmp_path)["k"] == counts
+    (tmp_path / "row-counts" / "k.json").write_text('{"counts": [1], "plans": [{"shape": "s", "way": "halves"}]}')
+    assert "k" not in row_counts.kept(tmp_path)  # unreadable: measured again
+
+
+@pytest.mark.parametrize("arch", TINY_CONFIGS)
+def test_forwards_with_every_shape_planned_stay_invariant(arch):
+    """Plans on every linear layer (latent attention's included; MoE experts
+    are not ``nn.Linear``), in pieces of one row: replies alone and in a
+    changing batch are bitwise the same."""
+    model, tok = tiny_model(arch), ByteTokenizer()
+    shapes = {row_plans.shape_key(layer) for layer in row_plans._linears(model)}
+    counts = RowCounts(tuple(range(1, 9)), plans=tuple(RowPlan(s, "pieces", 1, 8) for s in sorted(shapes)))
+    Engine(model, tok, row_counts=counts)  # the engine installs them
+    assert all(getattr(layer, "row_plan", None) for layer in row_plans._linears(model))
+    busy_batch_equals_alone(model, tok, row_counts=counts)
