@@ -42,6 +42,8 @@ def doctor(as_json: bool) -> int:
         classes = " | ".join("-".join(map(str, (c[0], c[-1]))) if len(c) > 1 else str(c[0]) for c in rows["classes"])
         out.print(f"decode rows  {', '.join(map(str, rows['counts']))} of 1-{len(rows['ms'])} "
                   f"(rows agree within: {classes}; measured in {rows['seconds']} s)")
+        for plan in rows["plans"]:
+            out.print(f"             {plan['shape']}: {plan['way']} of {plan['rows']} row(s)")
     return 0
 
 

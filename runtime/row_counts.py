@@ -2,25 +2,19 @@
 
 A decode forward runs every decoding sequence's next token as one row of the
 projections, norms and MLP (attention runs per sequence: ``runtime.rowwise``).
-BLAS picks its kernel by the matmul's shape and kernels sum in different
+BLAS picks a kernel by the matmul's shape and kernels sum in different
 orders, so a row may come out differently at M = 3 than at M = 1 -- or not:
-it depends on the machine. Measured with SmolLM2's weight shapes under
-OpenBLAS 0.3.21 on an AVX-512 EPYC, rows agree with each other in these
-classes of M (1-16):
-
-    Sandybridge, Nehalem   1-16                       every count agrees
-    Haswell, Zen           1-12 | 16                  13-15: a row depends on its position
-    SkylakeX, Cooperlake   1 | 2 | 3-6 | 7-16
-
-So nothing is assumed: ``Engine.calibrate`` runs a probe sequence through
+it depends on the machine. ``runtime.row_plans`` first gives each weight
+shape whose rows differ a way to take them that agrees at every count; then
+nothing more is assumed: ``Engine.calibrate`` runs a probe sequence through
 the real decode forward alone and beside random neighbours at every count
 1..max and at several positions, and compares its logits bitwise. Counts
 whose rows agree form a class; the server decodes only at the counts of one
 class (``choose``), padding a forward up to the next count of the class or
 splitting the batch. Within a class a sequence's logits do not depend on how
-many neighbours it has or where it sits. The result is kept per model,
-machine and library versions (``kept``, ``keep``), so a restart does not
-measure again.
+many neighbours it has or where it sits. The result, plans included, is kept
+per model, machine and library versions (``kept``, ``keep``), so a restart
+does not measure again.
 """
 
 from __future__ import annotations

@@ -64,13 +64,17 @@ class RowPlan:
         if self.way not in WAYS or not 1 <= self.rows <= self.upto:
             raise ValueError(f"not a row plan: {self}")
 
+    def whole(self, m: int) -> bool:
+        """Whether ``m`` rows run as one call, as they are."""
+        return m > self.upto or (m >= self.rows if self.way == "floor" else m <= self.rows)
+
     def calls(self, m: int, n: int) -> list[tuple[int, int, int, int, int]]:
         """The matmul calls for ``m`` rows of an ``n``-column output: rows
         ``a:b`` computed as ``rows`` rows (zeros after them), columns ``c:d``."""
-        if m > self.upto or (m <= self.rows and self.way != "floor"):
+        if self.whole(m):
             return [(0, m, m, 0, n)]
         if self.way == "floor":
-            return [(0, m, max(m, self.rows), 0, n)]
+            return [(0, m, self.rows, 0, n)]
         if self.way == "pieces":
             return [(a, min(a + self.rows, m), min(self.rows, m - a), 0, n) for a in range(0, m, self.rows)]
         width = max(_ALIGN, self.rows * n // m // _ALIGN * _ALIGN)
@@ -190,15 +194,17 @@ def _call(layer: nn.Module, plan: RowPlan | None, x: mx.array) -> mx.array:
     """``layer(x)`` for rows ``x`` (m, width), its matmuls as ``plan`` says."""
     m, width = x.shape
     call = _base(type(layer)).__call__
-    calls = [(0, m, m, 0, None)] if plan is None else plan.calls(m, layer["weight"].shape[0])
-    outs = []
+    if plan is None or plan.whole(m):
+        return call(layer, x)
+    n, outs = layer["weight"].shape[0], []
+    calls = plan.calls(m, n)
     for a, b, rows, c, d in calls:
         piece = x[a:b] if rows == b - a else mx.concatenate([x[a:b], mx.zeros((rows - b + a, width), x.dtype)])
-        out = call(layer, piece) if d is None or (c, d) == (0, layer["weight"].shape[0]) else _columns(layer, piece, c, d)
-        outs.append(out[: b - a])
+        out = call(layer, piece) if (c, d) == (0, n) else _columns(layer, piece, c, d)
+        outs.append(out if rows == b - a else out[: b - a])
     if len(outs) == 1:
         return outs[0]
-    return mx.concatenate(outs, axis=-1 if calls[0][:2] == calls[-1][:2] else 0)
+    return mx.concatenate(outs, axis=-1 if plan.way == "tiles" else 0)
 
 
 def _columns(layer: nn.Module, x: mx.array, c: int, d: int) -> mx.array:
@@ -223,7 +229,7 @@ def _planned_class(cls: type) -> type:
     def __call__(self, x):
         *lead, width = x.shape
         m = math.prod(lead)
-        if m > self.row_plan.upto:
+        if self.row_plan.whole(m):
             return cls.__call__(self, x)
         out = _call(self, self.row_plan, x.reshape(m, width))
         return out.reshape(*lead, out.shape[-1])
