@@ -84,7 +84,10 @@ def peer(loaded, ctxs, batch_sizes, steps, repeats) -> dict:
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+    from runtime import row_plans
+
     model = loaded.model
+    row_plans.apply(model, ())  # mlx-lm's own layers, not the row plans ``ours`` installed
     prefilled = []
     for ctx in ctxs:
         cache = make_prompt_cache(model)

@@ -42,8 +42,10 @@ def doctor(as_json: bool) -> int:
         classes = " | ".join("-".join(map(str, (c[0], c[-1]))) if len(c) > 1 else str(c[0]) for c in rows["classes"])
         out.print(f"decode rows  {', '.join(map(str, rows['counts']))} of 1-{len(rows['ms'])} "
                   f"(rows agree within: {classes}; measured in {rows['seconds']} s)")
-        for plan in rows["plans"]:
-            out.print(f"             {plan['shape']}: {plan['way']} of {plan['rows']} row(s)")
+        ways = {"tiles": "column tiles, each no larger than {} row(s)", "pieces": "pieces of at most {} row(s)",
+                "floor": "padded to at least {} rows"}
+        for plan in rows["plans"]:  # how a weight shape's matmul takes its rows (``runtime.row_plans``)
+            out.print(f"             {plan['shape']}: {ways[plan['way']].format(plan['rows'])}")
     return 0
 
 

@@ -298,6 +298,7 @@ async def test_operations_routes(tmp_path):
         assert disk["bytes"] == health["memory"]["disk_bytes"] > 0 and disk["free_bytes"] > 0
         rows = health["row_counts"]  # measured at load: one class of the counts 1..8, with a time for each
         assert tuple(rows["counts"]) in map(tuple, rows["classes"]) and len(rows["ms"]) == 8, rows
+        assert all(p.keys() == {"shape", "way", "rows", "upto"} and p["upto"] == 8 for p in rows["plans"]), rows
         models = (await http.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["tiny"]
         text = (await http.get("/metrics")).text
