@@ -60,7 +60,6 @@ class RowCounts:
     def __post_init__(self):
         if not self.counts or sorted(set(self.counts)) != list(self.counts) or self.counts[0] < 1:
             raise ValueError(f"row counts must be distinct positive counts in ascending order, not {self.counts}")
-        object.__setattr__(self, "plans", tuple(p if isinstance(p, RowPlan) else RowPlan(**p) for p in self.plans))
 
     @classmethod
     def fixed(cls, rows: int) -> "RowCounts":
@@ -108,7 +107,9 @@ def kept(home: Path | None = None) -> dict[str, RowCounts]:
     found = {}
     for path in sorted((home or cache_home()).joinpath("row-counts").glob("*.json")):
         try:
-            found[path.stem] = RowCounts(**{k: _tuples(v) for k, v in read_json(path.read_bytes(), path.name).items()})
+            fields = {k: _tuples(v) for k, v in read_json(path.read_bytes(), path.name).items()}
+            plans = tuple(RowPlan(**p) for p in fields.pop("plans", ()))
+            found[path.stem] = RowCounts(**fields, plans=plans)
         except (OSError, ValueError, TypeError, AttributeError) as e:  # AttributeError: JSON, not an object
             log.warning("row counts in %s unreadable (%s): measured again when that model loads", path, e)
     return found

@@ -7,8 +7,11 @@ computes its rows one way at M = 1-2 and another at M >= 3 (a small-matrix
 kernel, then the packed one), so a lone agent's row at M = 1 is not its row
 beside two neighbours. Padding the whole forward to the larger class costs a
 lone agent every matmul's larger kernel; a plan per weight shape costs only
-what that shape needs, one of two ways:
+what that shape needs, one of three ways:
 
+* ``tiles``: more rows than the small class holds run as column tiles (16
+  columns wide or a multiple), each within the small kernel's size (a
+  576x576 matmul at M = 8 runs as four 8x144 tiles, reading the weight once);
 * ``pieces``: cut the rows into pieces of at most the largest count of the
   class that holds M = 1 (a 576x576 matmul at M = 5 runs as 2 + 2 + 1);
 * ``floor``: pad fewer rows up to the smallest count from which every count
@@ -16,9 +19,10 @@ what that shape needs, one of two ways:
 
 ``measure`` finds each weight shape's classes with random rows (kernels are
 picked by shape, never by the numbers), at every count 1..max and at the
-first, middle and last row, times both ways and keeps, per shape, the one
-whose worst slowdown against the exact count is least. ``apply`` installs
-plans on a model's linear layers; the engine's whole-forward calibration
+first, middle and last row, keeps the ways under which the probe row then
+agrees at every count, times them, and picks the set of ways whose matmuls
+together slow down least at their worst count. ``apply`` installs plans on a
+model's linear layers; the engine's whole-forward calibration
 (``Engine.calibrate``) then checks the result, so a plan is never trusted
 alone.
 """
@@ -36,11 +40,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["RowPlan", "apply", "measure", "shape_key"]
+__all__ = ["WAYS", "RowPlan", "apply", "measure", "shape_key"]
 
 _PLANNED = (nn.Linear, nn.QuantizedLinear)  # exactly these classes: subclasses may compute otherwise
-
-
 _ALIGN = 16  # column tiles are multiples of this wide: kernels handle a ragged tail their own way
 WAYS = ("tiles", "pieces", "floor")
 
@@ -116,9 +118,10 @@ def measure(model: nn.Module, max_rows: int, seed: int = 0) -> tuple[RowPlan, ..
         layer, x = same[0], _inputs(same[0], max_rows, rng)
         plain = _times(layer, None, x, max_rows)
         exact = [e + len(same) * t for e, t in zip(exact, plain)]
-        ways = [] if _agrees(layer, None, x, max_rows) else [
-            (plan, _times(layer, plan, x, max_rows)) for plan in _candidates(key, layer, x, max_rows)
-            if _agrees(layer, plan, x, max_rows)]  # none: the whole-forward calibration will see it
+        rows = {m: _rows(layer, None, x, m) for m in range(1, max_rows + 1)}
+        ways = [] if _agree(rows) else [
+            (plan, _times(layer, plan, x, max_rows)) for plan in _candidates(key, rows)
+            if _agree({m: _rows(layer, plan, x, m) for m in rows})]  # none: the whole-forward calibration sees it
         choices.append([(plan, [len(same) * t for t in ms]) for plan, ms in ways or [(None, plain)]])
 
     def worst(chosen) -> float:
@@ -128,11 +131,11 @@ def measure(model: nn.Module, max_rows: int, seed: int = 0) -> tuple[RowPlan, ..
     return tuple(plan for plan, _ in best if plan is not None)
 
 
-def _candidates(key: str, layer: nn.Module, x: mx.array, max_rows: int) -> list[RowPlan]:
-    """The ways to try, from the counts whose rows agree with one row's
-    (``small``) and the smallest count from which every count agrees."""
-    rows = {m: _rows(layer, None, x, m) for m in range(1, max_rows + 1)}
-    one = rows[1][0]
+def _candidates(key: str, rows: dict[int, list[mx.array]]) -> list[RowPlan]:
+    """The ways to try, from the probe's ``rows`` at each count: the counts
+    that agree with one row (``small``) and the smallest count from which
+    every count agrees."""
+    max_rows, one = len(rows), rows[1][0]
     small = next(m for m in range(1, max_rows + 2) if m > max_rows or not _same(rows[m], one)) - 1
     floor = next((b for b in range(2, max_rows + 1) if all(_same(rows[m], rows[b][0]) for m in range(b, max_rows + 1))),
                  None)
@@ -140,10 +143,9 @@ def _candidates(key: str, layer: nn.Module, x: mx.array, max_rows: int) -> list[
     return ways + ([RowPlan(key, "floor", floor, max_rows)] if floor else [])
 
 
-def _agrees(layer: nn.Module, plan: RowPlan | None, x: mx.array, max_rows: int) -> bool:
-    """Whether the probe's row is the same at every count and position."""
-    one = _rows(layer, plan, x, 1)[0]
-    return all(_same(_rows(layer, plan, x, m), one) for m in range(2, max_rows + 1))
+def _agree(rows: dict[int, list[mx.array]]) -> bool:
+    """Whether the probe's row (``_rows`` at each count) is the same at every count and position."""
+    return all(_same(seen, rows[1][0]) for seen in rows.values())
 
 
 def _rows(layer: nn.Module, plan: RowPlan | None, x: mx.array, m: int) -> list[mx.array]:
