@@ -426,8 +426,7 @@ class BatchQuantizedKVCache:
         self.caches = list(caches)
         # Every sequence attends over a float working copy: ``attend_new`` serves this layer.
         self.in_float = all(isinstance(c, DequantizingKVCache) for c in self.caches)
-        self._rows: Optional[tuple[mx.array, ...]] = None  # keys' then values' Q4 triples, (slots, H, ROWS, ...)
-        self._held = 0  # steps held in ``_rows``
+        self._rows: list[tuple[mx.array, ...]] = []  # a held step's keys' then values' Q4 triples, (slots, H, 1, ...)
 
     def make_mask(self, *args, **kwargs):
         return None
@@ -437,54 +436,53 @@ class BatchQuantizedKVCache:
         H, 1, D)), add each sequence's to its working copy and hold the Q4 rows
         for its record; return what each sequence attends over.
 
-        One quantization and six row writes a layer and step for the whole
-        forward, where writing each record costs a dozen MLX ops a sequence;
-        the records get ``ROWS`` steps at once (``flush``). Quantization is per
-        group of a row, so a row's Q4 codes do not depend on the other slots.
+        One quantization a layer and step for the whole forward, kept as it
+        comes out (no write), where writing each record costs a dozen MLX ops a
+        sequence; the records get up to ``ROWS`` steps at once (``flush``).
+        Quantization is per group of a row, so a row's Q4 codes do not depend
+        on the other slots.
         """
-        assert self._held < self.ROWS, "a full batch is flushed before its next step (Engine._launch)"
+        assert not self.full, "a full batch is flushed before its next step (Engine._launch)"
         c = self.caches[0].quantized
         *qk, new_k = _quantize_unpack(keys, c.group_size, c.bits)
         *qv, new_v = _quantize_unpack(values, c.group_size, c.bits)
-        if self._rows is None:
-            self._rows = tuple(mx.zeros((*t.shape[:2], self.ROWS, t.shape[3]), t.dtype) for t in (*qk, *qv))
-        for rows, new in zip(self._rows, (*qk, *qv)):
-            rows[:, :, self._held : self._held + 1, :] = new
-        self._held += 1
-        return [c.attend_new(new_k[i : i + 1], new_v[i : i + 1]) for i, c in enumerate(self.caches)]
+        self._rows.append((*qk, *qv))
+        slots = keys.shape[0]
+        return [c.attend_new(k, v) for c, k, v in zip(self.caches, mx.split(new_k, slots), mx.split(new_v, slots))]
 
     @property
     def held(self) -> int:
         """Steps whose Q4 rows wait here for the records."""
-        return self._held
+        return len(self._rows)
 
     @property
     def full(self) -> bool:
-        return self._held == self.ROWS
+        return self.held == self.ROWS
 
     def drop_last(self) -> None:
         """Forget the last step's rows: its sequences' working copies drop its token too
         (a decode step computed ahead and then dropped, ``runtime.engine``)."""
-        assert self._held, "no step held to drop"
-        self._held -= 1
+        assert self._rows, "no step held to drop"
+        self._rows.pop()
         for c in self.caches:
             c.unwritten -= 1
 
     def flush(self) -> None:
         """Write the held Q4 rows to each sequence's record (before anyone reads
         a record, and when ``ROWS`` steps are held)."""
-        if not self._held:
+        if not self._rows:
             return
+        steps = [mx.concatenate(parts, axis=2) for parts in zip(*self._rows)]
         for i, c in enumerate(self.caches):
-            held = tuple(t[i : i + 1, :, : self._held, :] for t in self._rows)
+            held = tuple(t[i : i + 1] for t in steps)
             c.quantized.append(held[:3], held[3:])
-            c.unwritten -= self._held
-        self._held = 0
+            c.unwritten -= self.held
+        self._rows = []
 
     @property
     def arrays(self) -> list:
         """What a step evaluates besides the sequences' caches, so graphs never grow."""
-        return list(self._rows or ())
+        return [t for step in self._rows for t in step]
 
 
 # Per-model helpers: lists of per-layer caches, in layer order.

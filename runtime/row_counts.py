@@ -155,7 +155,7 @@ def key(engine) -> str:
         "class": type(engine.model).__module__,
         "kv": [engine.kv_bits, engine.kv_group_size, engine.float_attention],
         "max_rows": engine.decode_rows,
-        "measured": "per weight shape, then the forward",  # what older servers kept was whole forwards only
+        "measured": "per weight shape, then the forward; CPU attention (runtime.attention)",  # older: other forwards
         "device": str(mx.default_device()),
         "machine": machine(),
     }

@@ -23,7 +23,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from .batch_cache import BatchQuantizedKVCache
+from .attention import attend, attend_each
+from .batch_cache import BatchQuantizedKVCache, DequantizingKVCache, WindowKVCache
 
 __all__ = ["rowwise"]
 
@@ -72,6 +73,8 @@ def _rowwise_class(cls: type) -> type:
 
     def __call__(self, x, mask=None, cache=None):
         if not isinstance(cache, BatchQuantizedKVCache):
+            if standard and _in_float(self, x, [cache]):  # a prefill chunk on the CPU
+                return _chunk(self, x, mask, cache)
             return cls.__call__(self, x, mask, cache)
         if len(cache.caches) > x.shape[1]:
             raise ValueError(f"{len(cache.caches)} sequences in a forward of {x.shape[1]} slots")
@@ -92,29 +95,61 @@ def _per_sequence(attention: Callable, x: mx.array, batch: BatchQuantizedKVCache
 def _standard(attn: nn.Module, x: mx.array, batch: BatchQuantizedKVCache) -> mx.array:
     """A standard-layout attention module over every slot: the slots become the
     batch (slots, heads, 1, head_dim) for everything but the cache write and the
-    SDPA, which run per sequence."""
+    attention, which run per sequence."""
     _, slots, _ = x.shape
-    heads = getattr(attn, "n_heads", None) or attn.num_attention_heads
-    kv_heads = getattr(attn, "n_kv_heads", None) or attn.num_key_value_heads
-    q = attn.q_proj(x).reshape(slots, 1, heads, -1)
-    k = attn.k_proj(x).reshape(slots, 1, kv_heads, -1)
-    v = attn.v_proj(x).reshape(slots, 1, kv_heads, -1)
-    if "q_norm" in attn:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
     caches = batch.caches
     offset = mx.array([c.offset for c in caches] + [0] * (slots - len(caches)))
-    q, k = attn.rope(q, offset=offset), attn.rope(k, offset=offset)
-    scale = getattr(attn, "scale", None) or attn.sm_scale
-    sinks = attn.get("sinks")
-    if batch.in_float:  # the CPU: one quantization for every slot, records written every few steps
+    q, k, v = _project(attn, x, (slots, 1), offset)
+    scale = _scale(attn)
+    if batch.in_float:  # working copies: one quantization for every slot (``attend_new``)
         fetched = batch.attend_new(k, v)
     else:
         fetched = [c.update_and_fetch(k[i : i + 1], v[i : i + 1]) for i, c in enumerate(caches)]
-    outs = [scaled_dot_product_attention(q[i : i + 1], keys, values, c, scale=scale, mask=_mask(c), sinks=sinks)
-            for i, (c, (keys, values)) in enumerate(zip(caches, fetched))]
-    out = _pad_slots(mx.concatenate(outs), slots, axis=0)  # (slots, heads, 1, head_dim)
+    if _in_float(attn, x, caches):
+        out = attend_each(q[: len(caches)], fetched, scale)
+    else:
+        out = mx.concatenate([
+            scaled_dot_product_attention(q[i : i + 1], keys, values, c, scale=scale, mask=_mask(c),
+                                         sinks=attn.get("sinks"))
+            for i, (c, (keys, values)) in enumerate(zip(caches, fetched))])
+    out = _pad_slots(out, slots, axis=0)  # (slots, heads, 1, head_dim)
     return attn.o_proj(out.transpose(2, 0, 1, 3).reshape(1, slots, -1))
+
+
+def _chunk(attn: nn.Module, x: mx.array, mask, cache) -> mx.array:
+    """A standard-layout attention module over one sequence's tokens ``x`` (1,
+    S, D), as mlx-lm's own call but for the attention (``runtime.attention``)."""
+    _, S, _ = x.shape
+    q, k, v = _project(attn, x, (1, S), cache.offset)
+    keys, values = cache.update_and_fetch(k, v)
+    out = attend(q, keys, values, _scale(attn), mask)
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, S, -1))
+
+
+def _project(attn: nn.Module, x: mx.array, shape: tuple[int, int], offset) -> tuple[mx.array, mx.array, mx.array]:
+    """Queries, keys and values of ``x`` seen as ``shape`` (sequences, tokens):
+    each (sequences, heads, tokens, head_dim), normed and rotated from ``offset``."""
+    heads = getattr(attn, "n_heads", None) or attn.num_attention_heads
+    kv_heads = getattr(attn, "n_kv_heads", None) or attn.num_key_value_heads
+    q = attn.q_proj(x).reshape(*shape, heads, -1)
+    k = attn.k_proj(x).reshape(*shape, kv_heads, -1)
+    v = attn.v_proj(x).reshape(*shape, kv_heads, -1)
+    if "q_norm" in attn:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+    return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
+
+
+def _scale(attn: nn.Module) -> float:
+    return getattr(attn, "scale", None) or attn.sm_scale
+
+
+def _in_float(attn: nn.Module, x: mx.array, caches) -> bool:
+    """Whether ``runtime.attention`` serves these caches: float32 keys and
+    values (a working copy, a window) on the CPU, where MLX's own softmax is
+    slow, and no attention sinks."""
+    return (mx.default_device() == mx.cpu and x.dtype == mx.float32 and attn.get("sinks") is None
+            and all(isinstance(c, (DequantizingKVCache, WindowKVCache)) for c in caches))
 
 
 def _mask(cache):

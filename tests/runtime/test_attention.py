@@ -1,0 +1,90 @@
+"""The CPU attention (``runtime.attention``): its 2**y against float64, its
+attention against MLX's own SDPA within float tolerance, each sequence of a
+decode step bitwise as alone, and the models' prefill and decode taking it."""
+
+import runtime  # noqa: F401  (fast BLAS before mlx)
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.base import create_causal_mask
+
+from runtime import attention
+from runtime.attention import attend, attend_each, exp2
+from runtime.batch_cache import BatchQuantizedKVCache, attention_view, make_sequence_cache
+from runtime.rowwise import rowwise
+from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
+
+SDPA_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+
+def test_exp2_is_within_three_tenths_of_a_millionth():
+    y = np.concatenate([np.linspace(-126, 0, 400_001), -np.logspace(-12, 0, 1001), [0.0, -0.5, 0.5 - 1]])
+    got = np.array(exp2(mx.array(y.astype(np.float32)))).astype(np.float64)
+    want = 2.0 ** y.astype(np.float32).astype(np.float64)
+    assert np.max(np.abs(got - want) / want) < 3e-7
+    below = np.array(exp2(mx.array([-127.0, -300.0, -np.inf], mx.float32)))
+    assert np.all((below >= 0) & (below <= 2.0**-125))  # negligible beside a softmax row's 1
+
+
+def _qkv(heads: int, kv_heads: int, S: int, L: int, seed: int):
+    q, k, v = (mx.random.normal(s, key=mx.random.key(seed + i)) for i, s in
+               enumerate(((1, heads, S, 64), (1, kv_heads, L, 64), (1, kv_heads, L, 64))))
+    return q * 2, k * 2, v
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4), (2, 1)])
+@pytest.mark.parametrize("S, L", [(1, 1), (1, 300), (17, 17), (40, 333), (128, 1100)])
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "additive"])
+def test_attend_computes_what_mlx_sdpa_computes(heads, kv_heads, S, L, mask):
+    q, k, v = _qkv(heads, kv_heads, S, L, seed=S + L)
+    given = {"none": None, "causal": "causal" if S > 1 else None,
+             "window": create_causal_mask(S, L - S, window_size=24),
+             "additive": mx.random.uniform(-3, 0, (S, L), key=mx.random.key(1))}[mask]
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=given)
+    got = attend(q, k, v, 0.125, given)
+    assert got.shape == want.shape and mx.allclose(got, want, **SDPA_TOLERANCE).item()
+
+
+def test_each_sequence_of_a_step_is_bitwise_as_alone():
+    """attend_each shares one exp over every sequence's scores: a sequence's
+    output does not depend on who else is in the step, nor where it sits."""
+    rng = random.Random(0)
+    lengths = [1, 63, 64, 65, 300, 1025, 7]
+    fetched = [_qkv(9, 3, 1, n, seed=10 * i)[1:] for i, n in enumerate(lengths)]
+    queries = mx.random.normal((len(lengths), 9, 1, 64), key=mx.random.key(99))
+    alone = [attend_each(queries[i : i + 1], [fetched[i]], 0.125) for i in range(len(lengths))]
+    for _ in range(6):
+        members = rng.sample(range(len(lengths)), rng.randrange(2, len(lengths) + 1))
+        together = attend_each(queries[mx.array(members)], [fetched[i] for i in members], 0.125)
+        for at, i in enumerate(members):
+            assert mx.array_equal(together[at : at + 1], alone[i]).item(), (members, i)
+    for i, (k, v) in enumerate(fetched):
+        want = mx.fast.scaled_dot_product_attention(queries[i : i + 1], k, v, scale=0.125)
+        assert mx.allclose(alone[i], want, **SDPA_TOLERANCE).item()
+
+
+@pytest.mark.parametrize("arch", [a for a in TINY_CONFIGS if a in ("llama", "qwen2", "qwen3", "gemma3_text")])
+def test_models_prefill_and_decode_through_it_on_the_cpu(arch, monkeypatch):
+    """A standard-layout model made ``rowwise`` takes ``runtime.attention`` for a
+    prefill chunk and for a decode step over its float working copies, and
+    computes what mlx-lm's own attention computes, within float tolerance."""
+    plain = tiny_model(arch)
+    prompt = mx.array([[random.Random(1).randrange(1, VOCAB) for _ in range(40)]])
+    view = attention_view(make_sequence_cache(plain), True)
+    want = plain(prompt, cache=view)  # mlx-lm's own attention: not rowwise yet
+    want_next = plain(mx.array([[5]]), cache=view)
+
+    calls = []
+    for name in ("attend", "attend_each"):
+        monkeypatch.setattr(f"runtime.rowwise.{name}", (lambda f: lambda *a: calls.append(f.__name__) or f(*a))(
+            getattr(attention, name)))
+    model = rowwise(plain)
+    view = attention_view(make_sequence_cache(model), True)
+    got = model(prompt, cache=view)
+    got_next = model(mx.array([[5]]), cache=[BatchQuantizedKVCache([c]) for c in view])
+    assert mx.allclose(got, want, atol=1e-4).item() and mx.allclose(got_next, want_next, atol=1e-4).item()
+    layers = sum("self_attn" in layer for layer in model.layers)
+    assert calls == ["attend"] * layers + ["attend_each"] * layers
