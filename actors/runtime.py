@@ -125,6 +125,7 @@ class Runtime:
         prefill_chunk: int = 256,
         kv_bits: int = 4,
         decode_rows: int = DECODE_ROWS,
+        batch_prefill: bool = True,
         eviction_watermarks: tuple[float, float] = (0.9, 0.75),
         disk_budget: int | None = None,
         conversation_ttl_s: float | None = None,
@@ -151,7 +152,9 @@ class Runtime:
         ``decode_rows``: the most token slots of a decode forward; more decoding
         agents take more forwards.  Which counts up to it give a sequence the
         same logits is measured when a model loads (``row_counts``), and
-        forwards use only those.  ``eviction_watermarks``:
+        forwards use only those.  ``batch_prefill``: several agents' prompt
+        chunks share a forward (up to twice ``prefill_chunk`` tokens) where
+        that measurement found it leaves every chunk as alone.  ``eviction_watermarks``:
         (high, low) fractions of the budget for the eviction actor.
         ``disk_budget``: bytes the cache directory may hold; the least recently
         written cache files are removed to stay within it (None: no cap).
@@ -182,7 +185,8 @@ class Runtime:
                                        conversation_ttl_s=conversation_ttl_s, prune_interval_s=prune_interval_s)
         eviction = EvictionActor(*eviction_watermarks)
         gpu = GpuActor(next(iter(catalogue)), store, budget, persistence.mailbox, eviction.mailbox,
-                       engine_options=_engine_options(prefill_chunk, kv_bits, decode_rows), model_idle_s=model_idle_s,
+                       engine_options=_engine_options(prefill_chunk, kv_bits, decode_rows, batch_prefill),
+                       model_idle_s=model_idle_s,
                        catalogue=catalogue, group=group, rank_timeout_s=rank_timeout_s, row_counts=measured)
         persistence.gpu = eviction.gpu = gpu
         try:
@@ -787,5 +791,5 @@ class Reply:
         self._events.close()
 
 
-def _engine_options(prefill_chunk: int, kv_bits: int, decode_rows: int) -> dict:
-    return {"max_chunk": prefill_chunk, "kv_bits": kv_bits, "decode_rows": decode_rows}
+def _engine_options(prefill_chunk: int, kv_bits: int, decode_rows: int, batch_prefill: bool = True) -> dict:
+    return {"max_chunk": prefill_chunk, "kv_bits": kv_bits, "decode_rows": decode_rows, "batch_prefill": batch_prefill}

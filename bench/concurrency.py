@@ -9,6 +9,9 @@
   B's time to first token from its send, with the runtime batching both;
   ``sequential_b_ttft_ms``: the same when turns run one after another (B's turn
   starts when A's ends; timed from the same moment B arrived).
+* **together** -- 4 fresh agents send at once, on a runtime that prefills
+  their prompts one chunk a forward and on one that batches chunks
+  (``Runtime.open(batch_prefill=...)``): median and last TTFT, system tok/s.
 * **loop lateness** -- while the 8 agents run, a task on the event loop sleeps
   5 ms at a time and records how late it wakes (p50 / p99 / max, ms): the loop
   never waits on MLX.
@@ -34,6 +37,7 @@ TEXT = Path(__file__).parent / "data" / "lighthouses.txt"
 ASK = "Retell the text above in detail, paragraph by paragraph."
 SYSTEM = "You are a careful reader."
 SIZES = (1, 2, 4, 8)
+TOGETHER = 4  # agents arriving together, with their prefills batched and not
 PING_S = 0.005
 
 
@@ -96,6 +100,7 @@ async def scaling_round(rt, tokenizer, n: int, context: int, tokens: int, tag: s
         "system_tps": sum(r["tokens"] for r in runs) / (end - start),
         "per_stream_tps": statistics.median(decode_rate(r["tokens"], r["last"] - r["first"]) or 0.0 for r in runs),
         "ttft_ms": statistics.median((r["first"] - start) * 1000 for r in runs),
+        "last_ttft_ms": max((r["first"] - start) * 1000 for r in runs),
         "prompt_tokens": statistics.median(r["prompt"] for r in runs),
         "tokens": sum(r["tokens"] for r in runs),
     }
@@ -153,6 +158,18 @@ async def measure(model, sizes, context: int, tokens: int, repeats: int, delay: 
                 sequential.append(s["sequential"])
                 log(f"round {r + 1}/{repeats}, staggered B TTFT: {s['staggered']:.0f} ms batched, "
                     f"{s['sequential']:.0f} ms one after another")
+        together = {}
+        for batched in (False, True):  # 4 agents arriving together: their prompt chunks one by one, then batched
+            async with Runtime.open(model, cache_dir=Path(root) / f"together-{batched}", budget=2 << 30,
+                                    batch_prefill=batched) as rt:
+                await (await rt.agent("warm-up", system=SYSTEM)).reply("Say hello.", max_tokens=4)
+                rows = [await scaling_round(rt, model.tokenizer, TOGETHER, context, tokens, f"t{r}", None)
+                        for r in range(repeats)]
+            together["batched" if batched else "one_by_one"] = {
+                key: round(statistics.median(row[key] for row in rows), 1)
+                for key in ("ttft_ms", "last_ttft_ms", "system_tps")}
+            log(f"{TOGETHER} agents together, prefill {'batched' if batched else 'one by one'}: "
+                f"{together['batched' if batched else 'one_by_one']}")
     med = statistics.median
     late_ms = sorted(x * 1000 for x in late)
     pick = (lambda key: {n: round(med(row[key] for row in scaling[n]), 2) for n in sizes})
@@ -174,6 +191,7 @@ async def measure(model, sizes, context: int, tokens: int, repeats: int, delay: 
         "loop_lateness_p99_ms": round(late_ms[min(len(late_ms) - 1, int(len(late_ms) * 0.99))], 2),
         "loop_lateness_max_ms": round(late_ms[-1], 2),
         "loop_pings": len(late_ms),
+        "together": together,
     }
 
 
@@ -207,6 +225,9 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"system throughput, 4 agents / 1 agent: {result['scaling_4_vs_1']}x")
     console.print(f"staggered arrivals (B 1 s after A): B's TTFT {result['staggered_b_ttft_ms']:.0f} ms batched, "
                   f"{result['sequential_b_ttft_ms']:.0f} ms one after another ({result['staggered_speedup']}x)")
+    for mode, row in result["together"].items():
+        console.print(f"{TOGETHER} agents arriving together, prefill {mode.replace('_', ' ')}: TTFT median "
+                      f"{row['ttft_ms']:.0f} ms, last {row['last_ttft_ms']:.0f} ms, {row['system_tps']:.1f} tok/s")
     console.print(f"event-loop lateness under 8 agents: p50 {result['loop_lateness_p50_ms']} ms, "
                   f"p99 {result['loop_lateness_p99_ms']} ms, max {result['loop_lateness_max_ms']} ms")
     return 0

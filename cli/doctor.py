@@ -46,6 +46,9 @@ def doctor(as_json: bool) -> int:
                 "floor": "padded to at least {} rows"}
         for plan in rows["plans"]:  # how a weight shape's matmul takes its rows (``runtime.row_plans``)
             out.print(f"             {plan['shape']}: {ways[plan['way']].format(plan['rows'])}")
+        batched = rows.get("prefill_from")
+        out.print("prefill      " + ("one agent's prompt chunk a forward" if batched is None else
+                                     f"agents' prompt chunks of {batched}+ tokens share forwards"))
     return 0
 
 

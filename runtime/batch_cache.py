@@ -50,6 +50,8 @@ promote the attention output, and so the whole model, to float32).
 from __future__ import annotations
 
 import copy
+import itertools
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -70,6 +72,8 @@ from .model_spec import STATE_CHECKPOINTS, WINDOW_SPARE, ModelCacheSpec
 
 __all__ = [
     "BatchQuantizedKVCache",
+    "ChunkMasks",
+    "PrefillBatch",
     "DequantizingKVCache",
     "SequenceQuantizedKVCache",
     "StateCache",
@@ -483,6 +487,38 @@ class BatchQuantizedKVCache:
     def arrays(self) -> list:
         """What a step evaluates besides the sequences' caches, so graphs never grow."""
         return [t for step in self._rows for t in step]
+
+
+@dataclass(frozen=True)
+class ChunkMasks:
+    """What a model asked a ``PrefillBatch`` for (``make_mask``'s keyword
+    arguments): each chunk's attention gets its own cache's mask, asked as the
+    model asks when the chunk runs alone."""
+
+    kwargs: dict
+
+    def of(self, cache, rows: int):
+        return cache.make_mask(rows, **self.kwargs)
+
+
+class PrefillBatch:
+    """One layer's caches of the sequences whose prompt chunks run together in a
+    forward: the forward's token rows are sequence 0's chunk (``lengths[0]``
+    rows), then sequence 1's, and so on. Attention modules made
+    ``runtime.rowwise.rowwise`` attend per chunk over its own cache, as when
+    the chunk runs alone; everything else runs over all rows at once."""
+
+    def __init__(self, caches: Sequence, lengths: Sequence[int]):
+        if not caches or len(caches) != len(lengths) or min(lengths) < 1:
+            raise ValueError("a prefill batch needs one chunk of at least one token per cache")
+        self.caches, self.lengths = list(caches), list(lengths)
+
+    def make_mask(self, N: int, **kwargs) -> "ChunkMasks":
+        return ChunkMasks(kwargs)
+
+    def chunks(self, x: mx.array, axis: int) -> list[mx.array]:
+        """``x`` cut along ``axis`` (its token rows) into the chunks."""
+        return mx.split(x, list(itertools.accumulate(self.lengths[:-1])), axis=axis) if len(self.lengths) > 1 else [x]
 
 
 # Per-model helpers: lists of per-layer caches, in layer order.

@@ -5,8 +5,9 @@ The GPU actor drives it step by step and is its only caller (one thread):
 
 * ``add`` queues a sequence: its prompt tokens and, optionally, an existing
   per-sequence Q4 cache that covers a prefix of them;
-* ``prefill_step`` runs one chunk of one pending prefill (round-robin, so a
-  long prompt cannot starve short ones); a sequence whose prefill completes
+* ``prefill_step`` runs the next pending prefill's chunk, with the chunks of
+  those after it that may share its forward (round-robin, so a long prompt
+  cannot starve short ones); a sequence whose prefill completes
   samples its first token and joins the decode batch -- or, after a long
   final chunk, joins it with its last prompt token still to feed, and the next
   decode step samples its first token;
@@ -24,12 +25,14 @@ The GPU actor drives it step by step and is its only caller (one thread):
 Every call returns ``Delta``s; the last delta of a sequence carries
 ``Finished`` with its Q4 cache and the exact token ids it covers.
 
-Batch invariance: prefill chunks run one sequence alone with a chunk size that
-depends only on that sequence; a decode step runs the decoding sequences in
-forwards whose token slots are one of ``row_counts`` (measured to agree by
-``calibrate``: ``runtime.row_counts``), attention per sequence over its own
-cache (``runtime.batch_cache``). So a sequence's logits are bitwise the same
-whatever else runs, wherever it sits in the batch.
+Batch invariance: a prefill chunk's size depends only on its sequence, and
+chunks share a forward only from the size ``calibrate`` measured to leave
+them as alone (``RowCounts.prefill_from``); a decode step runs the decoding
+sequences in forwards whose token slots are one of ``row_counts`` (measured
+to agree by ``calibrate``: ``runtime.row_counts``); attention runs per
+sequence over its own cache (``runtime.batch_cache``). So a sequence's
+logits are bitwise the same whatever else runs, wherever it sits in the
+batch.
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ from typing import Sequence as Seq
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
-from .batch_cache import (BatchQuantizedKVCache, StateCache, attention_view, cache_arrays, copy_cache,
+from .batch_cache import (BatchQuantizedKVCache, PrefillBatch, StateCache, attention_view, cache_arrays, copy_cache,
                           make_sequence_cache)
 from . import row_plans
 from .row_counts import RowCounts, choose
@@ -123,7 +127,11 @@ class Engine:
     ``row_counts``: the token slots a decode forward may have (``calibrate``
     measures them; more sequences than the largest take more forwards);
     without it every forward has exactly ``decode_rows``, the most
-    ``calibrate`` tries.  ``model`` is made ``rowwise`` in place.  ``shared_tokens``:
+    ``calibrate`` tries.  ``max_chunk``: the most prompt tokens of one
+    sequence a prefill forward takes (fewer when its attention would pass
+    ``attention_budget``); ``prefill_rows`` (default twice that): the most of
+    several sequences' chunks together, where ``row_counts`` lets them share a
+    forward and ``batch_prefill``.  ``model`` is made ``rowwise`` in place.  ``shared_tokens``:
     a model sharded over ranks maps the tokens this rank sampled to those every
     rank goes on with (rank 0's: another CPU may round the logits differently).
     """
@@ -136,6 +144,8 @@ class Engine:
         kv_bits: int = 4,
         kv_group_size: int = 64,
         max_chunk: int = 512,
+        prefill_rows: int | None = None,
+        batch_prefill: bool = True,
         min_chunk: int = 32,
         attention_budget: int = 128 << 20,
         float_attention: bool | None = None,
@@ -150,6 +160,8 @@ class Engine:
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size
         self.max_chunk = max_chunk
+        self.prefill_rows = prefill_rows or 2 * max_chunk
+        self.batch_prefill = batch_prefill
         self.min_chunk = min_chunk
         self.attention_budget = attention_budget
         # MLX's CPU quantized matmul is slow: attend over a dequantized working copy there.
@@ -242,38 +254,62 @@ class Engine:
         return seq.id
 
     def prefill_step(self) -> list[Delta]:
-        """Run one chunk of the next pending prefill; [] when none is pending."""
+        """Run the next pending prefill's next chunk -- with the chunks of the
+        ones after it that may join it (``_picks``), in one forward; [] when
+        none is pending."""
         if not self._prefilling:
             return []
-        seq = self._prefilling[0]
-        n = self._chunk_size(len(seq.fed))
-        ride = _LAST_IN_CHUNK < len(seq.pending) <= n
-        if ride:
-            # Only the last token's logits are needed, but a chunk computes them for
-            # every position (vocab x hidden a token): the last prompt token rides
-            # the next decode step instead, beside the other sequences' tokens.
-            n = len(seq.pending) - 1
-        chunk = seq.pending[:n]
-        logits = self.model(mx.array(chunk)[None], cache=seq.view)
-        seq.fed += chunk
-        if ride or not seq.pending:  # the prompt is in: recurrent layers keep their state here (a checkpoint)
-            _mark(seq.cache)
-        if seq.pending:
-            mx.eval(cache_arrays(seq.view))
-            if ride:
-                self._prefilling.popleft()
+        picks = self._picks()
+        chunks = [seq.pending[:n] for seq, n, _ in picks]
+        if len(picks) == 1:
+            logits = self.model(mx.array(chunks[0])[None], cache=picks[0][0].view)
+        else:  # only cache writes are read: no logits are computed
+            lengths = [len(c) for c in chunks]
+            self.model(mx.array([t for c in chunks for t in c])[None],
+                       cache=[PrefillBatch(layer, lengths) for layer in zip(*(seq.view for seq, _, _ in picks))])
+        for _ in picks:
+            self._prefilling.popleft()
+        deltas = []
+        for (seq, _, ride), chunk in zip(picks, chunks):
+            seq.fed += chunk
+            if ride or not seq.pending:  # the prompt is in: recurrent layers keep their state here (a checkpoint)
+                _mark(seq.cache)
+            if seq.pending:
+                mx.eval(cache_arrays(seq.view))
+                (self._decoding if ride else self._prefilling).append(seq)  # round-robin among pending prefills
+                continue
+            token = self.shared_tokens(seq.sampler(logits[0, -1])[None])[0]
+            mx.eval(token, cache_arrays(seq.view))
+            new, text, reason = self._accept(seq, token.item())
+            if reason is None:
                 self._decoding.append(seq)
-            else:
-                self._prefilling.rotate(-1)  # round-robin among pending prefills
-            return []
-        self._prefilling.popleft()
-        token = self.shared_tokens(seq.sampler(logits[0, -1])[None])[0]
-        mx.eval(token, cache_arrays(seq.view))
-        new, text, reason = self._accept(seq, token.item())
-        if reason is not None:
-            return [Delta(seq.id, new, text, self._finished(seq, reason))]
-        self._decoding.append(seq)
-        return [Delta(seq.id, new, text)]
+            deltas.append(Delta(seq.id, new, text, None if reason is None else self._finished(seq, reason)))
+        return deltas
+
+    def _picks(self) -> list[tuple[_Sequence, int, bool]]:
+        """The pending prefills whose chunks run in the next prefill forward, in
+        queue order, each with its chunk's tokens and whether its last prompt
+        token rides the next decode step. The first in the queue, alone -- or,
+        where the measured counts let chunks of its size batch
+        (``RowCounts.prefill_from``) and it needs no logits, with the ones
+        after it of which the same holds, while the forward holds at most
+        ``prefill_rows`` tokens."""
+        picks, rows = [], 0
+        for seq in self._prefilling:
+            n = self._chunk_size(len(seq.fed))
+            ride = _LAST_IN_CHUNK < len(seq.pending) <= n
+            if ride:
+                # Only the last token's logits are needed, but a chunk computes them for
+                # every position (vocab x hidden a token): the last prompt token rides
+                # the next decode step instead, beside the other sequences' tokens.
+                n = len(seq.pending) - 1
+            joins = self.batch_prefill and self.row_counts.prefill_from is not None and (
+                n >= self.row_counts.prefill_from and (ride or n < len(seq.pending)))
+            if picks and (not joins or not picks[0][3] or rows + n > self.prefill_rows):
+                break
+            picks.append((seq, n, ride, joins))
+            rows += n
+        return [pick[:3] for pick in picks]
 
     def step_once(self) -> list[Delta]:
         """One new token for every decoding sequence; [] when none is decoding.
@@ -321,9 +357,10 @@ class Engine:
         how each weight shape's matmul takes its rows (``row_plans.measure``),
         then, with those plans, a probe sequence through the real decode
         forward alone and beside random neighbours at every count and at its
-        first, middle and last slot. Returns the class ``choose`` picks, with
-        what was measured; does not change the engine (``row_counts`` does) and
-        leaves its sequences alone."""
+        first, middle and last slot; and from which size prompt chunks may
+        share a prefill forward (``_prefill_from``). Returns the class
+        ``choose`` picks, with what was measured; does not change the engine
+        (``row_counts`` does) and leaves its sequences alone."""
         start = time.perf_counter()
         rng = random.Random(seed)
         max_rows = max_rows or self.decode_rows
@@ -370,8 +407,47 @@ class Engine:
             else:
                 classes[same] += (m,)
         counts = choose(classes, ms)  # (1,) is always a class: one row sits in one place
+        prefill_from = self._prefill_from(rng)
         return RowCounts(counts, tuple(classes), tuple(round(t, 2) for t in ms),
-                         round(time.perf_counter() - start, 3), self.row_counts.plans)
+                         round(time.perf_counter() - start, 3), self.row_counts.plans, prefill_from)
+
+    def _prefill_from(self, rng: random.Random) -> int | None:
+        """The fewest tokens from which a prompt chunk writes its sequence's
+        caches bitwise as alone when other sequences' chunks share its forward.
+
+        A chunk of at most ``decode_rows`` tokens is decode-shaped (row plans
+        take its matmuls: ``runtime.row_plans``) and never shares one. Above
+        that a kernel may still change with the row count, from some count
+        on: chunks of each size of a doubling ladder from ``decode_rows`` + 1
+        run alone and between neighbours' chunks that make the forward more
+        than twice as large (the largest: ``prefill_rows``), and the answer
+        is the smallest size from which every larger one agrees -- None when
+        the largest does not: chunks never share a forward."""
+        tokens = lambda n: [rng.randrange(1, 256) for _ in range(n)]  # every vocabulary has 255 ids after 0
+        prefixes = [self._prefilled(tokens(n)) for n in (3, 17, 38)]  # what sequences have cached
+
+        def view(cache: list) -> list:  # a copy, as attention sees it
+            return attention_view(copy_cache(cache), self.float_attention)
+
+        ladder = list(itertools.takewhile(lambda n: 2 * n <= self.max_chunk,
+                                          (self.decode_rows + 1 << i for i in itertools.count())))
+        agree = {}
+        for n in ladder:
+            cached, chunk = rng.choice(prefixes), tokens(n)
+            alone = view(cached)
+            self.model(mx.array(chunk)[None], cache=alone)
+            room = (self.prefill_rows if n == ladder[-1] else min(self.prefill_rows, 2 * n + 32)) - n
+            before = rng.randrange(1, room)
+            chunks = [tokens(before), chunk, tokens(room - before)]
+            views = [view(rng.choice(prefixes)), view(cached), view(rng.choice(prefixes))]
+            self.model(mx.array([t for c in chunks for t in c])[None],
+                       cache=[PrefillBatch(layer, [len(c) for c in chunks]) for layer in zip(*views)])
+            mx.eval(cache_arrays(alone), cache_arrays(views[1]))
+            agree[n] = all(mx.array_equal(a, b).item() for (_, a), (_, b) in
+                           zip(tree_flatten(cache_arrays(alone)), tree_flatten(cache_arrays(views[1]))))
+        if not agree or not agree[ladder[-1]]:
+            return None
+        return min(n for n in ladder if all(agree[m] for m in ladder if m >= n))
 
     def cancel(self, seq_id: int, reason: str = CANCELLED) -> Delta | None:
         """Drop a sequence; its final delta says ``reason`` (``cancelled``, or

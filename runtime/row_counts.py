@@ -56,6 +56,7 @@ class RowCounts:
     ms: tuple[float, ...] = ()
     seconds: float = 0.0
     plans: tuple[RowPlan, ...] = ()  # how each weight shape's matmul takes its rows (``runtime.row_plans``)
+    prefill_from: int | None = None  # the fewest tokens a prompt chunk needs to share a forward (None: never)
 
     def __post_init__(self):
         if not self.counts or sorted(set(self.counts)) != list(self.counts) or self.counts[0] < 1:
@@ -155,7 +156,7 @@ def key(engine) -> str:
         "class": type(engine.model).__module__,
         "kv": [engine.kv_bits, engine.kv_group_size, engine.float_attention],
         "max_rows": engine.decode_rows,
-        "measured": "per weight shape, then the forward; CPU attention (runtime.attention)",  # older: other forwards
+        "measured": "per weight shape, the decode forward, prompt chunks together; CPU attention",  # older: less
         "device": str(mx.default_device()),
         "machine": machine(),
     }

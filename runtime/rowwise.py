@@ -2,16 +2,19 @@
 invariance (``runtime.batch_cache`` explains the whole).
 
 ``rowwise(model)`` lets every attention module of an mlx-lm model, when its
-cache is a ``BatchQuantizedKVCache``, attend for each sequence over that
-sequence's own cache, with the shapes it has when the sequence is alone. Two
-ways, with the same result by construction:
+cache is a ``BatchQuantizedKVCache`` (a decode step: one token slot a
+sequence) or a ``PrefillBatch`` (several sequences' prompt chunks), attend
+for each sequence over that sequence's own cache, with the shapes it has
+when the sequence is alone. Two ways, with the same result by construction:
 
-* **standard layout** (Llama, Qwen 2/3, Gemma 3, GPT-OSS): projections, q/k
-  norms and RoPE (per-slot positions) run over all slots at once -- at slot
-  counts whose rows agree (``runtime.row_counts``) -- and only the cache write
-  and the SDPA run per sequence;
+* **standard layout** (Llama, Qwen 2/3, Gemma 3, GPT-OSS): projections and
+  q/k norms run over all rows at once -- at row counts whose rows agree
+  (``runtime.row_counts``) -- and RoPE, the cache write and the attention
+  per sequence (RoPE of a decode step over all slots, with per-slot
+  positions); on the CPU the attention is ``runtime.attention``'s, for a
+  prompt chunk alone too;
 * **other attention classes**, and linear attention (Qwen3-Next's recurrent
-  layers): the module itself runs once per sequence, on its own slot.
+  layers): the module itself runs once per sequence, on its own rows.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 
 from .attention import attend, attend_each
-from .batch_cache import BatchQuantizedKVCache, DequantizingKVCache, WindowKVCache
+from .batch_cache import BatchQuantizedKVCache, ChunkMasks, DequantizingKVCache, PrefillBatch, WindowKVCache
 
 __all__ = ["rowwise"]
 
@@ -72,9 +75,15 @@ def _rowwise_class(cls: type) -> type:
     standard = (cls.__module__, cls.__name__) in _STANDARD
 
     def __call__(self, x, mask=None, cache=None):
+        if isinstance(cache, PrefillBatch):
+            masks = [mask.of(c, n) if isinstance(mask, ChunkMasks) else mask
+                     for c, n in zip(cache.caches, cache.lengths)]
+            if standard:
+                return _standard_chunks(self, x, cache, masks)
+            return _per_chunk(functools.partial(cls.__call__, self), x, cache, masks)
         if not isinstance(cache, BatchQuantizedKVCache):
             if standard and _in_float(self, x, [cache]):  # a prefill chunk on the CPU
-                return _chunk(self, x, mask, cache)
+                return _standard_chunks(self, x, PrefillBatch([cache], [x.shape[1]]), [mask])
             return cls.__call__(self, x, mask, cache)
         if len(cache.caches) > x.shape[1]:
             raise ValueError(f"{len(cache.caches)} sequences in a forward of {x.shape[1]} slots")
@@ -99,7 +108,8 @@ def _standard(attn: nn.Module, x: mx.array, batch: BatchQuantizedKVCache) -> mx.
     _, slots, _ = x.shape
     caches = batch.caches
     offset = mx.array([c.offset for c in caches] + [0] * (slots - len(caches)))
-    q, k, v = _project(attn, x, (slots, 1), offset)
+    q, k, v = _project(attn, x, (slots, 1))
+    q, k = attn.rope(q, offset=offset), attn.rope(k, offset=offset)
     scale = _scale(attn)
     if batch.in_float:  # working copies: one quantization for every slot (``attend_new``)
         fetched = batch.attend_new(k, v)
@@ -116,19 +126,36 @@ def _standard(attn: nn.Module, x: mx.array, batch: BatchQuantizedKVCache) -> mx.
     return attn.o_proj(out.transpose(2, 0, 1, 3).reshape(1, slots, -1))
 
 
-def _chunk(attn: nn.Module, x: mx.array, mask, cache) -> mx.array:
-    """A standard-layout attention module over one sequence's tokens ``x`` (1,
-    S, D), as mlx-lm's own call but for the attention (``runtime.attention``)."""
-    _, S, _ = x.shape
-    q, k, v = _project(attn, x, (1, S), cache.offset)
-    keys, values = cache.update_and_fetch(k, v)
-    out = attend(q, keys, values, _scale(attn), mask)
-    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, S, -1))
+def _per_chunk(attention: Callable, x: mx.array, batch: PrefillBatch, masks: list) -> mx.array:
+    """``attention(x, mask, cache)`` once per sequence on its own chunk of ``x`` (1, rows, D)."""
+    outs = [attention(chunk, mask, c) for chunk, mask, c in zip(batch.chunks(x, axis=1), masks, batch.caches)]
+    return mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
 
 
-def _project(attn: nn.Module, x: mx.array, shape: tuple[int, int], offset) -> tuple[mx.array, mx.array, mx.array]:
+def _standard_chunks(attn: nn.Module, x: mx.array, batch: PrefillBatch, masks: list) -> mx.array:
+    """A standard-layout attention module over prompt chunks ``x`` (1, rows, D):
+    the projections over every row at once, then per chunk the rotation from
+    its sequence's offset, the cache write and the attention -- as mlx-lm's
+    own call runs one chunk, but for the attention (``runtime.attention`` on
+    the CPU)."""
+    rows = x.shape[1]
+    parts = zip(*(batch.chunks(t, axis=2) for t in _project(attn, x, (1, rows))))
+    outs = []
+    for (q, k, v), c, mask in zip(parts, batch.caches, masks):
+        q, k = attn.rope(q, offset=c.offset), attn.rope(k, offset=c.offset)
+        keys, values = c.update_and_fetch(k, v)
+        if _in_float(attn, x, [c]):
+            outs.append(attend(q, keys, values, _scale(attn), mask))
+        else:
+            outs.append(scaled_dot_product_attention(q, keys, values, c, scale=_scale(attn), mask=mask,
+                                                     sinks=attn.get("sinks")))
+    out = mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]  # (1, heads, rows, head_dim)
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, rows, -1))
+
+
+def _project(attn: nn.Module, x: mx.array, shape: tuple[int, int]) -> tuple[mx.array, mx.array, mx.array]:
     """Queries, keys and values of ``x`` seen as ``shape`` (sequences, tokens):
-    each (sequences, heads, tokens, head_dim), normed and rotated from ``offset``."""
+    each (sequences, heads, tokens, head_dim), normed, not yet rotated."""
     heads = getattr(attn, "n_heads", None) or attn.num_attention_heads
     kv_heads = getattr(attn, "n_kv_heads", None) or attn.num_key_value_heads
     q = attn.q_proj(x).reshape(*shape, heads, -1)
@@ -136,8 +163,7 @@ def _project(attn: nn.Module, x: mx.array, shape: tuple[int, int], offset) -> tu
     v = attn.v_proj(x).reshape(*shape, kv_heads, -1)
     if "q_norm" in attn:
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-    return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
+    return tuple(t.transpose(0, 2, 1, 3) for t in (q, k, v))
 
 
 def _scale(attn: nn.Module) -> float:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from runtime.batch_cache import PrefillBatch
 from runtime.engine import Engine, SamplingParams
+from runtime.row_counts import RowCounts
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
 
@@ -280,6 +282,35 @@ def test_round_robin_prefill_lets_a_short_prompt_finish_first():
     while not first:
         first = engine.prefill_step()
     assert first[0].seq_id == short
+
+
+def test_prompt_chunks_share_forwards_in_turn_within_the_row_budget(monkeypatch):
+    """Chunks the measured counts let batch share a forward, in queue order,
+    up to ``prefill_rows`` tokens; a prompt whose last chunk needs its logits
+    runs alone, and a short one still finishes first."""
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    batches = []  # one a layer and forward
+
+    class Recording(PrefillBatch):
+        def __init__(self, caches, lengths):
+            super().__init__(caches, lengths)
+            batches.append(tuple(lengths))
+
+    monkeypatch.setattr("runtime.engine.PrefillBatch", Recording)
+    engine = Engine(model, tok, max_chunk=32, min_chunk=32, prefill_rows=80, row_counts=RowCounts((1,), prefill_from=9))
+    engine.add(list(range(1, 200)), SamplingParams(max_tokens=2))
+    engine.add(list(range(1, 150)), SamplingParams(max_tokens=2))
+    engine.add(list(range(1, 100)), SamplingParams(max_tokens=2))
+    short = engine.add([5, 6, 7], SamplingParams(max_tokens=2))
+    first = []
+    while not first:
+        first = engine.prefill_step()
+    assert first[0].seq_id == short
+    forwards = batches[:: len(model.layers)]
+    assert forwards == [(32, 32)], forwards  # a third chunk would pass 80 rows; the short one needs logits
+    drain(engine)
+    forwards = batches[:: len(model.layers)]
+    assert all(sum(f) <= 80 and len(f) > 1 for f in forwards) and len(forwards) > 3, forwards
 
 
 def test_memory_does_not_grow_with_steps():

@@ -11,14 +11,16 @@ divide a padding (softmax lanes, BLAS k-loops).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from runtime import engine as engine_module
 from runtime import sampling
-from runtime.batch_cache import copy_cache, trimmable_tokens
+from runtime.batch_cache import PrefillBatch, copy_cache, trimmable_tokens
 from runtime.engine import Engine, SamplingParams
 from runtime.row_counts import RowCounts
 from tests.runtime.test_engine import ByteTokenizer, drain, measured
@@ -186,3 +188,95 @@ def test_calibration_rejects_row_counts_whose_rows_differ(logits_by_params):
     assert not _come_and_go(model, tok, logits_by_params, counts)
     every = RowCounts(tuple(range(1, 9)))
     assert any(_come_and_go(model, tok, logits_by_params, every, seed) for seed in range(3))
+
+
+def _prefill_together(model, tokenizer, seen, row_counts, seed: int = 0, max_chunk: int = 96) -> tuple[list[str], int]:
+    """A probe sequence with a long prompt (several chunks) prefills and
+    decodes alone, then beside others that arrive with it and later, with
+    prompts of many lengths; every logits row it samples from must be bitwise
+    the same. Returns what differed, and how many layers' prefill batches held
+    several chunks."""
+    rng = random.Random(seed)
+    prompt = lambda n: [rng.randrange(1, VOCAB) for _ in range(n)]
+    probe, steps = prompt(3 * max_chunk + 17), 6
+
+    class Counting(PrefillBatch):
+        shared = 0
+
+        def __init__(self, caches, lengths):
+            super().__init__(caches, lengths)
+            Counting.shared += len(lengths) > 1
+
+    runs = []
+    for busy in (False, True):
+        engine = Engine(model, tokenizer, max_chunk=max_chunk, row_counts=row_counts)
+        seen.clear()
+        params = SamplingParams(max_tokens=steps)
+
+        def act(step):
+            if busy and step in (0, 2, 3):
+                for _ in range(rng.randrange(1, 3)):
+                    engine.add(prompt(rng.choice([5, 30, 70, 150, 2 * max_chunk + 3])),
+                               SamplingParams(max_tokens=rng.randrange(1, 6)))
+
+        act(0)
+        engine.add(probe, params)
+        act(1)
+        engine_module.PrefillBatch, plain = Counting, engine_module.PrefillBatch
+        try:
+            drain(engine, act)
+        finally:
+            engine_module.PrefillBatch = plain
+        runs.append(seen.pop(id(params)))
+    alone, busy = runs
+    assert len(alone) == len(busy) == steps
+    return [f"step {k}" for k in range(steps) if not mx.array_equal(alone[k], busy[k]).item()], Counting.shared
+
+
+@pytest.mark.parametrize("arch", TINY_CONFIGS)
+def test_a_prefill_batched_with_others_equals_alone(arch, logits_by_params):
+    """Every family: chunks that the measured counts let share a forward do,
+    and the probe's logits are bitwise those it gets alone."""
+    model, tok = tiny_model(arch), ByteTokenizer()
+    counts = measured(model, tok)
+    shared = 0
+    for seed in range(2):
+        differ, n = _prefill_together(model, tok, logits_by_params, counts, seed)
+        assert not differ, (counts.prefill_from, seed, differ)
+        shared += n
+    assert counts.prefill_from is None or shared, "no forward held several chunks"
+
+
+@pytest.mark.model
+def test_a_prefill_batched_with_others_equals_alone_smollm2(smollm2, logits_by_params):
+    counts = measured(smollm2.model, smollm2.tokenizer)
+    differ, shared = _prefill_together(smollm2.model, smollm2.tokenizer, logits_by_params, counts, max_chunk=256)
+    assert not differ and (counts.prefill_from is None or shared), (counts.prefill_from, differ)
+
+
+class _ChunkCountDependent(nn.Module):
+    """A layer norm whose rows shift in forwards of more than ``rows`` rows:
+    a kernel that changes with the row count from some count on."""
+
+    def __init__(self, norm: nn.Module, rows: int):
+        super().__init__()
+        self.norm, self.rows = norm, rows
+
+    def __call__(self, x):
+        y = self.norm(x)
+        return y + 1e-3 if x.shape[1] > self.rows else y
+
+
+def test_calibration_keeps_apart_chunks_whose_rows_would_differ(logits_by_params):
+    """Rows that change past 40 rows: chunks smaller than that would change
+    beside others, so only larger ones may share a forward -- and a probe
+    prefilled in chunks of 32 gets the same logits; made to batch every chunk
+    anyway, it does not (so the comparison would catch a scheduler that
+    batched chunks the measurement keeps apart)."""
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    model.model.layers[0].input_layernorm = _ChunkCountDependent(model.model.layers[0].input_layernorm, 40)
+    counts = measured(model, tok)
+    assert counts.prefill_from is not None and counts.prefill_from > 40, counts.prefill_from
+    together = lambda counts, seed: _prefill_together(model, tok, logits_by_params, counts, seed, max_chunk=32)[0]
+    assert not any(together(counts, seed) for seed in range(2))
+    assert any(together(dataclasses.replace(counts, prefill_from=1), seed) for seed in range(2))

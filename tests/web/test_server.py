@@ -299,6 +299,7 @@ async def test_operations_routes(tmp_path):
         rows = health["row_counts"]  # measured at load: one class of the counts 1..8, with a time for each
         assert tuple(rows["counts"]) in map(tuple, rows["classes"]) and len(rows["ms"]) == 8, rows
         assert all(p.keys() == {"shape", "way", "rows", "upto"} and p["upto"] == 8 for p in rows["plans"]), rows
+        assert rows["prefill_from"] is None or rows["prefill_from"] > 8, rows  # decode-sized chunks never batch
         models = (await http.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["tiny"]
         text = (await http.get("/metrics")).text
