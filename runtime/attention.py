@@ -29,6 +29,7 @@ from mlx_lm.models.base import create_causal_mask
 __all__ = ["attend", "attend_each", "exp2"]
 
 LOG2E = 1.4426950408889634
+BLOCK = 128  # query rows of a prompt chunk attended at once (their scores' memory; masked keys skipped)
 LONG = 1024  # keys from which a decode step's attention is ours (below: MLX's SDPA, fewer ops; measured here)
 _ROUND = 12582912.0  # 1.5 * 2**23: y + _ROUND rounds y to an integer, held in the low mantissa bits
 _ROUND_BITS = 0x4B400000  # the bits of _ROUND
@@ -38,9 +39,9 @@ _POLY = (1.0000001192092896, 0.6931471824645996, 0.2402210682630539, 0.055503271
 
 
 @functools.partial(mx.compile, shapeless=True)
-def _split(y: mx.array) -> tuple[mx.array, mx.array]:
-    """``y`` rounded (as ``y + _ROUND``) and 2**(the rest) by the polynomial."""
-    y = mx.maximum(y, -126.0)
+def _split(x: mx.array, shift: mx.array) -> tuple[mx.array, mx.array]:
+    """For y = x - shift: y rounded (as ``y + _ROUND``) and 2**(the rest) by the polynomial."""
+    y = mx.maximum(x - shift, -126.0)
     t = y + _ROUND
     f = y - (t - _ROUND)
     p = f * _POLY[-1] + _POLY[-2]
@@ -55,29 +56,46 @@ def _scaled_bits(p_bits: mx.array, t_bits: mx.array) -> mx.array:
     return p_bits + ((t_bits - _ROUND_BITS) << 23)
 
 
-def exp2(y: mx.array) -> mx.array:
-    """``2**y`` elementwise for float32 ``y <= 0``; ``y`` below -126 counts as -126."""
-    t, p = _split(y)
+def exp2(x: mx.array, shift: mx.array | float = 0.0) -> mx.array:
+    """``2**(x - shift)`` elementwise for float32 ``x <= shift`` (``shift``
+    broadcast against ``x``); an exponent below -126 counts as -126."""
+    t, p = _split(x, mx.array(shift, x.dtype) if isinstance(shift, float) else shift)
     return mx.view(_scaled_bits(mx.view(p, mx.int32), mx.view(t, mx.int32)), mx.float32)
 
 
 def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None) -> mx.array:
     """``softmax(q k^T * scale + mask) v`` for one sequence: ``queries`` (1, H,
-    S, D), ``keys`` and ``values`` (1, KVH, L, D); ``mask`` as mlx-lm passes it
-    (None, ``"causal"``, a boolean array, or one added to the scores).
+    S, D), the last S of ``keys`` and ``values`` (1, KVH, L, D); ``mask`` as
+    mlx-lm passes it (None, ``"causal"``, a boolean array, or one added to
+    the scores).
 
-    The query heads that share a key head are the rows of one matmul."""
+    The queries run ``BLOCK`` rows at a time, so the scores in memory stay a
+    block's size (under ``"causal"`` a block skips the keys after its last
+    row); the query heads that share a key head are the rows of one
+    matmul."""
+    S, L = queries.shape[2], keys.shape[2]
+    causal = isinstance(mask, str)  # mlx-lm's "causal": a row sees no key after its own position
+    if causal:
+        mask = create_causal_mask(S, L - S)
+    outs = []
+    for a in range(0, S, BLOCK):
+        b = min(S, a + BLOCK)
+        seen = L - S + b if causal else L
+        block = None if mask is None else mask[..., a:b, :seen]
+        outs.append(_attend_block(queries[:, :, a:b], keys[:, :, :seen], values[:, :, :seen], scale, block))
+    return mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
+
+
+def _attend_block(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
     _, heads, S, D = queries.shape
     kv_heads, L = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
     scores = (queries * (scale * LOG2E)).reshape(1, kv_heads, group * S, D) @ keys.swapaxes(-1, -2)
-    if isinstance(mask, str):
-        mask = create_causal_mask(S, L - S)
     if mask is not None:
         by_query = scores.reshape(1, kv_heads, group, S, L)
         by_query = mx.where(mask, by_query, -mx.inf) if mask.dtype == mx.bool_ else by_query + mask * LOG2E
         scores = by_query.reshape(1, kv_heads, group * S, L)
-    weights = exp2(scores - scores.max(axis=-1, keepdims=True))
+    weights = exp2(scores, scores.max(axis=-1, keepdims=True))
     return ((weights @ values) / weights.sum(axis=-1, keepdims=True)).reshape(1, heads, S, D)
 
 
