@@ -418,11 +418,14 @@ class Engine:
         A chunk of at most ``decode_rows`` tokens is decode-shaped (row plans
         take its matmuls: ``runtime.row_plans``) and never shares one. Above
         that a kernel may still change with the row count, from some count
-        on: chunks of each size of a doubling ladder from ``decode_rows`` + 1
-        run alone and between neighbours' chunks that make the forward more
-        than twice as large (the largest: ``prefill_rows``), and the answer
-        is the smallest size from which every larger one agrees -- None when
-        the largest does not: chunks never share a forward."""
+        on, or a row's place among the forward's rows may matter (a kernel's
+        full row tiles and its remainder): chunks of each size of a doubling
+        ladder from ``decode_rows`` + 1 run alone, between neighbours' chunks
+        that put them at an odd row and make the forward more than twice as
+        large (the largest: ``prefill_rows``), and first, before an odd-sized
+        one; the answer is the smallest size from which every larger one
+        agrees -- None when the largest does not: chunks never share a
+        forward."""
         tokens = lambda n: [rng.randrange(1, 256) for _ in range(n)]  # every vocabulary has 255 ids after 0
         prefixes = [self._prefilled(tokens(n)) for n in (3, 17, 38)]  # what sequences have cached
 
@@ -436,15 +439,25 @@ class Engine:
             cached, chunk = rng.choice(prefixes), tokens(n)
             alone = view(cached)
             self.model(mx.array(chunk)[None], cache=alone)
+            mx.eval(cache_arrays(alone))
+            want = [x for _, x in tree_flatten(cache_arrays(alone))]
             room = (self.prefill_rows if n == ladder[-1] else min(self.prefill_rows, 2 * n + 32)) - n
-            before = rng.randrange(1, room)
-            chunks = [tokens(before), chunk, tokens(room - before)]
-            views = [view(rng.choice(prefixes)), view(cached), view(rng.choice(prefixes))]
-            self.model(mx.array([t for c in chunks for t in c])[None],
-                       cache=[PrefillBatch(layer, [len(c) for c in chunks]) for layer in zip(*views)])
-            mx.eval(cache_arrays(alone), cache_arrays(views[1]))
-            agree[n] = all(mx.array_equal(a, b).item() for (_, a), (_, b) in
-                           zip(tree_flatten(cache_arrays(alone)), tree_flatten(cache_arrays(views[1]))))
+            before = rng.randrange(0, room // 2) * 2 + 1  # odd: the chunk's rows off any tile boundary
+            # Between two neighbours, and first before one (its last rows beside another's).
+            layouts = [(before, room - before)] + ([(0, rng.randrange(1, 17) * 2 - 1)] if n != ladder[-1] else [])
+            agree[n] = True
+            for first, last in layouts:
+                sizes = [m for m in (first, last) if m]
+                at = 1 if first else 0
+                chunks = [tokens(m) for m in sizes]
+                views = [view(rng.choice(prefixes)) for _ in sizes]
+                chunks.insert(at, chunk)
+                views.insert(at, view(cached))
+                self.model(mx.array([t for c in chunks for t in c])[None],
+                           cache=[PrefillBatch(layer, [len(c) for c in chunks]) for layer in zip(*views)])
+                mx.eval(cache_arrays(views[at]))
+                agree[n] &= all(mx.array_equal(a, b).item() for a, (_, b) in
+                                zip(want, tree_flatten(cache_arrays(views[at]))))
         if not agree or not agree[ladder[-1]]:
             return None
         return min(n for n in ladder if all(agree[m] for m in ladder if m >= n))
