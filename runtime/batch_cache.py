@@ -430,7 +430,7 @@ class BatchQuantizedKVCache:
         self.caches = list(caches)
         # Every sequence attends over a float working copy: ``attend_new`` serves this layer.
         self.in_float = all(isinstance(c, DequantizingKVCache) for c in self.caches)
-        self._rows: list[tuple[mx.array, ...]] = []  # a held step's keys' then values' Q4 triples, (slots, H, 1, ...)
+        self._rows: list[tuple[mx.array, ...]] = []  # a held step's Q4 triple, keys' heads then values', (slots, 2H, 1, ...)
 
     def make_mask(self, *args, **kwargs):
         return None
@@ -440,18 +440,19 @@ class BatchQuantizedKVCache:
         H, 1, D)), add each sequence's to its working copy and hold the Q4 rows
         for its record; return what each sequence attends over.
 
-        One quantization a layer and step for the whole forward, kept as it
-        comes out (no write), where writing each record costs a dozen MLX ops a
-        sequence; the records get up to ``ROWS`` steps at once (``flush``).
-        Quantization is per group of a row, so a row's Q4 codes do not depend
-        on the other slots.
+        One quantization a layer and step for the whole forward, keys and
+        values together, kept as it comes out (no write), where writing each
+        record costs a dozen MLX ops a sequence; the records get up to ``ROWS``
+        steps at once (``flush``). Quantization is per group of a row, so a
+        row's Q4 codes do not depend on the other slots nor on the values
+        beside the keys.
         """
         assert not self.full, "a full batch is flushed before its next step (Engine._launch)"
-        c = self.caches[0].quantized
-        *qk, new_k = _quantize_unpack(keys, c.group_size, c.bits)
-        *qv, new_v = _quantize_unpack(values, c.group_size, c.bits)
-        self._rows.append((*qk, *qv))
+        c, heads = self.caches[0].quantized, keys.shape[1]
+        *q, new = _quantize_unpack(mx.concatenate([keys, values], axis=1), c.group_size, c.bits)  # one for both
+        self._rows.append(tuple(q))
         slots = keys.shape[0]
+        new_k, new_v = new[:, :heads], new[:, heads:]
         return [c.attend_new(k, v) for c, k, v in zip(self.caches, mx.split(new_k, slots), mx.split(new_v, slots))]
 
     @property
@@ -477,9 +478,9 @@ class BatchQuantizedKVCache:
         if not self._rows:
             return
         steps = [mx.concatenate(parts, axis=2) for parts in zip(*self._rows)]
+        heads = steps[0].shape[1] // 2
         for i, c in enumerate(self.caches):
-            held = tuple(t[i : i + 1] for t in steps)
-            c.quantized.append(held[:3], held[3:])
+            c.quantized.append(tuple(t[i : i + 1, :heads] for t in steps), tuple(t[i : i + 1, heads:] for t in steps))
             c.unwritten -= self.held
         self._rows = []
 

@@ -52,6 +52,7 @@ from .batch_cache import (BatchQuantizedKVCache, PrefillBatch, StateCache, atten
                           make_sequence_cache)
 from . import row_plans
 from .row_counts import RowCounts, choose
+from .norms import lean_norms
 from .rowwise import rowwise
 from .sampling import Sampler, SamplingParams
 
@@ -155,7 +156,7 @@ class Engine:
     ):
         if decode_rows < 1:
             raise ValueError("decode_rows must be at least 1")
-        self.model = rowwise(model)
+        self.model = lean_norms(rowwise(model))
         self.tokenizer = tokenizer
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size

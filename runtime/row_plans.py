@@ -101,6 +101,7 @@ def apply(model: nn.Module, plans: tuple[RowPlan, ...]) -> None:
         base = _base(type(layer))
         layer.__class__ = base if plan is None else _planned_class(base)
         object.__setattr__(layer, "row_plan", plan)
+        layer.__dict__.pop("_tiles", None)
 
 
 def measure(model: nn.Module, max_rows: int, seed: int = 0) -> tuple[RowPlan, ...]:
@@ -211,15 +212,26 @@ def _call(layer: nn.Module, plan: RowPlan | None, x: mx.array) -> mx.array:
 
 def _columns(layer: nn.Module, x: mx.array, c: int, d: int) -> mx.array:
     """Output columns ``c:d`` of ``layer(x)``: the same call on those rows of its weight."""
-    bias = layer["bias"][c:d] if "bias" in layer else None
+    bias, weight, scales, biases = _tile(layer, c, d)
     if isinstance(layer, nn.QuantizedLinear):
-        biases = layer.get("biases")
-        out = mx.quantized_matmul(x, layer["weight"][c:d], scales=layer["scales"][c:d],
-                                  biases=None if biases is None else biases[c:d], transpose=True,
+        out = mx.quantized_matmul(x, weight, scales=scales, biases=biases, transpose=True,
                                   group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
         return out if bias is None else out + bias
-    weight = layer["weight"][c:d]
-    return x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
+    return x @ weight if bias is None else mx.addmm(bias, x, weight)
+
+
+def _tile(layer: nn.Module, c: int, d: int) -> tuple:
+    """Rows ``c:d`` of the layer's bias, weight (transposed, unless quantized),
+    scales and biases: views of its own arrays, made once (two ops a tile a
+    call otherwise)."""
+    tiles = layer.__dict__.setdefault("_tiles", {})
+    if (c, d) not in tiles:
+        part = {name: layer[name][c:d] if name in layer else None for name in ("bias", "weight", "scales", "biases")}
+        if not isinstance(layer, nn.QuantizedLinear):
+            part["weight"] = part["weight"].T
+        tiles[c, d] = tuple(part.values())
+        mx.eval([t for t in tiles[c, d] if t is not None])
+    return tiles[c, d]
 
 
 class _Planned:

@@ -28,6 +28,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 
 from .attention import attend, attend_each
 from .batch_cache import BatchQuantizedKVCache, ChunkMasks, DequantizingKVCache, PrefillBatch, WindowKVCache
+from .rotary import rotate
 
 __all__ = ["rowwise"]
 
@@ -107,9 +108,9 @@ def _standard(attn: nn.Module, x: mx.array, batch: BatchQuantizedKVCache) -> mx.
     attention, which run per sequence."""
     _, slots, _ = x.shape
     caches = batch.caches
-    offset = mx.array([c.offset for c in caches] + [0] * (slots - len(caches)))
+    positions = [c.offset for c in caches] + [0] * (slots - len(caches))
     q, k, v = _project(attn, x, (slots, 1))
-    q, k = attn.rope(q, offset=offset), attn.rope(k, offset=offset)
+    q, k = rotate(attn.rope, q, positions), rotate(attn.rope, k, positions)
     scale = _scale(attn)
     if batch.in_float:  # working copies: one quantization for every slot (``attend_new``)
         fetched = batch.attend_new(k, v)
@@ -142,7 +143,7 @@ def _standard_chunks(attn: nn.Module, x: mx.array, batch: PrefillBatch, masks: l
     parts = zip(*(batch.chunks(t, axis=2) for t in _project(attn, x, (1, rows))))
     outs = []
     for (q, k, v), c, mask in zip(parts, batch.caches, masks):
-        q, k = attn.rope(q, offset=c.offset), attn.rope(k, offset=c.offset)
+        q, k = rotate(attn.rope, q, c.offset), rotate(attn.rope, k, c.offset)
         keys, values = c.update_and_fetch(k, v)
         if _in_float(attn, x, [c]):
             outs.append(attend(q, keys, values, _scale(attn), mask))

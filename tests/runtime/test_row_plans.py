@@ -56,8 +56,12 @@ def test_applied_plans_run_through_the_model_and_come_off_again():
     assert type(layer).__name__ == "Linear" and isinstance(layer, nn.Linear) and layer.row_plan == plan
     assert mx.allclose(layer(x), want, atol=1e-5).item()
     assert set(dict(model.parameters()).keys()) == set(dict(tiny_model("qwen2").parameters()).keys())
+    tiles = layer.__dict__["_tiles"]  # each tile's weight rows, made once: views of the layer's own arrays
+    assert len(tiles) == len(plan.calls(5, layer.weight.shape[0]))
+    assert all(w.shape[0] == 128 for _, w, _, _ in tiles.values())  # transposed: (in, tile's columns)
+    assert mx.array_equal(layer(x), layer(x)).item() and layer.__dict__["_tiles"] is tiles
     row_plans.apply(model, ())
-    assert type(layer) is nn.Linear and layer.row_plan is None
+    assert type(layer) is nn.Linear and layer.row_plan is None and "_tiles" not in layer.__dict__
 
 
 def test_a_shape_whose_rows_depend_on_the_count_gets_a_plan_that_makes_them_agree(monkeypatch):
