@@ -51,8 +51,8 @@ from mlx.utils import tree_flatten
 from .batch_cache import (BatchQuantizedKVCache, PrefillBatch, StateCache, attention_view, cache_arrays, copy_cache,
                           make_sequence_cache)
 from . import row_plans
-from .row_counts import RowCounts, choose
 from .norms import lean_norms
+from .row_counts import RowCounts, choose
 from .rowwise import rowwise
 from .sampling import Sampler, SamplingParams
 
