@@ -295,7 +295,7 @@ class Engine:
         (``RowCounts.prefill_from``) and it needs no logits, with the ones
         after it of which the same holds, while the forward holds at most
         ``prefill_rows`` tokens."""
-        picks, rows = [], 0
+        picks, rows, batching = [], 0, False
         for seq in self._prefilling:
             n = self._chunk_size(len(seq.fed))
             ride = _LAST_IN_CHUNK < len(seq.pending) <= n
@@ -306,11 +306,13 @@ class Engine:
                 n = len(seq.pending) - 1
             joins = self.batch_prefill and self.row_counts.prefill_from is not None and (
                 n >= self.row_counts.prefill_from and (ride or n < len(seq.pending)))
-            if picks and (not joins or not picks[0][3] or rows + n > self.prefill_rows):
+            if not picks:
+                batching = joins  # the first in the queue decides whether others may join it
+            elif not (batching and joins) or rows + n > self.prefill_rows:
                 break
-            picks.append((seq, n, ride, joins))
+            picks.append((seq, n, ride))
             rows += n
-        return [pick[:3] for pick in picks]
+        return picks
 
     def step_once(self) -> list[Delta]:
         """One new token for every decoding sequence; [] when none is decoding.
