@@ -85,11 +85,11 @@ def peer(loaded, ctxs, batch_sizes, steps, repeats) -> dict:
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
     from runtime import row_plans
-    from runtime.norms import lean_norms
+    from runtime.lean import lean
 
     model = loaded.model
-    row_plans.apply(model, ())  # mlx-lm's own layers, not the row plans and norms ``ours`` installed
-    lean_norms(model, lean=False)
+    row_plans.apply(model, ())  # mlx-lm's own layers, not the row plans and lean forms ``ours`` installed
+    lean(model, on=False)
     prefilled = []
     for ctx in ctxs:
         cache = make_prompt_cache(model)

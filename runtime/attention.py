@@ -1,15 +1,11 @@
 """Attention over float keys and values on the CPU, with a softmax MLX runs fast.
 
-MLX's CPU build computes ``exp`` one element at a time, each through a libm
-``fmaf`` call: ~12 ns an element on these machines against ~0.2 ns for a
-multiply, so softmax is most of attention there (a 1K-token prefill of
-SmolLM2 spent half its time in it). Here ``2**y`` is built from elementwise
-ops that MLX runs vectorised -- an integer part put into the exponent bits and
-a degree-5 polynomial for the rest -- within 2.6e-7 of the exact value
-(``exp2``); scores are scaled by log2(e) with the queries, so softmax needs
-2**y, not e**x. Masked scores give 2**-126 instead of 0: below float32's
-resolution of a row sum that holds at least 1 (the row's maximum), so they
-change nothing.
+MLX's CPU ``exp`` runs one element at a time, so softmax was most of
+attention there (a 1K-token prefill of SmolLM2 spent half its time in it).
+Here scores are scaled by log2(e) with the queries and the softmax takes
+``runtime.fastmath.exp2``, vectorised. Masked scores give 2**-126 instead of
+0: below float32's resolution of a row sum that holds at least 1 (the row's
+maximum), so they change nothing.
 
 Every step is elementwise or reduces one row of one sequence, so a score's
 value depends on its own row alone: ``attend_each`` runs the exp once over
@@ -20,47 +16,17 @@ is bitwise what it is alone.
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-__all__ = ["attend", "attend_each", "exp2"]
+from .fastmath import LOG2E, exp2
 
-LOG2E = 1.4426950408889634
+__all__ = ["attend", "attend_each"]
+
 BLOCK = 128  # query rows of a prompt chunk attended at once (their scores' memory; masked keys skipped)
 LONG = 1024  # keys from which a decode step's attention is ours (below: MLX's SDPA, fewer ops; measured here)
-_ROUND = 12582912.0  # 1.5 * 2**23: y + _ROUND rounds y to an integer, held in the low mantissa bits
-_ROUND_BITS = 0x4B400000  # the bits of _ROUND
-# 2**f for f in [-1/2, 1/2], lowest power first: a Chebyshev fit, relative error < 2.6e-7 in float32.
-_POLY = (1.0000001192092896, 0.6931471824645996, 0.2402210682630539, 0.05550327152013779,
-         0.009676037356257439, 0.0013400432653725147)
-
-
-@functools.partial(mx.compile, shapeless=True)
-def _split(x: mx.array, shift: mx.array) -> tuple[mx.array, mx.array]:
-    """For y = x - shift: y rounded (as ``y + _ROUND``) and 2**(the rest) by the polynomial."""
-    y = mx.maximum(x - shift, -126.0)
-    t = y + _ROUND
-    f = y - (t - _ROUND)
-    p = f * _POLY[-1] + _POLY[-2]
-    for c in _POLY[-3::-1]:
-        p = p * f + c
-    return t, p
-
-
-@functools.partial(mx.compile, shapeless=True)
-def _scaled_bits(p_bits: mx.array, t_bits: mx.array) -> mx.array:
-    """The bits of p * 2**i: i (held in ``t``'s low bits) added to p's exponent."""
-    return p_bits + ((t_bits - _ROUND_BITS) << 23)
-
-
-def exp2(x: mx.array, shift: mx.array | float = 0.0) -> mx.array:
-    """``2**(x - shift)`` elementwise for float32 ``x <= shift`` (``shift``
-    broadcast against ``x``); an exponent below -126 counts as -126."""
-    t, p = _split(x, mx.array(shift, x.dtype) if isinstance(shift, float) else shift)
-    return mx.view(_scaled_bits(mx.view(p, mx.int32), mx.view(t, mx.int32)), mx.float32)
 
 
 def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None) -> mx.array:

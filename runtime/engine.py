@@ -51,7 +51,7 @@ from mlx.utils import tree_flatten
 from .batch_cache import (BatchQuantizedKVCache, PrefillBatch, StateCache, attention_view, cache_arrays, copy_cache,
                           make_sequence_cache)
 from . import row_plans
-from .norms import lean_norms
+from .lean import lean
 from .row_counts import RowCounts, choose
 from .rowwise import rowwise
 from .sampling import Sampler, SamplingParams
@@ -130,9 +130,11 @@ class Engine:
     without it every forward has exactly ``decode_rows``, the most
     ``calibrate`` tries.  ``max_chunk``: the most prompt tokens of one
     sequence a prefill forward takes (fewer when its attention would pass
-    ``attention_budget``); ``prefill_rows`` (default twice that): the most of
-    several sequences' chunks together, where ``row_counts`` lets them share a
-    forward and ``batch_prefill``.  ``model`` is made ``rowwise`` in place.  ``shared_tokens``:
+    ``attention_budget``, not below ``min_chunk``; more by a rest shorter than
+    ``min_chunk``, which would cost a forward of its own); ``prefill_rows``
+    (default twice ``max_chunk``): the most of several sequences' chunks
+    together, where ``row_counts`` lets them share a forward and
+    ``batch_prefill``.  ``model`` is made ``rowwise`` and ``lean`` in place.  ``shared_tokens``:
     a model sharded over ranks maps the tokens this rank sampled to those every
     rank goes on with (rank 0's: another CPU may round the logits differently).
     """
@@ -156,7 +158,7 @@ class Engine:
     ):
         if decode_rows < 1:
             raise ValueError("decode_rows must be at least 1")
-        self.model = lean_norms(rowwise(model))
+        self.model = lean(rowwise(model))
         self.tokenizer = tokenizer
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size
@@ -298,6 +300,8 @@ class Engine:
         picks, rows, batching = [], 0, False
         for seq in self._prefilling:
             n = self._chunk_size(len(seq.fed))
+            if len(seq.pending) - n < self.min_chunk:
+                n = len(seq.pending)  # a short rest would cost a forward of its own: it comes along
             ride = _LAST_IN_CHUNK < len(seq.pending) <= n
             if ride:
                 # Only the last token's logits are needed, but a chunk computes them for

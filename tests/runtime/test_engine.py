@@ -310,7 +310,23 @@ def test_prompt_chunks_share_forwards_in_turn_within_the_row_budget(monkeypatch)
     assert forwards == [(32, 32)], forwards  # a third chunk would pass 80 rows; the short one needs logits
     drain(engine)
     forwards = batches[:: len(model.layers)]
-    assert all(sum(f) <= 80 and len(f) > 1 for f in forwards) and len(forwards) > 3, forwards
+    assert all(sum(f) <= 80 and len(f) > 1 for f in forwards) and len(forwards) >= 3, forwards
+
+
+def test_a_short_rest_of_a_prompt_comes_along_with_its_chunk():
+    """A prompt a few tokens over the chunk size prefills in one forward, not
+    a chunk and then a forward for the rest; a rest of ``min_chunk`` or more
+    waits for its own."""
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    engine = Engine(model, tok, max_chunk=64, min_chunk=16)
+    for length, forwards in ((64 + 15, 1), (64 + 16, 2)):
+        engine.add(list(range(1, length + 1)), SamplingParams(max_tokens=1))
+        steps = 0
+        while engine.prefilling:
+            engine.prefill_step()
+            steps += 1
+        assert steps == forwards, length
+        drain(engine)
 
 
 def test_memory_does_not_grow_with_steps():

@@ -63,11 +63,12 @@ FRESH = textwrap.dedent("""
     import numpy as np
     import mlx.core as mx
     from runtime.cache_file import CacheStore
+    from runtime.lean import lean
     from runtime.rowwise import rowwise
     from tests.tiny import tiny_model_with_tokenizer
     root, cases = sys.argv[1], json.loads(sys.argv[2])
     for arch, extra in cases.items():
-        model = rowwise(tiny_model_with_tokenizer(arch)[0])  # as an engine runs it
+        model = lean(rowwise(tiny_model_with_tokenizer(arch)[0]))  # as an engine runs it
         cache = CacheStore(root).load("ann", arch, "spec").cache
         np.save(f"{root}/{arch}.npy", np.array(model(mx.array([extra]), cache=cache)[0, -1]))
 """)

@@ -1,0 +1,87 @@
+"""CPU forms of the mlx-lm modules MLX runs slowly there: RMSNorm and the
+SwiGLU MLP.
+
+* **RMSNorm.** ``mx.fast.rms_norm`` has no CPU kernel: there it runs its
+  fallback, eleven ops (square, sum, the mean's multiply, add, rsqrt, the
+  multiplies and their broadcasts), and each op costs microseconds of
+  scheduling whatever its size; a decode step of a 30-layer model runs 61
+  norms. The fallback's own formula, compiled, is a square, a sum and one
+  fused kernel of the rest, **bitwise** the same for float32.
+* **SwiGLU.** ``silu(gate) * up`` takes MLX's one-element-at-a-time ``exp``:
+  a fifth of a prompt chunk's forward. ``runtime.fastmath.swiglu`` is as
+  close to the exact value as MLX's own (not bitwise), and elementwise, so a
+  row's result still depends on that row alone.
+
+Float32 on the CPU only; anything else takes the module's own call. Tests
+check each form against the module it replaces.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .fastmath import swiglu
+
+__all__ = ["lean"]
+
+# mlx-lm MLP classes whose __call__ is exactly down_proj(swiglu(gate_proj(x), up_proj(x))).
+_SWIGLU_MLPS = {
+    ("mlx_lm.models.llama", "MLP"),
+    ("mlx_lm.models.qwen2", "MLP"),
+    ("mlx_lm.models.qwen3", "MLP"),
+    ("mlx_lm.models.qwen3_moe", "MLP"),
+    ("mlx_lm.models.qwen3_next", "Qwen3NextMLP"),
+    ("mlx_lm.models.deepseek_v2", "DeepseekV2MLP"),
+    ("mlx_lm.models.deepseek_v3", "DeepseekV3MLP"),
+}
+
+
+def lean(model: nn.Module, on: bool = True) -> nn.Module:
+    """Give every ``nn.RMSNorm`` and SwiGLU MLP of ``model`` its CPU form
+    (``on=False``: back to their own). In place and idempotent; each module
+    becomes an instance of a subclass of its own class, its parameters and
+    attributes unchanged, so the model and mlx-lm itself are as they were."""
+    for _, module in model.named_modules():
+        cls = type(module)
+        if issubclass(cls, _Lean):
+            if not on:
+                module.__class__ = cls.__mro__[2]  # (the lean class, _Lean, the module's own class, ...)
+        elif on and (cls is nn.RMSNorm or (cls.__module__, cls.__name__) in _SWIGLU_MLPS):
+            module.__class__ = _lean_class(cls)
+    return model
+
+
+class _Lean:
+    """Marks the classes ``lean`` derived."""
+
+
+@functools.cache
+def _lean_class(cls: type) -> type:
+    call = _norm_call if cls is nn.RMSNorm else _mlp_call
+    return type(cls.__name__, (_Lean, cls), {"__call__": call, "__module__": cls.__module__})
+
+
+def _on_cpu(*arrays: mx.array) -> bool:
+    return mx.default_device() == mx.cpu and all(a.dtype == mx.float32 for a in arrays)
+
+
+def _norm_call(self, x: mx.array) -> mx.array:
+    if not _on_cpu(x, self.weight):
+        return nn.RMSNorm.__call__(self, x)
+    inverse_size = mx.array(1.0 / x.shape[-1], mx.float32)  # as mx.mean's normalizer
+    return _rms_norm(x, self.weight, mx.array(self.eps, mx.float32), inverse_size)
+
+
+def _mlp_call(self, x: mx.array) -> mx.array:
+    if not _on_cpu(x):
+        return type(self).__mro__[2].__call__(self, x)
+    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _rms_norm(x: mx.array, weight: mx.array, eps: mx.array, inverse_size: mx.array) -> mx.array:
+    """``mx.fast.rms_norm``'s fallback for float32: ``x * rsqrt(mean(x**2) + eps)``, then times the weight."""
+    return x * mx.rsqrt(mx.sum(mx.square(x), axis=-1, keepdims=True) * inverse_size + eps) * weight
