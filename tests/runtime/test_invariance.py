@@ -209,7 +209,8 @@ def _prefill_together(model, tokenizer, seen, row_counts, seed: int = 0, max_chu
 
     runs = []
     for busy in (False, True):
-        engine = Engine(model, tokenizer, max_chunk=max_chunk, row_counts=row_counts)
+        # Three chunks' rows a forward: a final chunk with its short rest still finds a neighbour.
+        engine = Engine(model, tokenizer, max_chunk=max_chunk, prefill_rows=3 * max_chunk, row_counts=row_counts)
         seen.clear()
         params = SamplingParams(max_tokens=steps)
 
