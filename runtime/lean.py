@@ -48,20 +48,22 @@ def lean(model: nn.Module, on: bool = True) -> nn.Module:
         cls = type(module)
         if issubclass(cls, _Lean):
             if not on:
-                module.__class__ = cls.__mro__[2]  # (the lean class, _Lean, the module's own class, ...)
+                module.__class__ = cls.own
         elif on and (cls is nn.RMSNorm or (cls.__module__, cls.__name__) in _SWIGLU_MLPS):
             module.__class__ = _lean_class(cls)
     return model
 
 
 class _Lean:
-    """Marks the classes ``lean`` derived."""
+    """Marks the classes ``lean`` derived; ``own``: the class each derives from."""
+
+    own: type
 
 
 @functools.cache
 def _lean_class(cls: type) -> type:
     call = _norm_call if cls is nn.RMSNorm else _mlp_call
-    return type(cls.__name__, (_Lean, cls), {"__call__": call, "__module__": cls.__module__})
+    return type(cls.__name__, (_Lean, cls), {"__call__": call, "__module__": cls.__module__, "own": cls})
 
 
 def _on_cpu(*arrays: mx.array) -> bool:
@@ -70,14 +72,14 @@ def _on_cpu(*arrays: mx.array) -> bool:
 
 def _norm_call(self, x: mx.array) -> mx.array:
     if not _on_cpu(x, self.weight):
-        return nn.RMSNorm.__call__(self, x)
+        return self.own.__call__(self, x)
     inverse_size = mx.array(1.0 / x.shape[-1], mx.float32)  # as mx.mean's normalizer
     return _rms_norm(x, self.weight, mx.array(self.eps, mx.float32), inverse_size)
 
 
 def _mlp_call(self, x: mx.array) -> mx.array:
     if not _on_cpu(x):
-        return type(self).__mro__[2].__call__(self, x)
+        return self.own.__call__(self, x)
     return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
