@@ -51,6 +51,7 @@ from mlx.utils import tree_flatten
 from .batch_cache import (BatchQuantizedKVCache, PrefillBatch, StateCache, attention_view, cache_arrays, copy_cache,
                           make_sequence_cache)
 from . import row_plans
+from .grammar import Grammars
 from .lean import lean
 from .row_counts import RowCounts, choose
 from .rowwise import rowwise
@@ -178,6 +179,7 @@ class Engine:
         self.compute_ahead = shared_tokens is None
         self._n_heads = _query_heads(model)
         self._eos = set(tokenizer.eos_token_ids)
+        self._grammars = Grammars(tokenizer, self._eos)
         self._ids = itertools.count()
         self._prefilling: deque[_Sequence] = deque()
         self._decoding: list[_Sequence] = []
@@ -245,7 +247,7 @@ class Engine:
             id=next(self._ids),
             prompt=prompt,
             sampling=sampling,
-            sampler=Sampler(sampling),
+            sampler=Sampler(sampling, sampling.grammar and self._grammars.constraint(sampling.grammar)),
             detokenizer=self.tokenizer.detokenizer,
             cache=cache,
             view=attention_view(cache, self.float_attention),
@@ -322,9 +324,9 @@ class Engine:
         """One new token for every decoding sequence; [] when none is decoding.
 
         While the same sequences go on decoding (none waiting to join, none at
-        its last token), the next step is built and started on these tokens
-        before they are read (``_launch``), so the model's graph is built while
-        the last step computes. A sequence that still finishes (end of turn, a
+        its last token, none under a grammar), the next step is built and
+        started on these tokens before they are read (``_launch``), so the
+        model's graph is built while the last step computes. A sequence that still finishes (end of turn, a
         stop string), joins or leaves drops that step ahead (``_drop_ahead``):
         nothing it computed is kept."""
         if not self._decoding:
@@ -333,8 +335,10 @@ class Engine:
             self._drop_ahead()  # a sequence joined: a fresh step feeds everyone
         step, self._ahead = self._ahead or self._launch(), None
         if self.compute_ahead and not self._prefilling and all(
-                len(seq.output) + 1 < seq.sampling.max_tokens for seq in step.rows):
-            self._ahead = self._launch(after=step)  # (not when a sequence is about to join or reach its length)
+                len(seq.output) + 1 < seq.sampling.max_tokens and seq.sampler.constraint is None for seq in step.rows):
+            # (not when a sequence is about to join or reach its length, nor when a grammar's
+            # next mask waits on these tokens)
+            self._ahead = self._launch(after=step)
         tokens = step.tokens.tolist()
         if self._ahead is not None:
             for seq, token in zip(step.rows, tokens):
@@ -614,6 +618,8 @@ class Engine:
         """Record a sampled token: (new token ids, text to show, finish reason or None)."""
         reason = None
         new: tuple[int, ...] = (token,)
+        if seq.sampler.constraint is not None:
+            seq.sampler.constraint.advance(token)
         if token in self._eos:
             reason, new = STOP, ()
         else:

@@ -1,7 +1,10 @@
-"""Per-sequence sampling: temperature, top-p, top-k, min-p and a seed.
+"""Per-sequence sampling: temperature, top-p, top-k, min-p, a seed, and a
+grammar the reply must follow.
 
 Each sequence owns an MLX random key, so its draws do not depend on which
-other sequences share the batch.  Temperature 0 is greedy (argmax).
+other sequences share the batch.  Temperature 0 is greedy (argmax).  A
+grammar (``runtime.grammar``) masks the row before either: only the tokens
+it allows next can be drawn.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from .grammar import Constraint, check
 
 __all__ = ["SamplingParams", "Sampler"]
 
@@ -24,6 +29,7 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = field(default=())
     seed: int | None = None
+    grammar: str | None = None  # llguidance's grammar text (``runtime.grammar.json_schema``)
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -39,6 +45,8 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
         object.__setattr__(self, "stop", tuple(self.stop))
+        if self.grammar is not None:
+            check(self.grammar)
 
     @property
     def greedy(self) -> bool:
@@ -46,10 +54,13 @@ class SamplingParams:
 
 
 class Sampler:
-    """Draws one token from a row of logits; owns its random key."""
+    """Draws one token from a row of logits; owns its random key, and the
+    sequence's ``constraint`` if it has a grammar (``advance`` it with each
+    token taken: the next draw's mask depends on it)."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, constraint: Constraint | None = None):
         self.params = params
+        self.constraint = constraint
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         self._key = mx.random.key(seed)
         self._previous_key = self._key
@@ -57,6 +68,8 @@ class Sampler:
     def __call__(self, logits: mx.array) -> mx.array:
         """``logits``: (vocab,) -> a scalar token id (lazy)."""
         p = self.params
+        if self.constraint is not None:
+            logits = mx.where(self.constraint.allowed(logits.shape[-1]), logits, -mx.inf)
         if p.greedy:
             return mx.argmax(logits, axis=-1)
         logprobs = (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[None]

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import math
 
+from runtime.grammar import JSON_OBJECT, GrammarError, json_schema
+
 from .schema import RequestError
 
-__all__ = ["bad", "boolean", "integer", "jtype", "number", "obj", "seq", "string", "strings"]
+__all__ = ["bad", "boolean", "integer", "jtype", "number", "no_tools_with", "obj", "output_format", "seq", "string", "strings"]
 
 _JSON_TYPES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number",
                list: "an array", dict: "an object", type(None): "null"}
@@ -116,3 +118,35 @@ def strings(data: dict, key: str, where: str = "", *, allow_one: bool = False) -
         if not s:
             raise bad(f"{where}{key}[{i}]", "must not be empty")
     return tuple(value)
+
+
+def output_format(data: dict, key: str, where: str = "", *, kinds: tuple[str, ...] = ("text", "json_object", "json_schema"),
+                  schema_in: str | None = None) -> str | None:
+    """A structured-output request, ``{"type": "json_schema", "schema": {...}}``
+    (the schema one object deeper, under ``schema_in``, for OpenAI chat's
+    ``json_schema``) or ``{"type": "json_object"}``, as the grammar the reply
+    must follow (``runtime.grammar``); None for ``{"type": "text"}`` or none.
+    A schema llguidance cannot compile is refused, naming what it lacks."""
+    fmt = obj(data, key, where)
+    if fmt is None:
+        return None
+    at = f"{where}{key}."
+    kind = string(fmt, "type", at, required=True)
+    if kind not in kinds:
+        raise bad(at + "type", f"must be {' or '.join(map(repr, kinds))}, not {kind!r}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JSON_OBJECT
+    if schema_in is not None:
+        fmt, at = obj(fmt, schema_in, at, required=True), f"{at}{schema_in}."
+    try:
+        return json_schema(obj(fmt, "schema", at, required=True))
+    except GrammarError as e:
+        raise bad(at + "schema", f"this server cannot enforce this JSON schema: {e}") from None
+
+
+def no_tools_with(grammar: str | None, tools, key: str) -> None:
+    """Structured output and tools in one request are refused (not yet both at once)."""
+    if grammar is not None and tools:
+        raise bad(key, "structured output together with tools is not supported; send one or the other")

@@ -7,13 +7,17 @@ The server keeps each agent's history; a client sends only the new message.
     GET    /v1/agents/{id}           summary + "history"
     DELETE /v1/agents/{id}           {"id", "deleted": true}
     POST   /v1/agents/{id}/messages  {"content", "max_tokens", "temperature"?, "top_p"?, "top_k"?,
-                                      "seed"?, "stop"?, "stream"?, "use_cache"?, "model"?}
+                                      "seed"?, "stop"?, "stream"?, "use_cache"?, "model"?, "format"?}
     POST   /v1/agents/{id}/fork      {"id"}                       201 {"id", "forked_from", ...}
 
 A turn answers ``turn_json`` (or, streaming, ``event: delta`` {"text"}
 events -- ``event: reasoning`` {"text"} first for a model that reasons --
 and then ``event: done`` with the same object); errors are
 ``{"error": {"type", "message"}}`` (an ``event: error`` mid-stream).
+
+``format``: ``{"type": "json_schema", "schema": {...}}`` or ``{"type":
+"json_object"}`` makes the reply JSON that follows it (``runtime.grammar``),
+unless ``max_tokens`` cuts it; ``{"type": "text"}`` is the default.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ def parse_turn(body: bytes, *, max_tokens_cap: int) -> TurnRequest:
         "top_p": v.number(data, "top_p", lo=0, hi=1, lo_open=True),
         "top_k": v.integer(data, "top_k", lo=0),
         "seed": v.integer(data, "seed"),
+        "grammar": v.output_format(data, "format"),
     }
     return TurnRequest(
         content=v.string(data, "content", required=True),

@@ -32,11 +32,18 @@ request, and is dropped; ``X-Claude-Code-Session-Id`` (else the session in
 ``metadata.user_id``) is the request's session hint (``web.identity``).
 ``max_tokens`` above the server's cap is clamped to it.
 
+Structured outputs: ``output_config.format`` (or the beta's top-level
+``output_format``), ``{"type": "json_schema", "schema": {...}}``, is enforced
+while decoding (``runtime.grammar``): the text block is JSON the schema
+accepts, unless ``max_tokens`` cuts it.
+
 Ignored without complaint: ``cache_control`` anywhere, ``thinking`` blocks
 sent back in assistant turns, and request fields this server has no use for
-(``thinking``, ``context_management``, ``output_config``, ``service_tier``,
-beta headers, ...). Refused with a 400: images and documents (this server
-reads text), server tools (``web_search_...``).
+(``thinking``, ``context_management``, ``output_config.effort``,
+``service_tier``, beta headers, ...). Refused with a 400: images and
+documents (this server reads text), server tools (``web_search_...``), a
+JSON schema this server cannot enforce, and an output format beside
+``tools``.
 """
 
 from __future__ import annotations
@@ -98,6 +105,8 @@ def _request(data: dict, headers: Mapping[str, str], max_tokens: int) -> ChatReq
     system = _system(data)
     tools, tool_choice = _tools(data)
     metadata = v.obj(data, "metadata")
+    grammar = _output_format(data)
+    v.no_tools_with(grammar, tools, "output_config.format")
     return ChatRequest(
         messages=messages,
         max_tokens=max_tokens,
@@ -113,7 +122,16 @@ def _request(data: dict, headers: Mapping[str, str], max_tokens: int) -> ChatReq
         tools=tools,
         tool_choice=tool_choice,
         metadata=metadata,
+        grammar=grammar,
     )
+
+
+def _output_format(data: dict) -> str | None:
+    """Structured outputs: ``output_config.format``, or the beta's ``output_format``."""
+    config = v.obj(data, "output_config") or {}
+    if config.get("format") is not None:
+        return v.output_format(config, "format", "output_config.", kinds=("json_schema",))
+    return v.output_format(data, "output_format", kinds=("json_schema",))
 
 
 def _metadata_session(metadata: Mapping | None) -> str | None:

@@ -107,7 +107,7 @@ def context_first(conversation: list[dict]) -> list[dict]:
 def sampling(req: ChatRequest) -> dict:
     """The runtime's sampling arguments; greedy unless the client set a temperature."""
     out: dict = {"max_tokens": req.max_tokens, "stop": req.stop}
-    for key in ("temperature", "top_p", "top_k", "seed"):
+    for key in ("temperature", "top_p", "top_k", "seed", "grammar"):
         if (value := getattr(req, key)) is not None:
             out[key] = value
     return out

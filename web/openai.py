@@ -27,8 +27,14 @@ as DeepSeek's API and vLLM send it.
 
 Leading ``system`` and ``developer`` messages become the system prompt; later
 ones stay where they are. Refused with a 400: images, audio and files (this
-server reads text), ``n`` other than 1, ``logprobs``, ``response_format``
-other than text, legacy ``function`` messages. Other unknown fields are ignored.
+server reads text), ``n`` other than 1, ``logprobs``, legacy ``function``
+messages, a JSON schema this server cannot enforce, and ``response_format``
+beside ``tools``. Other unknown fields are ignored.
+
+``response_format`` ``json_schema`` (``strict`` or not) and ``json_object``
+are enforced while decoding (``runtime.grammar``): the reply's content is
+JSON that the schema accepts, laid out as ``json.dumps`` does, unless
+``max_tokens`` cuts it (``finish_reason: "length"``).
 """
 
 from __future__ import annotations
@@ -87,6 +93,8 @@ def parse_request(body: bytes, headers: Mapping[str, str] | None = None, *, max_
     stream = v.boolean(data, "stream")
     options = v.obj(data, "stream_options") or {}
     tools, tool_choice = _tools(data)
+    grammar = v.output_format(data, "response_format", schema_in="json_schema")
+    v.no_tools_with(grammar, tools, "response_format")
     return ChatRequest(
         messages=messages,
         max_tokens=max_tokens,
@@ -104,6 +112,7 @@ def parse_request(body: bytes, headers: Mapping[str, str] | None = None, *, max_
         tools=tools,
         tool_choice=tool_choice,
         metadata=v.obj(data, "metadata"),
+        grammar=grammar,
     )
 
 
@@ -117,9 +126,6 @@ def _refuse_unsupported(data: dict) -> None:
         raise v.bad("n", f"only 1 choice per request is supported, not {n}")
     if v.boolean(data, "logprobs"):
         raise v.bad("logprobs", "log probabilities are not supported")
-    fmt = v.obj(data, "response_format")
-    if fmt is not None and fmt.get("type") != "text":
-        raise v.bad("response_format", f"only {{'type': 'text'}} is supported, not {fmt.get('type')!r}")
 
 
 def _messages(data: dict) -> tuple[str | None, tuple[dict, ...]]:

@@ -43,9 +43,14 @@ A reply with neither text nor calls still gets its (empty) message item. An
 SSE comment (``: keep-alive``) follows each quiet ``HEARTBEAT_S``. A failure
 after the stream has begun is an ``error`` event and then ``response.failed``.
 
+``text.format`` ``json_schema`` and ``json_object`` are enforced while
+decoding (``runtime.grammar``) and echoed: the output text is JSON the schema
+accepts, unless ``max_output_tokens`` cuts it.
+
 Refused with a 400: input items other than messages, function calls, their
-outputs and reasoning (ignored); image, audio and file parts; ``text.format``
-other than text; ``background``; ``conversation``. Hosted and custom tools
+outputs and reasoning (ignored); image, audio and file parts; a JSON schema
+this server cannot enforce, or ``text.format`` beside function tools;
+``background``; ``conversation``. Hosted and custom tools
 (``web_search``, ``local_shell``, Codex's ``namespace`` ...) are ignored:
 only function tools reach the model. ``store``, ``include``, ``reasoning``,
 ``text.verbosity``, ``truncation``, ``client_metadata`` and other unknown
@@ -170,6 +175,8 @@ def parse_request(body: bytes, headers: Mapping[str, str] | None = None, *, max_
     asked = v.integer(data, "max_output_tokens", lo=1)
     _refuse_unsupported(data)
     tools, chat_tools, choice, echo_choice = _tools(data)
+    grammar = v.output_format(v.obj(data, "text") or {}, "format", "text.")
+    v.no_tools_with(grammar, chat_tools, "text.format")
     extra = {k: data[k] for k in ("reasoning", "text", "user", "prompt_cache_key", "truncation")
              if data.get(k) is not None}
     return ResponsesRequest(
@@ -195,6 +202,7 @@ def parse_request(body: bytes, headers: Mapping[str, str] | None = None, *, max_
         echo_tools=tools,
         echo_tool_choice=echo_choice,
         extra=extra,
+        grammar=grammar,
     )
 
 
@@ -214,10 +222,6 @@ def _refuse_unsupported(data: dict) -> None:
     if data.get("conversation") is not None:
         raise v.bad("conversation", "conversations are not supported; continue a response with "
                                     "previous_response_id")
-    text = v.obj(data, "text") or {}
-    fmt = v.obj(text, "format", "text.") or {}
-    if fmt.get("type", "text") != "text":
-        raise v.bad("text.format.type", f"only 'text' is supported, not {fmt.get('type')!r}")
 
 
 def _input(data: dict, leading_system: bool) -> tuple[str | None, tuple[dict, ...]]:
@@ -388,7 +392,7 @@ def _response(rid: str, *, model: str, created: float, status: str, output: list
         "reasoning": {"effort": None, "summary": None},
         "store": req.store if req else True,
         "temperature": req.temperature if req else None,
-        "text": {"format": {"type": "text"}},
+        "text": extra.get("text") or {"format": {"type": "text"}},
         "tool_choice": req.echo_tool_choice if req else "auto",
         "tools": list(req.echo_tools) if req else [],
         "top_p": req.top_p if req else None,

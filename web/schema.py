@@ -108,6 +108,7 @@ class ChatRequest:
     tools: tuple[dict, ...] | None = None  # {"type": "function", "function": {name, description, parameters}}
     tool_choice: Literal["auto", "required"] = "auto"  # a forced tool arrives as tools=(that tool,)
     metadata: Mapping | None = None
+    grammar: str | None = None  # structured output: the reply follows it (``runtime.grammar``)
 
     def __post_init__(self):
         if not self.messages:

@@ -517,3 +517,43 @@ async def test_8_bit_caches_batch_persist_and_live_apart_from_4_bit_ones(tmp_pat
     with pytest.raises(ValueError, match="kv_bits must be 4 or 8"):
         async with Runtime.open(loaded, tmp_path, kv_bits=3):
             pass
+
+
+
+async def test_a_grammar_shapes_a_reply_and_a_bad_one_is_refused_at_once(tmp_path):
+    """``grammar=`` (``runtime.grammar``) on the in-process API: two agents at
+    once, one constrained, reply as each does alone, and the constrained
+    reply is JSON its schema accepts."""
+    import json
+
+    import jsonschema
+
+    from runtime.grammar import json_schema
+    from tests.web.live import tiny_loaded
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    asks = [dict(max_tokens=40, grammar=json_schema(schema)), dict(max_tokens=12)]
+
+    async def replies(rt, together: bool) -> list[str]:
+        agents = [await rt.agent(f"{'t' if together else 's'}{i}") for i in range(2)]
+        out = [None, None]
+
+        async def one(i):
+            out[i] = await agents[i].reply("Answer as JSON.", **asks[i])
+
+        if together:
+            async with anyio.create_task_group() as tg:
+                for i in range(2):
+                    tg.start_soon(one, i)
+        else:
+            for i in range(2):
+                await one(i)
+        return out
+
+    async with Runtime.open(tiny_loaded(), tmp_path) as rt:
+        together = await replies(rt, together=True)
+        assert together == await replies(rt, together=False)
+        jsonschema.validate(json.loads(together[0]), schema)
+        with pytest.raises(ValueError, match="Invalid type"):
+            (await rt.agent("s0")).send("x", grammar='{"grammars": [{"json_schema": {"type": "strin"}}]}')

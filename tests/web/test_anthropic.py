@@ -98,6 +98,14 @@ BAD = [
      "tool_choice.name: names no tool in 'tools': 'b'"),
     (ok(tools=[{"name": "a", "input_schema": {}}], tool_choice={"type": "maybe"}),
      "tool_choice.type: must be 'auto', 'any', 'tool' or 'none', not 'maybe'"),
+    (ok(output_config={"format": {"type": "json_object"}}),
+     "output_config.format.type: must be 'json_schema', not 'json_object'"),
+    (ok(output_config={"format": {"type": "json_schema", "schema": {"type": "object", "not": {}}}}),
+     "output_config.format.schema: this server cannot enforce this JSON schema: Unimplemented keys"),
+    (ok(output_format={"type": "json_schema"}), "output_format.schema: is required"),
+    (ok(output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}},
+        tools=[{"name": "a", "input_schema": {}}]),
+     "output_config.format: structured output together with tools is not supported"),
 ]
 
 

@@ -1,0 +1,104 @@
+"""``semantic bench structured``: what a grammar costs a decode step.
+
+In one process, on one engine: B agents (each of ``--batch``) decode at once,
+free or each under a JSON schema (an array of at least 50 short strings, so
+no reply can end within the timed steps), in alternating rounds. Each
+``step_once`` is timed while all B decode; reported are the medians of those
+steps for both, their ratio, and the time the grammar's mask takes alone per
+row (llguidance's ``compute_mask`` and making it an MLX array: the rest of the
+difference is the step no longer built while the last one computes, as a
+grammar's next mask waits on the last token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import runtime  # noqa: F401  (fast BLAS before mlx)
+import mlx.core as mx
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"notes": {"type": "array", "items": {"type": "string", "maxLength": 60}, "minItems": 50}},
+    "required": ["notes"],
+    "additionalProperties": False,
+}
+TOPICS = ("lighthouses", "rivers", "bridges", "harbours", "mountains", "forests", "deserts", "islands")
+
+
+def step_times(engine, prompts: list[list[int]], sampling, steps: int) -> list[float]:
+    """Seconds of each decode step while every one of ``prompts`` decodes."""
+    ids = [engine.add(p, sampling) for p in prompts]
+    while engine.prefilling:
+        engine.prefill_step()
+    times = []
+    while engine.decoding == len(prompts) and len(times) < steps:
+        start = time.perf_counter()
+        engine.step_once()
+        times.append(time.perf_counter() - start)
+    for i in ids:
+        engine.cancel(i)
+    return times[1:]  # the first step after the prefill builds its forwards
+
+
+def mask_us(grammar: str, tokenizer, vocab: int) -> float:
+    """Median microseconds of one row's mask, walking a valid reply token by token."""
+    from runtime.grammar import Grammars
+
+    constraint = Grammars(tokenizer, tokenizer.eos_token_ids).constraint(grammar)
+    reply = json.dumps({"notes": ["a short note about the sea"] * 8})
+    times = []
+    for token in tokenizer.encode(reply, add_special_tokens=False):
+        start = time.perf_counter()
+        mx.eval(constraint.allowed(vocab))
+        times.append(time.perf_counter() - start)
+        constraint.advance(token)
+    return statistics.median(times) * 1e6
+
+
+def structured(loaded, batches: tuple[int, ...], steps: int, rounds: int, log=lambda line: None) -> dict:
+    from runtime.engine import Engine, SamplingParams
+    from runtime.grammar import json_schema
+
+    engine = Engine(loaded.model, loaded.tokenizer)
+    tok = loaded.tokenizer
+    grammar = json_schema(SCHEMA)
+    free, shaped = SamplingParams(max_tokens=steps + 4), SamplingParams(max_tokens=steps + 4, grammar=grammar)
+    out = {"steps": steps, "rounds": rounds, "batches": []}
+    for b in batches:
+        prompts = [tok.apply_chat_template([{"role": "user", "content": f"Write notes about {TOPICS[i % 8]} as JSON."}],
+                                           add_generation_prompt=True) for i in range(b)]
+        times = {"free": [], "grammar": []}
+        for r in range(rounds):
+            for name, sampling in (("free", free), ("grammar", shaped))[:: 1 if r % 2 == 0 else -1]:
+                times[name] += step_times(engine, prompts, sampling, steps)
+        # (a free reply may end by itself: its steps then stop counting, and with none there is no figure)
+        row = {"batch": b, **{f"{k}_step_ms": round(statistics.median(v) * 1e3, 2) if v else None
+                              for k, v in times.items()},
+               "steps_timed": {k: len(v) for k, v in times.items()}}
+        row["ratio"] = row["free_step_ms"] and round(row["grammar_step_ms"] / row["free_step_ms"], 3)
+        out["batches"].append(row)
+        log(f"batch {b}: free {row['free_step_ms']} ms a step, grammar {row['grammar_step_ms']} ms: {row['ratio']}x")
+    out["mask_us_per_row"] = round(mask_us(grammar, tok, loaded.config["vocab_size"]), 1)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from runtime.models import load
+
+    loaded = load(args.model, progress=False)
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if not args.json else (lambda line: None)
+    result = structured(loaded, tuple(args.batch), args.steps, args.rounds, log)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    for row in result["batches"]:
+        print(f"batch {row['batch']}: decode step {row['free_step_ms']} ms free, {row['grammar_step_ms']} ms with a "
+              f"JSON schema: {row['ratio']}x (medians of {row['steps_timed']['free']} / "
+              f"{row['steps_timed']['grammar']} steps)")
+    print(f"the mask alone: {result['mask_us_per_row']} us a row (median)")
+    return 0

@@ -1,0 +1,120 @@
+"""Structured output through every route, driven by the official SDKs' own
+``parse`` helpers against a real server: the reply is JSON the schema
+accepts however unlikely the random-weight model finds it. The schemas allow
+finitely many replies, so each ends by construction, never by the model's
+choice."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import anyio
+import jsonschema
+import pytest
+from pydantic import BaseModel, Field
+
+from .live import client, live_server
+
+anthropic = pytest.importorskip("anthropic")
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.anyio
+
+
+class Shirt(BaseModel):
+    size: Literal["S", "M", "L"]
+    cotton: bool
+    colour: Literal["red", "green", "blue"]
+
+
+class Label(BaseModel):  # a bounded string: OpenAI's strict schema keeps maxLength
+    name: str = Field(max_length=8)
+    shirts: list[Shirt] = Field(max_length=2)
+
+
+ASK = [{"role": "user", "content": "Describe a shirt."}]
+SHIRT = {**Shirt.model_json_schema(), "additionalProperties": False}  # closed: no free keys
+
+
+async def in_thread(url: str, fn):
+    with anyio.fail_after(120):
+        return await anyio.to_thread.run_sync(fn, url)
+
+
+async def test_openai_chat_parse_gives_the_pydantic_model(tmp_path):
+    def ask(url):
+        with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c:
+            completion = c.chat.completions.parse(model="tiny", messages=ASK, response_format=Label, max_tokens=300)
+            with c.chat.completions.stream(model="tiny", messages=ASK, response_format=Shirt,
+                                           max_tokens=300) as stream:
+                streamed = stream.get_final_completion()
+            loose = c.chat.completions.create(model="tiny", messages=ASK, max_tokens=300, response_format={
+                "type": "json_schema", "json_schema": {"name": "shirt", "schema": SHIRT}})
+        return completion, streamed, loose
+
+    async with live_server(tmp_path) as url:
+        completion, streamed, loose = await in_thread(url, ask)
+    for c, model in ((completion, Label), (streamed, Shirt)):
+        choice = c.choices[0]
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, model)
+        assert choice.message.parsed == model.model_validate_json(choice.message.content)
+    assert loose.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(loose.choices[0].message.content), SHIRT)
+
+
+async def test_openai_json_object_is_an_object_or_cut_by_max_tokens(tmp_path):
+    async with live_server(tmp_path) as url, client(url) as http:
+        r = await http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": ASK, "max_tokens": 40, "response_format": {"type": "json_object"}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    text = choice["message"]["content"]
+    assert text.startswith("{")
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+async def test_responses_parse_gives_the_pydantic_model(tmp_path):
+    def ask(url):
+        with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c:
+            return c.responses.parse(model="tiny", input="Describe a shirt.", text_format=Shirt,
+                                     max_output_tokens=300)
+
+    async with live_server(tmp_path) as url:
+        response = await in_thread(url, ask)
+    assert response.status == "completed"
+    assert isinstance(response.output_parsed, Shirt)
+    assert response.text.format.type == "json_schema"  # echoed as asked
+
+
+async def test_anthropic_parse_gives_the_pydantic_model(tmp_path):
+    def ask(url):
+        with anthropic.Anthropic(base_url=url, api_key="x", max_retries=0) as c:
+            message = c.messages.parse(model="tiny", max_tokens=300, messages=ASK, output_format=Shirt)
+            beta = c.messages.create(model="tiny", max_tokens=300, messages=ASK, extra_body={
+                "output_format": {"type": "json_schema", "schema": SHIRT}})
+        return message, beta
+
+    async with live_server(tmp_path) as url:
+        message, beta = await in_thread(url, ask)
+    assert message.stop_reason == "end_turn"
+    assert isinstance(message.parsed_output, Shirt)
+    assert Shirt.model_validate_json(beta.content[0].text)
+
+
+async def test_agent_api_format(tmp_path):
+    schema = SHIRT
+    async with live_server(tmp_path) as url, client(url) as http:
+        assert (await http.post("/v1/agents", json={"id": "tailor"})).status_code == 201
+        for _ in range(2):  # the second turn follows the first, both constrained
+            r = await http.post("/v1/agents/tailor/messages", json={
+                "content": "Another shirt.", "max_tokens": 300, "format": {"type": "json_schema", "schema": schema}})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["stop_reason"] == "end_turn"
+            jsonschema.validate(json.loads(body["content"]), schema)
+        bad = await http.post("/v1/agents/tailor/messages", json={
+            "content": "x", "max_tokens": 5, "format": {"type": "json_schema", "schema": {"not": {}}}})
+        assert bad.status_code == 400 and "format.schema" in bad.json()["error"]["message"]
