@@ -2,7 +2,8 @@
 and matched by llguidance (the library llama.cpp and vLLM use).
 
 A grammar is llguidance's text (its JSON form, or Lark): ``json_schema``
-makes one from a JSON schema, ``JSON_OBJECT`` allows any JSON object.
+makes one from a JSON schema, ``JSON_OBJECT`` allows any JSON object, and
+``lark`` one from llguidance's Lark, where ``json_rule`` embeds a schema.
 ``check`` refuses what llguidance cannot compile, naming it (unsupported
 schema keywords, bad types), without a tokenizer, so a request is refused
 before it queues.
@@ -27,7 +28,8 @@ import mlx.core as mx
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
-__all__ = ["CACHED", "Constraint", "GrammarError", "Grammars", "JSON_OBJECT", "check", "json_schema"]
+__all__ = ["CACHED", "Constraint", "GrammarError", "Grammars", "JSON_OBJECT", "check", "json_rule", "json_schema",
+           "lark"]
 
 CACHED = 32  # compiled grammars kept per engine (a compile can take 0.1-1 s for a large schema)
 _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -59,6 +61,18 @@ def json_schema(schema: Mapping) -> str:
 
 
 JSON_OBJECT = json_schema({"type": "object"})
+
+
+def json_rule(schema: Mapping) -> str:
+    """A Lark rule's body matching the JSON ``schema`` allows, laid out as ``json_schema`` lays it out."""
+    return "%json " + json.dumps({**schema, "x-guidance": _LAYOUT})
+
+
+def lark(text: str) -> str:
+    """The grammar of a Lark ``text`` (llguidance's dialect); raises ``GrammarError``."""
+    grammar = LLMatcher.grammar_from_lark(text)
+    check(grammar)
+    return grammar
 
 
 class Constraint:

@@ -36,6 +36,7 @@ from actors import (Agent, AgentExists, AgentGone, ContextTooLong, Message, Repl
 from runtime.agent_cache import OutOfMemory
 from runtime.cache_file import InvalidAgentId, validate_agent_id
 from runtime.errors import ModelError, SemanticError
+from runtime.grammar import GrammarError
 from runtime.outcome import TurnResult
 
 from ._aio import closing
@@ -43,7 +44,8 @@ from .identity import ConversationIndex, forked_conversation_id, new_conversatio
 from .metrics import Metrics
 from .reasoning import CLOSE, OPEN, ReasoningSplitter, split_reasoning
 from .schema import ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, TextDelta, Usage
-from .tools import ToolCallFilter, ToolFormat, finish_result, flatten_tool_messages, supports_tools, tool_format
+from .tools import (ToolCallFilter, ToolFormat, call_grammar, finish_result, flatten_tool_messages, supports_tools,
+                    tool_format, tool_prompt)
 
 __all__ = ["ChatCore", "ChatTurn", "Prepared", "chat_result", "checked_agent_id", "context_first", "prepare",
            "sampling", "turn_error"]
@@ -59,6 +61,7 @@ class Prepared:
     tools: tuple[dict, ...] | None  # for the chat template (None: none, or it takes none)
     fmt: ToolFormat | None  # how to parse calls out of the reply
     tool_names: frozenset[str]
+    grammar: str | None = None  # what the reply must follow: the request's format, or a forced call
 
 
 @dataclass(frozen=True)
@@ -75,8 +78,14 @@ class ChatTurn:
 
 
 def prepare(req: ChatRequest, chat_template: str | None) -> Prepared:
-    """The conversation and tools of ``req`` as this model's template can take them."""
+    """The conversation and tools of ``req`` as this model's template can take
+    them, and the grammar its reply must follow. A forced call (``required``)
+    is held to one call of the tools, in the template's format -- or, for a
+    template without tools, in the Hermes format its system prompt is told
+    of (``tool_prompt``). Raises ``RequestError`` (400) for tools whose
+    schemas cannot be enforced."""
     conversation = context_first(req.conversation())
+    forced = bool(req.tools) and req.tool_choice == "required"
     if supports_tools(chat_template):
         tools = req.tools or None
         fmt = tool_format(chat_template) if tools else None
@@ -84,9 +93,25 @@ def prepare(req: ChatRequest, chat_template: str | None) -> Prepared:
         if any(m["role"] == "tool" or m.get("tool_calls") for m in conversation):
             conversation = flatten_tool_messages(conversation)
         tools, fmt = None, None
+        if forced:
+            conversation = with_system(conversation, tool_prompt(req.tools))
+            fmt = "hermes"
+    grammar = req.grammar
+    if forced and fmt is not None:
+        try:
+            grammar = call_grammar(fmt, req.tools)
+        except GrammarError as e:
+            raise RequestError(400, f"tools: this server cannot enforce a call of these tools: {e}", "tools") from None
     messages = tuple(Message(m["role"], m["content"], tuple(m.get("tool_calls") or ()), m.get("tool_call_id"),
                              m.get("name")) for m in conversation)
-    return Prepared(messages, tools, fmt, req.tool_names if tools else frozenset())
+    return Prepared(messages, tools, fmt, req.tool_names if fmt else frozenset(), grammar)
+
+
+def with_system(conversation: list[dict], text: str) -> list[dict]:
+    """``conversation`` with ``text`` after its system prompt (or as one)."""
+    if conversation and conversation[0]["role"] == "system":
+        return [{**conversation[0], "content": conversation[0]["content"] + "\n\n" + text}, *conversation[1:]]
+    return [{"role": "system", "content": text}, *conversation]
 
 
 def context_first(conversation: list[dict]) -> list[dict]:
@@ -107,7 +132,7 @@ def context_first(conversation: list[dict]) -> list[dict]:
 def sampling(req: ChatRequest) -> dict:
     """The runtime's sampling arguments; greedy unless the client set a temperature."""
     out: dict = {"max_tokens": req.max_tokens, "stop": req.stop}
-    for key in ("temperature", "top_p", "top_k", "seed", "grammar"):
+    for key in ("temperature", "top_p", "top_k", "seed"):
         if (value := getattr(req, key)) is not None:
             out[key] = value
     return out
@@ -186,7 +211,7 @@ class ChatCore:
             agent = await (self._fork(fork_from, agent_id) if fork_from is not None else self._open(agent_id))
             return await self._run(agent, model, req, prepared.messages, prepared, release, route,
                                    lambda: agent.respond(prepared.messages, tools=prepared.tools, model=model,
-                                                         **sampling(req)))
+                                                         **sampling(req), grammar=prepared.grammar))
 
     async def send(self, agent: Agent, content: str, *, model: str, use_cache: bool, sampling: dict,
                    route: str = "agent") -> ChatTurn:

@@ -10,11 +10,16 @@ Known formats (``ToolFormat``):
   (several may be separated by ``;``), or follows ``<|python_tag|>`` either as
   that JSON or as a built-in call ``brave_search.call(query="...")``.
 
-A model whose chat template never mentions ``tools`` cannot be told about
+A model whose chat template never mentions ``tools`` is not told about
 tools; ``flatten_tool_messages`` turns a conversation with tool calls and
 results into plain user/assistant text such a template can render, and the
-server answers with text (never a tool call) -- the documented behaviour for
-such models.
+server answers with text -- unless the request forces a call: then
+``tool_prompt`` tells the model of the tools in the Hermes format, in the
+system prompt.
+
+A forced call (``tool_choice`` required or naming a tool) is enforced while
+decoding: ``call_grammar`` allows exactly one call, in the model's format,
+of one of the tools, with arguments its parameters schema accepts.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Collection
 from dataclasses import replace
 from typing import Literal
 
+from runtime import grammar
 from runtime.json_reader import JSONError, check_depth, read_json
 
 from .schema import ChatResult, StreamItem, TextDelta, ToolCall
@@ -34,6 +40,7 @@ from .schema import ChatResult, StreamItem, TextDelta, ToolCall
 __all__ = [
     "ToolCallFilter",
     "ToolFormat",
+    "call_grammar",
     "finish_result",
     "flatten_tool_messages",
     "new_call_id",
@@ -41,6 +48,7 @@ __all__ = [
     "split_tool_calls",
     "supports_tools",
     "tool_format",
+    "tool_prompt",
 ]
 
 ToolFormat = Literal["hermes", "llama3"]
@@ -74,6 +82,29 @@ def tool_format(chat_template: str | None) -> ToolFormat | None:
     if _PYTHON_TAG in chat_template or ("ipython" in chat_template and '"parameters"' in chat_template):
         return "llama3"
     return None
+
+
+def call_grammar(fmt: ToolFormat, tools: Collection[dict]) -> str:
+    """The grammar of a reply that is one call, in ``fmt``, of one of
+    ``tools`` (``{"type": "function", "function": {name, parameters}}``)
+    with arguments its parameters schema accepts; raises ``GrammarError``."""
+    key = "arguments" if fmt == "hermes" else "parameters"
+    calls = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", key], "properties": {
+        "name": {"const": t["function"]["name"]}, key: t["function"].get("parameters") or {"type": "object"}}}
+        for t in tools]}
+    if fmt == "hermes":
+        return grammar.lark(f'start: "{_HERMES_OPEN}\\n" call "\\n{_HERMES_CLOSE}"\ncall: {grammar.json_rule(calls)}')
+    return grammar.json_schema(calls)
+
+
+def tool_prompt(tools: Collection[dict]) -> str:
+    """What a model whose template takes no tools is told when it must call
+    one: the tools and the Hermes call format (``call_grammar`` holds it to it)."""
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nAnswer by calling one of these functions. Their signatures are within <tools></tools> "
+            f"XML tags:\n<tools>\n{listed}\n</tools>\n\nReturn the call as a JSON object with the function's "
+            f'name and arguments within {_HERMES_OPEN}{_HERMES_CLOSE} XML tags:\n{_HERMES_OPEN}\n'
+            f'{{"name": <function-name>, "arguments": <args-json-object>}}\n{_HERMES_CLOSE}')
 
 
 def parse_tool_calls(text: str, fmt: ToolFormat | None,

@@ -1,8 +1,8 @@
-"""Structured output through every route, driven by the official SDKs' own
-``parse`` helpers against a real server: the reply is JSON the schema
-accepts however unlikely the random-weight model finds it. The schemas allow
-finitely many replies, so each ends by construction, never by the model's
-choice."""
+"""Structured output and forced tool calls through every route, driven by the
+official SDKs against a real server: the reply is JSON the schema accepts, or
+one call with valid arguments, however unlikely the random-weight model
+finds it. The schemas allow finitely many replies, so each ends by
+construction, never by the model's choice."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from .live import client, live_server
+from .live import client, live_server, tiny_with_template
+from .test_tools import HERMES, NOOP_FN, WEATHER_FN
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -118,3 +119,66 @@ async def test_agent_api_format(tmp_path):
         bad = await http.post("/v1/agents/tailor/messages", json={
             "content": "x", "max_tokens": 5, "format": {"type": "json_schema", "schema": {"not": {}}}})
         assert bad.status_code == 400 and "format.schema" in bad.json()["error"]["message"]
+
+
+WEATHER_SCHEMA = WEATHER_FN["function"]["parameters"]
+OPENAI_TOOLS = [WEATHER_FN, NOOP_FN]
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
+                    "input_schema": t["function"]["parameters"]} for t in OPENAI_TOOLS]
+
+
+def valid_call(name: str, arguments: dict) -> None:
+    assert name in ("get_weather", "noop")
+    if name == "get_weather":
+        jsonschema.validate(arguments, WEATHER_SCHEMA)
+    else:
+        assert arguments == {}
+
+
+@pytest.mark.parametrize("template", [None, HERMES], ids=["no tools in the template", "hermes"])
+async def test_a_forced_call_is_one_valid_call_on_every_route(tmp_path, template):
+    model = tiny_with_template(template) if template else None
+
+    def ask(url):
+        with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as gpt, \
+                anthropic.Anthropic(base_url=url, api_key="x", max_retries=0) as claude:
+            chat = gpt.chat.completions.create(model="tiny", messages=ASK, max_tokens=200, tools=OPENAI_TOOLS,
+                                               tool_choice="required")
+            named = gpt.chat.completions.create(model="tiny", messages=ASK, max_tokens=200, tools=OPENAI_TOOLS,
+                                                tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                                stream=True)
+            deltas = [c.choices[0].delta for c in named if c.choices]
+            response = gpt.responses.create(model="tiny", input="Weather?", max_output_tokens=200,
+                                            tools=[{"type": "function", **t["function"]} for t in OPENAI_TOOLS],
+                                            tool_choice="required")
+            message = claude.messages.create(model="tiny", max_tokens=200, messages=ASK, tools=ANTHROPIC_TOOLS,
+                                             tool_choice={"type": "any"})
+        return chat, deltas, response, message
+
+    async with live_server(tmp_path, model=model) as url:
+        chat, deltas, response, message = await in_thread(url, ask)
+    choice = chat.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0].function
+    valid_call(call.name, json.loads(call.arguments))
+    streamed = [tc for d in deltas for tc in d.tool_calls or ()]
+    assert streamed[0].function.name == "get_weather"  # the one named
+    jsonschema.validate(json.loads("".join(tc.function.arguments or "" for tc in streamed)), WEATHER_SCHEMA)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert response.status == "completed" and len(calls) == 1
+    valid_call(calls[0].name, json.loads(calls[0].arguments))
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and len(uses) == 1
+    valid_call(uses[0].name, uses[0].input)
+
+
+async def test_tools_whose_schema_cannot_be_enforced_are_a_400_when_a_call_is_forced(tmp_path):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}
+    async with live_server(tmp_path) as url, client(url) as http:
+        forced = await http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": ASK, "max_tokens": 5, "tools": [bad], "tool_choice": "required"})
+        free = await http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": ASK, "max_tokens": 5, "tools": [bad]})
+    assert forced.status_code == 400 and forced.json()["error"]["param"] == "tools"
+    assert "cannot enforce a call" in forced.json()["error"]["message"]
+    assert free.status_code == 200  # nothing to enforce: the model is not told of tools

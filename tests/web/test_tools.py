@@ -7,9 +7,10 @@ import random
 
 import pytest
 
+from runtime.grammar import GrammarError
 from web.schema import ChatResult, TextDelta, ToolCall, Usage
-from web.tools import (ToolCallFilter, finish_result, flatten_tool_messages, parse_tool_calls,
-                       split_tool_calls, supports_tools, tool_format)
+from web.tools import (ToolCallFilter, call_grammar, finish_result, flatten_tool_messages, parse_tool_calls,
+                       split_tool_calls, supports_tools, tool_format, tool_prompt)
 
 # SmolLM2-Instruct's template (the embedded model): no tools.
 SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -255,3 +256,58 @@ def test_normalised_tool_turns_render_through_a_hf_style_tool_template():
 
 def test_tool_call_is_hashable_by_id_and_name():
     assert hash(ToolCall("c", "n", {"a": 1})) == hash(ToolCall("c", "n", {"b": 2}))
+
+
+# Closed schemas: a forced call of these tools has finitely many forms.
+WEATHER_FN = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+NOOP_FN = {"type": "function", "function": {"name": "noop", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("fmt, reply", [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>'),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 3}}'),
+])
+def test_a_call_grammar_takes_exactly_what_the_parser_reads_as_a_call(fmt, reply):
+    from runtime.grammar import Grammars
+    from tests.tiny import embedded_tokenizer
+
+    tok = embedded_tokenizer()
+    grammars = Grammars(tok, tok.eos_token_ids)
+    g = call_grammar(fmt, [WEATHER_FN, NOOP_FN])
+
+    def takes(text: str) -> bool:
+        constraint = grammars.constraint(g)
+        for t in tok.encode(text, add_special_tokens=False):
+            if not constraint.allowed(len(tok.get_vocab())).tolist()[t]:
+                return False
+            constraint.advance(t)
+        return constraint.allowed(len(tok.get_vocab())).tolist()[min(tok.eos_token_ids)]  # it may end here
+
+    assert takes(reply)
+    _, calls = parse_tool_calls(reply, fmt, {"get_weather", "noop"})
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Oslo", "days": 3})]
+    assert not takes(reply.replace("Oslo", "Rome"))  # not in the tool's schema
+    assert not takes(reply.replace("get_weather", "get_wether"))  # no such tool
+    assert not takes(reply.replace(', "days": 3', ""))  # a required argument left out
+    with pytest.raises(GrammarError, match="not"):
+        call_grammar(fmt, [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}])
+
+
+def test_a_model_without_tools_is_told_of_them_only_when_it_must_call_one():
+    from web.chat import prepare
+    from web.schema import ChatRequest
+
+    ask = dict(messages=({"role": "user", "content": "Weather?"},), max_tokens=50, system="Be brief.")
+    free = prepare(ChatRequest(**ask, tools=(WEATHER_FN,)), SMOLLM2)
+    assert (free.fmt, free.grammar, free.messages[0].content) == (None, None, "Be brief.")
+    forced = prepare(ChatRequest(**ask, tools=(WEATHER_FN,), tool_choice="required"), SMOLLM2)
+    assert forced.fmt == "hermes" and forced.grammar == call_grammar("hermes", [WEATHER_FN])
+    assert forced.messages[0].content == "Be brief.\n\n" + tool_prompt([WEATHER_FN])
+    assert forced.tools is None and forced.tool_names == {"get_weather"}  # the template never sees them
+    with_tools = prepare(ChatRequest(**ask, tools=(WEATHER_FN,), tool_choice="required"), HERMES)
+    assert with_tools.tools == (WEATHER_FN,) and with_tools.messages[0].content == "Be brief."
+    assert with_tools.grammar == call_grammar("hermes", [WEATHER_FN])
