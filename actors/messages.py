@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
-from runtime.engine import SamplingParams
+from runtime.engine import SamplingParams, TokenLogprob
 from runtime.errors import SemanticError
 from runtime.outcome import TurnResult  # re-exported: a turn's reply stream ends with it
 
@@ -81,10 +81,12 @@ class Message:
 
 @dataclass(frozen=True)
 class Delta:
-    """New text of a reply as it streams (whole characters), and its token ids."""
+    """New text of a reply as it streams (whole characters), its token ids,
+    and their log-probabilities when the turn asked for them."""
 
     text: str
     tokens: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 # -- generic replies ---------------------------------------------------------

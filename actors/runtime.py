@@ -626,8 +626,10 @@ class Agent:
         """Queue a turn now and return its stream: ``async for delta in agent.send(...)``.
 
         ``sampling``: ``SamplingParams`` fields (max_tokens, temperature, top_p,
-        top_k, min_p, stop, seed, grammar); greedy by default. ``grammar``
-        (``runtime.grammar.json_schema(schema)``, say) makes the reply follow it.  ``use_cache=False`` prefills
+        top_k, min_p, stop, seed, grammar, logprobs); greedy by default.
+        ``grammar`` (``runtime.grammar.json_schema(schema)``, say) makes the
+        reply follow it; ``logprobs=n`` gives each delta its tokens'
+        ``TokenLogprob`` (and the result all of them).  ``use_cache=False`` prefills
         the whole prompt and reuses nothing (to compare against caching).  ``model``:
         one of ``Runtime.models`` to run on (None: the loaded one); each model
         keeps its own cache of the agent.  Turns of one agent run in

@@ -299,7 +299,7 @@ class Scheduler:
             if d.text or d.tokens:
                 if t.first_token is None:
                     t.first_token = time.perf_counter()
-                self.post(t.cmd.reply, Delta(d.text, d.tokens))
+                self.post(t.cmd.reply, Delta(d.text, d.tokens, d.logprobs))
             if d.finished is not None:
                 self._end(t, d.finished)
 

@@ -55,9 +55,9 @@ from .grammar import Grammars
 from .lean import lean
 from .row_counts import RowCounts, choose
 from .rowwise import rowwise
-from .sampling import Sampler, SamplingParams
+from .sampling import Draw, Sampler, SamplingParams, TokenLogprob
 
-__all__ = ["Engine", "Delta", "Finished", "SamplingParams"]
+__all__ = ["Engine", "Delta", "Finished", "SamplingParams", "TokenLogprob"]
 
 STOP, LENGTH, CANCELLED, PREEMPTED = "stop", "length", "cancelled", "preempted"
 DECODE_ROWS = 8  # the most token slots of a decode forward (``Engine.decode_rows``)
@@ -75,6 +75,7 @@ class Finished:
     reused_tokens: int  # prompt tokens served from the given cache
     prefilled_tokens: int  # prompt tokens computed by this request
     stop_sequence: str | None = None  # the stop string that ended it, if one did
+    logprobs: tuple[TokenLogprob, ...] = ()  # of each output token, when ``SamplingParams.logprobs`` asked
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class Delta:
     tokens: tuple[int, ...]  # new token ids (empty on a bare finish)
     text: str  # new text, safe to show (whole characters, no partial stop string)
     finished: Finished | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # of ``tokens``, when asked
 
 
 @dataclass(eq=False)
@@ -98,6 +100,7 @@ class _Sequence:
     reused: int
     prompt_tokens: int  # the prompt as given (``resume`` may extend ``prompt`` with tokens to recompute)
     output: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of ``output``, when asked
     text: str = ""  # all generated text so far
     shown: int = 0  # length of ``text`` already handed out
     stop_hit: str | None = None  # the stop string found in ``text``
@@ -119,6 +122,7 @@ class _Step:
 
     rows: list[_Sequence]
     tokens: mx.array  # each row's sampled token
+    logprobs: list  # each row's ``Draw.logprobs``
     layers: list[tuple[BatchQuantizedKVCache, int]]  # the batch caches it wrote, with the steps each held before
     states: list[tuple[StateCache, int, list]]  # recurrent layers before it (they cannot be cut back)
 
@@ -283,12 +287,13 @@ class Engine:
                 mx.eval(cache_arrays(seq.view))
                 (self._decoding if ride else self._prefilling).append(seq)  # round-robin among pending prefills
                 continue
-            token = self.shared_tokens(seq.sampler(logits[0, -1])[None])[0]
-            mx.eval(token, cache_arrays(seq.view))
-            new, text, reason = self._accept(seq, token.item())
+            draw = seq.sampler(logits[0, -1])
+            token = self.shared_tokens(draw.token[None])[0]
+            mx.eval(token, draw.logprobs, cache_arrays(seq.view))
+            new, text, reason = self._accept(seq, token.item(), draw.logprobs)
             if reason is None:
                 self._decoding.append(seq)
-            deltas.append(Delta(seq.id, new, text, None if reason is None else self._finished(seq, reason)))
+            deltas.append(self._delta(seq, new, text, reason))
         return deltas
 
     def _picks(self) -> list[tuple[_Sequence, int, bool]]:
@@ -343,15 +348,12 @@ class Engine:
         if self._ahead is not None:
             for seq, token in zip(step.rows, tokens):
                 seq.fed.append(token)  # what the step ahead feeds
-        results = [self._accept(seq, t) for seq, t in zip(step.rows, tokens)]
+        results = [self._accept(seq, t, lp) for seq, t, lp in zip(step.rows, tokens, step.logprobs)]
         self._decoding = [seq for seq, (_, _, reason) in zip(step.rows, results) if reason is None]
         if len(self._decoding) < len(step.rows):
             self._drop_ahead()
             self._flush()
-        return [
-            Delta(seq.id, new, text, None if reason is None else self._finished(seq, reason))
-            for seq, (new, text, reason) in zip(step.rows, results)
-        ]
+        return [self._delta(seq, *result) for seq, result in zip(step.rows, results)]
 
     @property
     def row_counts(self) -> RowCounts:
@@ -560,15 +562,17 @@ class Engine:
             inputs = mx.array(fed)
         else:
             inputs = after.tokens
-        tokens, at = [], 0
+        draws: list[Draw] = []
+        at = 0
         for key, (tile, slots) in zip(keys, tiles):
             logits = self._forward(self._batches[key], inputs[at : at + len(tile)], slots)
-            tokens += [seq.sampler(logits[i]) for i, seq in enumerate(tile)]
+            draws += [seq.sampler(logits[i]) for i, seq in enumerate(tile)]
             at += len(tile)
-        tokens = self.shared_tokens(mx.stack(tokens))
+        tokens = self.shared_tokens(mx.stack([d.token for d in draws]))
+        logprobs = [d.logprobs for d in draws]
         held = [b.arrays for batch in self._batches.values() for b in batch]
-        mx.async_eval(tokens, [cache_arrays(seq.view) for seq in rows], held)
-        return _Step(rows, tokens, list(zip(layers, before)), states)
+        mx.async_eval(tokens, [lp for lp in logprobs if lp is not None], [cache_arrays(seq.view) for seq in rows], held)
+        return _Step(rows, tokens, logprobs, list(zip(layers, before)), states)
 
     def _drop_ahead(self) -> None:
         """Undo the step computed ahead, if any: each of its sequences as before
@@ -614,8 +618,9 @@ class Engine:
         fit = self.attention_budget // max(per_token, 1)
         return int(min(self.max_chunk, max(self.min_chunk, fit)))
 
-    def _accept(self, seq: _Sequence, token: int) -> tuple[tuple[int, ...], str, str | None]:
-        """Record a sampled token: (new token ids, text to show, finish reason or None)."""
+    def _accept(self, seq: _Sequence, token: int, logprobs=None) -> tuple[tuple[int, ...], str, str | None]:
+        """Record a sampled token (with its ``Draw.logprobs``, evaluated, if
+        asked for): (new token ids, text to show, finish reason or None)."""
         reason = None
         new: tuple[int, ...] = (token,)
         if seq.sampler.constraint is not None:
@@ -624,6 +629,8 @@ class Engine:
             reason, new = STOP, ()
         else:
             seq.output.append(token)
+            if logprobs is not None:
+                seq.logprobs.append(TokenLogprob.read(token, logprobs, self._grammars.token_bytes))
             seq.detokenizer.add_token(token)
             seq.text += seq.detokenizer.last_segment
             if len(seq.output) >= seq.sampling.max_tokens:
@@ -633,6 +640,10 @@ class Engine:
             seq.text += seq.detokenizer.last_segment
         text, hit = self._release(seq, final=reason is not None)
         return new, text, STOP if hit else reason
+
+    def _delta(self, seq: _Sequence, new: tuple[int, ...], text: str, reason: str | None) -> Delta:
+        return Delta(seq.id, new, text, None if reason is None else self._finished(seq, reason),
+                     tuple(seq.logprobs[-len(new):]) if new and seq.logprobs else ())
 
     def _release(self, seq: _Sequence, final: bool) -> tuple[str, bool]:
         """Text that may be shown now, holding back a possible partial stop string."""
@@ -662,6 +673,7 @@ class Engine:
             reused_tokens=seq.reused,
             prefilled_tokens=min(len(seq.fed), seq.prompt_tokens) - seq.reused,
             stop_sequence=seq.stop_hit if reason == STOP else None,
+            logprobs=tuple(seq.logprobs),
         )
 
 

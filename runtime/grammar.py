@@ -9,8 +9,8 @@ schema keywords, bad types), without a tokenizer, so a request is refused
 before it queues.
 
 ``Grammars`` belongs to one engine: the tokenizer as llguidance reads it
-(built on first use, ~0.3 s) and the last ``CACHED`` grammars compiled
-against it; ``constraint`` gives each sequence its own matcher. A
+(built on first use, ~0.3 s; it also gives a token's exact bytes, for
+log-probabilities) and the last ``CACHED`` grammars compiled against it; ``constraint`` gives each sequence its own matcher. A
 ``Constraint`` says which tokens may come next (``allowed``: a mask over the
 logits row, which is that sequence's alone, so batch invariance holds) and
 follows the tokens taken (``advance``). The end-of-turn tokens are allowed
@@ -121,6 +121,10 @@ class Grammars:
         while len(self._compiled) > CACHED:
             self._compiled.popitem(last=False)
         return Constraint(matcher.deep_copy(), ll.vocab_size, self._ends)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of one token (a UTF-8 character may span tokens)."""
+        return self._llguidance().decode_bytes([token])
 
     def _llguidance(self) -> LLTokenizer:
         if self._ll is None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .engine import Finished
+    from .sampling import TokenLogprob
 
 __all__ = ["TurnResult", "decode_rate"]
 
@@ -46,6 +47,7 @@ class TurnResult:
     prefill_s: float | None = None  # admitted -> first token (its prefill, interleaved with others' decoding)
     decode_s: float | None = None  # first token -> end
     stop_sequence: str | None = None  # the stop string that ended it (reason "stop")
+    logprobs: tuple[TokenLogprob, ...] = ()  # of each output token, when the turn asked for them
 
     @classmethod
     def measured(cls, finished: Finished | None, reason: str, *, arrived: float, admitted: float,
@@ -67,6 +69,7 @@ class TurnResult:
             prefill_s=None if first is None else first - admitted,
             decode_s=None if first is None else ended - first,
             stop_sequence=f.stop_sequence if f else None,
+            logprobs=f.logprobs if f else (),
         )
 
     @property

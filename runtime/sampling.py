@@ -1,23 +1,31 @@
-"""Per-sequence sampling: temperature, top-p, top-k, min-p, a seed, and a
-grammar the reply must follow.
+"""Per-sequence sampling: temperature, top-p, top-k, min-p, a seed, a
+grammar the reply must follow, and the log-probabilities to report.
 
 Each sequence owns an MLX random key, so its draws do not depend on which
 other sequences share the batch.  Temperature 0 is greedy (argmax).  A
 grammar (``runtime.grammar``) masks the row before either: only the tokens
-it allows next can be drawn.
+it allows next can be drawn.  ``logprobs`` reports, for each token drawn, its
+log-probability and the most likely tokens': float32 log-softmax of the row it
+is drawn from, after the grammar's mask and before temperature, top-k, top-p
+and min-p (the model's distribution over what it may say).
 """
 
 from __future__ import annotations
 
+import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from .grammar import Constraint, check
 
-__all__ = ["SamplingParams", "Sampler"]
+__all__ = ["Draw", "MAX_LOGPROBS", "SamplingParams", "Sampler", "TokenLogprob"]
+
+MAX_LOGPROBS = 20  # alternatives a token may report (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -30,6 +38,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())
     seed: int | None = None
     grammar: str | None = None  # llguidance's grammar text (``runtime.grammar.json_schema``)
+    logprobs: int | None = None  # None: none; n: each token's logprob and the n most likely tokens'
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -47,10 +56,34 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         if self.grammar is not None:
             check(self.grammar)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability, and the most likely tokens at its place."""
+
+    token: int
+    piece: bytes  # the token's bytes (a UTF-8 character may span tokens)
+    logprob: float
+    top: tuple[TokenLogprob, ...] = ()  # most likely first; tokens a grammar forbids are left out
+
+    @classmethod
+    def read(cls, token: int, packed: tuple[mx.array, mx.array], pieces: Callable[[int], bytes]) -> TokenLogprob:
+        """From a ``Draw``'s evaluated ``logprobs``; ``pieces`` gives a token's bytes."""
+        values, ids = (a.tolist() for a in packed)
+        top = tuple(cls(t, pieces(t), v) for t, v in zip(ids, values[1:]) if v > -math.inf)
+        return cls(token, pieces(token), values[0], top)
+
+
+class Draw(NamedTuple):
+    token: mx.array  # the token id (a lazy scalar)
+    logprobs: tuple[mx.array, mx.array] | None  # lazy: ([its logprob, the top's ...], [the top's ids]); or None
 
 
 class Sampler:
@@ -65,11 +98,21 @@ class Sampler:
         self._key = mx.random.key(seed)
         self._previous_key = self._key
 
-    def __call__(self, logits: mx.array) -> mx.array:
-        """``logits``: (vocab,) -> a scalar token id (lazy)."""
+    def __call__(self, logits: mx.array) -> Draw:
+        """``logits``: (vocab,) -> the token drawn, and its logprobs if asked for (lazy)."""
         p = self.params
         if self.constraint is not None:
             logits = mx.where(self.constraint.allowed(logits.shape[-1]), logits, -mx.inf)
+        token = self._draw(logits)
+        if p.logprobs is None:
+            return Draw(token, None)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        top = mx.argpartition(-logprobs, p.logprobs - 1)[: p.logprobs] if p.logprobs else mx.array([], mx.int32)
+        top = top[mx.argsort(-logprobs[top])]
+        return Draw(token, (mx.concatenate([logprobs[token][None], logprobs[top]]), top))
+
+    def _draw(self, logits: mx.array) -> mx.array:
+        p = self.params
         if p.greedy:
             return mx.argmax(logits, axis=-1)
         logprobs = (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[None]

@@ -7,13 +7,18 @@ The server keeps each agent's history; a client sends only the new message.
     GET    /v1/agents/{id}           summary + "history"
     DELETE /v1/agents/{id}           {"id", "deleted": true}
     POST   /v1/agents/{id}/messages  {"content", "max_tokens", "temperature"?, "top_p"?, "top_k"?,
-                                      "seed"?, "stop"?, "stream"?, "use_cache"?, "model"?, "format"?}
+                                      "seed"?, "stop"?, "stream"?, "use_cache"?, "model"?, "format"?,
+                                      "logprobs"?}
     POST   /v1/agents/{id}/fork      {"id"}                       201 {"id", "forked_from", ...}
 
 A turn answers ``turn_json`` (or, streaming, ``event: delta`` {"text"}
 events -- ``event: reasoning`` {"text"} first for a model that reasons --
 and then ``event: done`` with the same object); errors are
 ``{"error": {"type", "message"}}`` (an ``event: error`` mid-stream).
+
+``logprobs``: n (0-20) adds ``"logprobs"``, each output token's
+log-probability and the n likeliest tokens' (``runtime.sampling``), to the
+turn's object (the one ``done`` carries, streaming).
 
 ``format``: ``{"type": "json_schema", "schema": {...}}`` or ``{"type":
 "json_object"}`` makes the reply JSON that follows it (``runtime.grammar``),
@@ -28,10 +33,12 @@ from typing import TYPE_CHECKING
 
 from actors import AgentInfo
 from runtime.outcome import TurnResult
+from runtime.sampling import MAX_LOGPROBS
 
 from . import _validate as v
 from ._aio import closing
-from .schema import ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, TextDelta, load_json
+from .schema import (ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem, TextDelta, load_json,
+                     logprob_json)
 from .sse import KEEP_ALIVE, encode
 
 if TYPE_CHECKING:
@@ -81,6 +88,7 @@ def parse_turn(body: bytes, *, max_tokens_cap: int) -> TurnRequest:
         "top_k": v.integer(data, "top_k", lo=0),
         "seed": v.integer(data, "seed"),
         "grammar": v.output_format(data, "format"),
+        "logprobs": v.integer(data, "logprobs", lo=0, hi=MAX_LOGPROBS),
     }
     return TurnRequest(
         content=v.string(data, "content", required=True),
@@ -123,6 +131,7 @@ def turn_json(agent_id: str, model: str, result: ChatResult) -> dict:
         "usage": {"prompt_tokens": u.prompt_tokens, "reused_tokens": u.cache_read_input_tokens,
                   "prefilled_tokens": u.input_tokens, "output_tokens": u.output_tokens},
         "timing": timing,
+        **({"logprobs": [logprob_json(lp) for lp in turn.logprobs]} if turn is not None and turn.logprobs else {}),
     }
 
 
@@ -151,6 +160,8 @@ async def turn_events(agent_id: str, model: str, items: AsyncIterable[StreamItem
                 if isinstance(item, Heartbeat):
                     sent = True
                     yield KEEP_ALIVE
+                elif isinstance(item, LogprobsDelta):
+                    continue  # they come with ``done``
                 elif isinstance(item, (TextDelta, ReasoningDelta)):
                     sent = True
                     yield encode({"text": item.text}, "delta" if isinstance(item, TextDelta) else "reasoning")

@@ -43,7 +43,8 @@ from ._aio import closing
 from .identity import ConversationIndex, forked_conversation_id, new_conversation_id
 from .metrics import Metrics
 from .reasoning import CLOSE, OPEN, ReasoningSplitter, split_reasoning
-from .schema import ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, TextDelta, Usage
+from .schema import (ChatRequest, ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem,
+                     TextDelta, Usage)
 from .tools import (ToolCallFilter, ToolFormat, call_grammar, finish_result, flatten_tool_messages, supports_tools,
                     tool_format, tool_prompt)
 
@@ -132,7 +133,7 @@ def context_first(conversation: list[dict]) -> list[dict]:
 def sampling(req: ChatRequest) -> dict:
     """The runtime's sampling arguments; greedy unless the client set a temperature."""
     out: dict = {"max_tokens": req.max_tokens, "stop": req.stop}
-    for key in ("temperature", "top_p", "top_k", "seed"):
+    for key in ("temperature", "top_p", "top_k", "seed", "logprobs"):
         if (value := getattr(req, key)) is not None:
             out[key] = value
     return out
@@ -346,7 +347,8 @@ class _Releasing:
 async def _run_turn(reply: Reply, prepared: Prepared, reasoning: ReasoningSplitter | None,
                     heartbeat_s: float) -> AsyncIterator[StreamItem]:
     """The items of one turn: ``ReasoningDelta`` items (when the model reasons)
-    and ``TextDelta`` items (tool-call markup held back), a ``Heartbeat``
+    and ``TextDelta`` items (tool-call markup held back), each delta's
+    ``LogprobsDelta`` after its text (when the turn asked), a ``Heartbeat``
     whenever nothing came for ``heartbeat_s``, then its ``ChatResult`` with
     reasoning and tool calls parsed out.  Runtime errors become
     ``RequestError``.  Closing the iterator, or cancelling its reader, cancels
@@ -371,6 +373,8 @@ async def _run_turn(reply: Reply, prepared: Prepared, reasoning: ReasoningSplitt
             else:
                 for item in items(reasoning.feed(delta.text) if reasoning else [("text", delta.text)]):
                     yield item
+                if delta.logprobs:
+                    yield LogprobsDelta(delta.logprobs)
     except TurnCancelled:
         pass  # the runtime shut down under it: a "cancelled" result
     except SemanticError as e:  # TurnError, OutOfMemory, RuntimeClosed, ...: the turn did not run

@@ -27,9 +27,13 @@ as DeepSeek's API and vLLM send it.
 
 Leading ``system`` and ``developer`` messages become the system prompt; later
 ones stay where they are. Refused with a 400: images, audio and files (this
-server reads text), ``n`` other than 1, ``logprobs``, legacy ``function``
-messages, a JSON schema this server cannot enforce, and ``response_format``
+server reads text), ``n`` other than 1, legacy ``function`` messages, a JSON schema this server cannot enforce, and ``response_format``
 beside ``tools``. Other unknown fields are ignored.
+
+``logprobs: true`` (with ``top_logprobs``, 0-20) puts each output token's
+log-probability (``runtime.sampling``) in ``choices[0].logprobs.content``;
+streaming, a chunk with an empty delta carries those of the tokens whose
+text came before it.
 
 ``response_format`` ``json_schema`` (``strict`` or not) and ``json_object``
 are enforced while decoding (``runtime.grammar``): the reply's content is
@@ -47,11 +51,12 @@ from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import TYPE_CHECKING
 
 from runtime.json_reader import JSONError, read_json
+from runtime.sampling import MAX_LOGPROBS
 
 from . import _validate as v
 from ._aio import closing
-from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, Usage, cancelled,
-                     load_json, stream_text)
+from .schema import (ChatRequest, ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem,
+                     Usage, cancelled, load_json, logprob_json, stream_text)
 from .sse import KEEP_ALIVE, encode
 
 if TYPE_CHECKING:
@@ -94,6 +99,9 @@ def parse_request(body: bytes, headers: Mapping[str, str] | None = None, *, max_
     options = v.obj(data, "stream_options") or {}
     tools, tool_choice = _tools(data)
     grammar = v.output_format(data, "response_format", schema_in="json_schema")
+    top = v.integer(data, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
+    if top is not None and not v.boolean(data, "logprobs"):
+        raise v.bad("top_logprobs", "needs logprobs: true")
     v.no_tools_with(grammar, tools, "response_format")
     return ChatRequest(
         messages=messages,
@@ -113,6 +121,7 @@ def parse_request(body: bytes, headers: Mapping[str, str] | None = None, *, max_
         tool_choice=tool_choice,
         metadata=v.obj(data, "metadata"),
         grammar=grammar,
+        logprobs=(top or 0) if v.boolean(data, "logprobs") else None,
     )
 
 
@@ -124,8 +133,6 @@ def session_hint(data: dict) -> str | None:
 def _refuse_unsupported(data: dict) -> None:
     if (n := v.integer(data, "n")) not in (None, 1):
         raise v.bad("n", f"only 1 choice per request is supported, not {n}")
-    if v.boolean(data, "logprobs"):
-        raise v.bad("logprobs", "log probabilities are not supported")
 
 
 def _messages(data: dict) -> tuple[str | None, tuple[dict, ...]]:
@@ -287,8 +294,9 @@ def _tool_calls(result: ChatResult) -> list[dict]:
 
 
 def completion_json(result: ChatResult, *, model: str, completion_id: str | None = None,
-                    created: int | None = None) -> dict:
-    """The non-streaming response body for ``result``.
+                    created: int | None = None, logprobs: bool = False) -> dict:
+    """The non-streaming response body for ``result`` (with its tokens'
+    ``logprobs`` from the runtime's record, when asked).
 
     Raises ``RequestError`` (503) for a cancelled turn, which has no completion.
     """
@@ -305,7 +313,8 @@ def completion_json(result: ChatResult, *, model: str, completion_id: str | None
         "object": "chat.completion",
         "created": int(time.time()) if created is None else created,
         "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": None,
+        "choices": [{"index": 0, "message": message,
+                     "logprobs": _logprobs(result.turn.logprobs if result.turn else ()) if logprobs else None,
                      "finish_reason": _FINISH[result.stop_reason]}],
         "usage": _usage(result.usage),
         "system_fingerprint": None,
@@ -318,16 +327,22 @@ def error_json(err: RequestError) -> dict:
     return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
 
 
+def _logprobs(entries) -> dict:
+    return {"content": [logprob_json(lp) for lp in entries], "refusal": None}
+
+
 def response_json(turn: ChatTurn, result: ChatResult) -> dict:
-    return completion_json(result, model=turn.model, created=turn.created)
+    return completion_json(result, model=turn.model, created=turn.created, logprobs=turn.request.logprobs is not None)
 
 
 def events(turn: ChatTurn, items: AsyncIterable[StreamItem]) -> AsyncIterator[bytes]:
-    return completion_chunks(items, model=turn.model, include_usage=turn.request.include_usage, created=turn.created)
+    return completion_chunks(items, model=turn.model, include_usage=turn.request.include_usage, created=turn.created,
+                             logprobs=turn.request.logprobs is not None)
 
 
 async def completion_chunks(items: AsyncIterable[StreamItem], *, model: str, include_usage: bool = False,
-                            completion_id: str | None = None, created: int | None = None) -> AsyncIterator[bytes]:
+                            completion_id: str | None = None, created: int | None = None,
+                            logprobs: bool = False) -> AsyncIterator[bytes]:
     """The SSE stream of one completion, encoded (see the module docstring).
 
     ``items`` are text deltas and then one ``ChatResult``. A ``RequestError``
@@ -340,13 +355,13 @@ async def completion_chunks(items: AsyncIterable[StreamItem], *, model: str, inc
             "created": int(time.time()) if created is None else created, "model": model,
             "system_fingerprint": None}
 
-    def chunk(delta: dict, finish: str | None = None) -> bytes:
-        body = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> bytes:
+        body = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         return encode(body | {"usage": None} if include_usage else body)
 
     started = False
     try:
-        async with closing(stream_text(items)) as pieces:
+        async with closing(stream_text(items, logprobs)) as pieces:
             async for piece in pieces:
                 if not started:
                     started = True
@@ -357,6 +372,8 @@ async def completion_chunks(items: AsyncIterable[StreamItem], *, model: str, inc
                     yield chunk({"reasoning_content": piece.text})
                 elif isinstance(piece, str):
                     yield chunk({"content": piece})
+                elif isinstance(piece, LogprobsDelta):  # its tokens' text came before it, or is held back
+                    yield chunk({}, logprobs=_logprobs(piece.logprobs))
                 else:
                     result = piece
     except RequestError as err:

@@ -52,9 +52,15 @@ outputs and reasoning (ignored); image, audio and file parts; a JSON schema
 this server cannot enforce, or ``text.format`` beside function tools;
 ``background``; ``conversation``. Hosted and custom tools
 (``web_search``, ``local_shell``, Codex's ``namespace`` ...) are ignored:
-only function tools reach the model. ``store``, ``include``, ``reasoning``,
-``text.verbosity``, ``truncation``, ``client_metadata`` and other unknown
-fields are accepted and ignored (``store`` and ``metadata`` are echoed).
+only function tools reach the model. ``store``, other ``include`` entries,
+``reasoning``, ``text.verbosity``, ``truncation``, ``client_metadata`` and
+other unknown fields are accepted and ignored (``store`` and ``metadata`` are
+echoed).
+
+``include: ["message.output_text.logprobs"]`` or ``top_logprobs`` (0-20) puts
+each output token's log-probability (``runtime.sampling``) in the
+``output_text`` part's ``logprobs``; streaming, they come with
+``response.output_text.done`` (the deltas' are empty).
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from actors import Message
+from runtime.sampling import MAX_LOGPROBS
 
 from . import _validate as v
 from ._aio import closing
@@ -76,7 +83,7 @@ from .identity import state_hash
 from .openai import function_tool, session_hint, text_parts, tool_arguments
 from .reasoning import CLOSE, OPEN, split_reasoning
 from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, Usage, cancelled,
-                     load_json, stream_text)
+                     load_json, logprob_json, stream_text)
 from .sse import KEEP_ALIVE, encode
 from .tools import ToolFormat, parse_tool_calls
 
@@ -176,6 +183,8 @@ def parse_request(body: bytes, headers: Mapping[str, str] | None = None, *, max_
     _refuse_unsupported(data)
     tools, chat_tools, choice, echo_choice = _tools(data)
     grammar = v.output_format(v.obj(data, "text") or {}, "format", "text.")
+    top = v.integer(data, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
+    with_logprobs = top is not None or "message.output_text.logprobs" in v.strings(data, "include")
     v.no_tools_with(grammar, chat_tools, "text.format")
     extra = {k: data[k] for k in ("reasoning", "text", "user", "prompt_cache_key", "truncation")
              if data.get(k) is not None}
@@ -203,6 +212,7 @@ def parse_request(body: bytes, headers: Mapping[str, str] | None = None, *, max_
         echo_tool_choice=echo_choice,
         extra=extra,
         grammar=grammar,
+        logprobs=(top or 0) if with_logprobs else None,
     )
 
 
@@ -342,9 +352,9 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" \
-        else []
+def _message_item(item_id: str, text: str, status: str, logprobs=()) -> dict:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": [logprob_json(lp) for lp in logprobs]}
+    content = [part] if status != "in_progress" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
@@ -366,7 +376,8 @@ def _output(result: ChatResult, message_id: str | None = None, reasoning_id: str
     if result.reasoning is not None:
         out.append(_reasoning_item(reasoning_id or _item_id("rs"), result.reasoning))
     if result.text or not result.tool_calls:
-        out.append(_message_item(message_id or _item_id("msg"), result.text, status))
+        out.append(_message_item(message_id or _item_id("msg"), result.text, status,
+                                 result.turn.logprobs if result.turn is not None else ()))
     out += [_call_item(_item_id("fc"), call) for call in result.tool_calls]
     return out
 
@@ -540,7 +551,7 @@ async def response_events(items: AsyncIterable[StreamItem], *, rid: str, model: 
         item = output[index]
         part = item["content"][0]
         yield event("response.output_text.done", item_id=message_id, output_index=index, content_index=0,
-                    text=part["text"], logprobs=[])
+                    text=part["text"], logprobs=part["logprobs"])
         yield event("response.content_part.done", item_id=message_id, output_index=index, content_index=0,
                     part=part)
         yield event("response.output_item.done", output_index=index, item=item)

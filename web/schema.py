@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from runtime.json_reader import JSONError, read_json
+from runtime.sampling import TokenLogprob
 
 from ._aio import closing
 
@@ -34,6 +35,7 @@ __all__ = [
     "ChatRequest",
     "ChatResult",
     "Heartbeat",
+    "LogprobsDelta",
     "ReasoningDelta",
     "RequestError",
     "ROLES",
@@ -44,6 +46,7 @@ __all__ = [
     "Usage",
     "cancelled",
     "load_json",
+    "logprob_json",
     "stream_text",
 ]
 
@@ -109,6 +112,7 @@ class ChatRequest:
     tool_choice: Literal["auto", "required"] = "auto"  # a forced tool arrives as tools=(that tool,)
     metadata: Mapping | None = None
     grammar: str | None = None  # structured output: the reply follows it (``runtime.grammar``)
+    logprobs: int | None = None  # None: not asked; n: each token's logprob and the n likeliest tokens'
 
     def __post_init__(self):
         if not self.messages:
@@ -186,15 +190,30 @@ class ReasoningDelta:
 
 
 @dataclass(frozen=True)
+class LogprobsDelta:
+    """The log-probabilities of the tokens just generated (only when the request asked)."""
+
+    logprobs: tuple[TokenLogprob, ...]
+
+
+def logprob_json(lp: TokenLogprob, top: bool = True) -> dict:
+    """One token's entry as OpenAI writes it: its text, logprob, UTF-8 bytes and the likeliest tokens'."""
+    out = {"token": lp.piece.decode("utf-8", "replace"), "logprob": lp.logprob, "bytes": list(lp.piece)}
+    if top:
+        out["top_logprobs"] = [logprob_json(t, top=False) for t in lp.top]
+    return out
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     """Nothing new for a while (a long prompt prefilling): a stream sends its keep-alive."""
 
 
-# What a streaming route consumes: ReasoningDelta, TextDelta and Heartbeat items,
-# then exactly one ChatResult. The text deltas joined are a prefix of the
-# result's text; the stream builders send the rest (text held back while a
-# tool call might have been starting).
-StreamItem = ReasoningDelta | TextDelta | Heartbeat | ChatResult
+# What a streaming route consumes: ReasoningDelta, TextDelta and Heartbeat items
+# (and LogprobsDelta, when asked for), then exactly one ChatResult. The text
+# deltas joined are a prefix of the result's text; the stream builders send the
+# rest (text held back while a tool call might have been starting).
+StreamItem = ReasoningDelta | TextDelta | LogprobsDelta | Heartbeat | ChatResult
 
 
 def cancelled() -> RequestError:
@@ -202,16 +221,18 @@ def cancelled() -> RequestError:
     return RequestError(503, "the turn was cancelled before it finished; try again")
 
 
-async def stream_text(items: AsyncIterable[StreamItem]) -> AsyncIterator[str | StreamItem]:
+async def stream_text(items: AsyncIterable[StreamItem], logprobs: bool = False) -> AsyncIterator[str | StreamItem]:
     """A turn's text as it streams (non-empty pieces, then what the result holds
-    beyond them; heartbeats and reasoning as they come), then its
-    ``ChatResult``.  ``items`` is closed before the rest of the text comes; a
-    cancelled result raises ``cancelled()``."""
+    beyond them; heartbeats and reasoning as they come, and log-probabilities
+    with ``logprobs``), then its ``ChatResult``.  ``items`` is closed before the
+    rest of the text comes; a cancelled result raises ``cancelled()``."""
     parts: list[str] = []
     async with closing(items) as stream:  # closed once the result is in
         async for item in stream:
-            if isinstance(item, (Heartbeat, ReasoningDelta)):
+            if isinstance(item, (Heartbeat, ReasoningDelta)) or (logprobs and isinstance(item, LogprobsDelta)):
                 yield item
+                continue
+            if isinstance(item, LogprobsDelta):
                 continue
             if isinstance(item, TextDelta):
                 if item.text:

@@ -269,8 +269,10 @@ async def split_tool_calls(items: AsyncIterable[StreamItem], fmt: ToolFormat | N
         if isinstance(item, TextDelta):
             if text := hold.feed(item.text):
                 yield TextDelta(text)
-        else:
+        elif isinstance(item, ChatResult):
             yield finish_result(item, fmt, tool_names)
+        else:
+            yield item
 
 
 def flatten_tool_messages(messages: list[dict]) -> list[dict]:

@@ -557,3 +557,19 @@ async def test_a_grammar_shapes_a_reply_and_a_bad_one_is_refused_at_once(tmp_pat
         jsonschema.validate(json.loads(together[0]), schema)
         with pytest.raises(ValueError, match="Invalid type"):
             (await rt.agent("s0")).send("x", grammar='{"grammars": [{"json_schema": {"type": "strin"}}]}')
+
+
+async def test_logprobs_come_with_each_delta_and_with_the_result(tmp_path):
+    from tests.web.live import tiny_loaded
+
+    async with Runtime.open(tiny_loaded(), tmp_path) as rt:
+        agent = await rt.agent("counter")
+        async with agent.send("Count.", max_tokens=6, logprobs=2) as reply:
+            deltas = [d async for d in reply]
+        streamed = [lp for d in deltas for lp in d.logprobs]
+        assert [lp.token for lp in streamed] == [t for d in deltas for t in d.tokens]
+        assert tuple(streamed) == reply.result.logprobs and len(streamed) == reply.result.output_tokens
+        assert all(len(lp.top) == 2 for lp in streamed)
+        async with agent.send("Again.", max_tokens=3) as reply:
+            assert [d.logprobs async for d in reply if d.logprobs] == []  # not asked: none computed
+        assert reply.result.logprobs == ()

@@ -108,5 +108,5 @@ def test_masked_logits_are_the_models_where_allowed():
     constraint = Grammars(tok, tok.eos_token_ids).constraint(json_schema(COLOUR))
     logits = mx.random.normal((len(tok.get_vocab()),), key=mx.random.key(0))
     mask = constraint.allowed(logits.shape[0])
-    token = Sampler(SamplingParams(), constraint)(logits).item()
+    token = Sampler(SamplingParams(), constraint)(logits).token.item()
     assert token == mx.argmax(mx.where(mask, logits, -mx.inf)).item() and mask[token].item()
