@@ -125,7 +125,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = bench.add_parser("structured", help="what a JSON-schema grammar costs a decode step, against free decoding")
     _add_model(p)
-    p.add_argument("--batch", type=parse_positive_int, nargs="+", default=[1, 4], help="agents at once (default 1 4)")
+    p.add_argument("--batch", type=parse_positive_int, nargs="+", default=[1, 8], help="agents at once (default 1 8)")
     p.add_argument("--steps", type=int, default=24, help="decode steps timed per round (default 24)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of each, alternating (default 3)")
     _add_json(p, "the results")

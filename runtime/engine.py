@@ -331,9 +331,9 @@ class Engine:
         While the same sequences go on decoding (none waiting to join, none at
         its last token, none under a grammar), the next step is built and
         started on these tokens before they are read (``_launch``), so the
-        model's graph is built while the last step computes. A sequence that still finishes (end of turn, a
-        stop string), joins or leaves drops that step ahead (``_drop_ahead``):
-        nothing it computed is kept."""
+        model's graph is built while the last step computes. A sequence that
+        still finishes (end of turn, a stop string), joins or leaves drops
+        that step ahead (``_drop_ahead``): nothing it computed is kept."""
         if not self._decoding:
             return []
         if self._ahead is not None and self._ahead.rows != self._decoding:

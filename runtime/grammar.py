@@ -10,8 +10,8 @@ before it queues.
 
 ``Grammars`` belongs to one engine: the tokenizer as llguidance reads it
 (built on first use, ~0.3 s; it also gives a token's exact bytes, for
-log-probabilities) and the last ``CACHED`` grammars compiled against it; ``constraint`` gives each sequence its own matcher. A
-``Constraint`` says which tokens may come next (``allowed``: a mask over the
+log-probabilities) and the last ``CACHED`` grammars compiled against it;
+``constraint`` gives each sequence its own matcher. A ``Constraint`` says which tokens may come next (``allowed``: a mask over the
 logits row, which is that sequence's alone, so batch invariance holds) and
 follows the tokens taken (``advance``). The end-of-turn tokens are allowed
 exactly where the grammar may end, and are the only ones allowed where it
@@ -123,8 +123,12 @@ class Grammars:
         return Constraint(matcher.deep_copy(), ll.vocab_size, self._ends)
 
     def token_bytes(self, token: int) -> bytes:
-        """The bytes of one token (a UTF-8 character may span tokens)."""
-        return self._llguidance().decode_bytes([token])
+        """The bytes of one token (a UTF-8 character may span tokens); for a
+        tokenizer llguidance cannot read (not a fast one), its decoded text's."""
+        try:
+            return self._llguidance().decode_bytes([token])
+        except ValueError:
+            return self._tokenizer.decode([token]).encode()
 
     def _llguidance(self) -> LLTokenizer:
         if self._ll is None:

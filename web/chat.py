@@ -45,8 +45,8 @@ from .metrics import Metrics
 from .reasoning import CLOSE, OPEN, ReasoningSplitter, split_reasoning
 from .schema import (ChatRequest, ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem,
                      TextDelta, Usage)
-from .tools import (ToolCallFilter, ToolFormat, call_grammar, finish_result, flatten_tool_messages, supports_tools,
-                    tool_format, tool_prompt)
+from .tools import (LibraryFormat, ToolCallFilter, ToolFormat, call_grammar, finish_result, flatten_tool_messages,
+                    library_format, supports_tools, tool_format, tool_prompt)
 
 __all__ = ["ChatCore", "ChatTurn", "Prepared", "chat_result", "checked_agent_id", "context_first", "prepare",
            "sampling", "turn_error"]
@@ -78,18 +78,19 @@ class ChatTurn:
     created: int
 
 
-def prepare(req: ChatRequest, chat_template: str | None) -> Prepared:
+def prepare(req: ChatRequest, chat_template: str | None, library: LibraryFormat | None = None) -> Prepared:
     """The conversation and tools of ``req`` as this model's template can take
-    them, and the grammar its reply must follow. A forced call (``required``)
-    is held to one call of the tools, in the template's format -- or, for a
-    template without tools, in the Hermes format its system prompt is told
-    of (``tool_prompt``). Raises ``RequestError`` (400) for tools whose
-    schemas cannot be enforced."""
+    them (``library``: the call format mlx-lm found for its tokenizer), and
+    the grammar its reply must follow. A forced call (``required``) is held
+    to one call of the tools in the Hermes or Llama 3 format -- for a template
+    without tools, in the Hermes format its system prompt is told of
+    (``tool_prompt``). Raises ``RequestError`` (400) for tools whose schemas
+    cannot be enforced."""
     conversation = context_first(req.conversation())
     forced = bool(req.tools) and req.tool_choice == "required"
     if supports_tools(chat_template):
         tools = req.tools or None
-        fmt = tool_format(chat_template) if tools else None
+        fmt = tool_format(chat_template, library) if tools else None
     else:
         if any(m["role"] == "tool" or m.get("tool_calls") for m in conversation):
             conversation = flatten_tool_messages(conversation)
@@ -98,7 +99,7 @@ def prepare(req: ChatRequest, chat_template: str | None) -> Prepared:
             conversation = with_system(conversation, tool_prompt(req.tools))
             fmt = "hermes"
     grammar = req.grammar
-    if forced and fmt is not None:
+    if forced and fmt in ("hermes", "llama3"):
         try:
             grammar = call_grammar(fmt, req.tools)
         except GrammarError as e:
@@ -200,7 +201,7 @@ class ChatCore:
         ``fork_from`` the turn runs on a new agent forked from that one.
         ``route`` names the API it came by for observers ("anthropic", ...).
         Raises ``RequestError`` before anything runs."""
-        prepared = prepare(req, await self._template(model))
+        prepared = await self._prepare(req, model)
         agent_id = agent_id or req.agent_id
         if agent_id is not None:
             checked_agent_id(agent_id, "X-Agent-Id" if agent_id == req.agent_id else "agent")
@@ -242,15 +243,22 @@ class ChatCore:
             raise
 
     async def count_tokens(self, req: ChatRequest, model: str) -> int:
-        prepared = prepare(req, await self._template(model))
+        prepared = await self._prepare(req, model)
         try:
             return (await self.rt.prompt(prepared.messages, prepared.tools, model=model))[1]
         except SemanticError as e:
             raise turn_error(e) from None
 
+    async def _prepare(self, req: ChatRequest, model: str) -> Prepared:
+        tokenizer = await self._tokenizer(model)
+        return prepare(req, getattr(tokenizer, "chat_template", None), library_format(tokenizer))
+
     async def _template(self, model: str) -> str | None:
+        return getattr(await self._tokenizer(model), "chat_template", None)
+
+    async def _tokenizer(self, model: str):
         try:
-            return getattr(await self.rt.tokenizer(model), "chat_template", None)
+            return await self.rt.tokenizer(model)
         except SemanticError as e:
             raise turn_error(e) from None
 
@@ -387,4 +395,4 @@ async def _run_turn(reply: Reply, prepared: Prepared, reasoning: ReasoningSplitt
             yield item
         thought, text = split_reasoning(reply.result.text, reasoning.opened)
         result = replace(result, text=text, reasoning=thought)
-    yield finish_result(result, prepared.fmt, prepared.tool_names)
+    yield finish_result(result, prepared.fmt, prepared.tool_names, prepared.tools)

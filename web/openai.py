@@ -27,8 +27,9 @@ as DeepSeek's API and vLLM send it.
 
 Leading ``system`` and ``developer`` messages become the system prompt; later
 ones stay where they are. Refused with a 400: images, audio and files (this
-server reads text), ``n`` other than 1, legacy ``function`` messages, a JSON schema this server cannot enforce, and ``response_format``
-beside ``tools``. Other unknown fields are ignored.
+server reads text), ``n`` other than 1, legacy ``function`` messages, a JSON
+schema this server cannot enforce, and ``response_format`` beside ``tools``.
+Other unknown fields are ignored.
 
 ``logprobs: true`` (with ``top_logprobs``, 0-20) puts each output token's
 log-probability (``runtime.sampling``) in ``choices[0].logprobs.content``;

@@ -9,6 +9,11 @@ Known formats (``ToolFormat``):
 - ``"llama3"`` (Llama 3.1-3.3): the whole reply is ``{"name": ..., "parameters": {...}}``
   (several may be separated by ``;``), or follows ``<|python_tag|>`` either as
   that JSON or as a built-in call ``brave_search.call(query="...")``.
+- ``LibraryFormat``: the other families mlx-lm knows (Qwen3-Coder's XML
+  ``<function=...><parameter=...>``, Mistral's ``[TOOL_CALLS]``, GLM, Kimi,
+  MiniMax, Gemma ...), as its tokenizer names them (``library_format``):
+  each span from the format's start marker to its end marker is read by
+  mlx-lm's own parser (``mlx_lm.tool_parsers``), given the request's tools.
 
 A model whose chat template never mentions ``tools`` is not told about
 tools; ``flatten_tool_messages`` turns a conversation with tool calls and
@@ -25,11 +30,12 @@ of one of the tools, with arguments its parameters schema accepts.
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import re
 import secrets
 from collections.abc import AsyncIterable, AsyncIterator, Collection
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from runtime import grammar
@@ -38,11 +44,13 @@ from runtime.json_reader import JSONError, check_depth, read_json
 from .schema import ChatResult, StreamItem, TextDelta, ToolCall
 
 __all__ = [
+    "LibraryFormat",
     "ToolCallFilter",
     "ToolFormat",
     "call_grammar",
     "finish_result",
     "flatten_tool_messages",
+    "library_format",
     "new_call_id",
     "parse_tool_calls",
     "split_tool_calls",
@@ -51,7 +59,27 @@ __all__ = [
     "tool_prompt",
 ]
 
-ToolFormat = Literal["hermes", "llama3"]
+
+
+@dataclass(frozen=True)
+class LibraryFormat:
+    """A call format read by mlx-lm's parser ``mlx_lm.tool_parsers.<parser>``:
+    calls from ``start`` to ``end`` (``end`` empty: to the end of the reply)."""
+
+    parser: str
+    start: str
+    end: str
+
+    def parse(self, span: str, tools) -> list[ToolCall]:
+        """The calls in one span (mlx-lm's parser raises on what it cannot read)."""
+        parsed = importlib.import_module(f"mlx_lm.tool_parsers.{self.parser}").parse_tool_call(span, tools)
+        calls = [_call(c, ("arguments",)) for c in (parsed if isinstance(parsed, list) else [parsed])]
+        if not calls or None in calls:
+            raise ValueError(f"not a call: {span!r}")
+        return calls
+
+
+ToolFormat = Literal["hermes", "llama3"] | LibraryFormat
 
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
@@ -72,11 +100,28 @@ def supports_tools(chat_template: str | None) -> bool:
     return bool(chat_template) and _TOOLS_VAR.search(chat_template) is not None
 
 
-def tool_format(chat_template: str | None) -> ToolFormat | None:
-    """The tool-call format a chat template teaches its model, or ``None``
-    when it has no tools or a format this module cannot parse."""
+def library_format(tokenizer) -> LibraryFormat | None:
+    """The call format mlx-lm found for ``tokenizer`` (its ``TokenizerWrapper``
+    names a parser by the chat template), unless it is Hermes's JSON, which
+    this module reads itself."""
+    parser = getattr(tokenizer, "tool_parser", None)
+    if parser is None or not getattr(tokenizer, "tool_call_start", None):
+        return None
+    module = getattr(parser, "__module__", "") or ""
+    name = module.rpartition(".")[2]
+    if not module.startswith("mlx_lm.tool_parsers.") or name == "json_tools":
+        return None
+    return LibraryFormat(name, tokenizer.tool_call_start, tokenizer.tool_call_end or "")
+
+
+def tool_format(chat_template: str | None, library: LibraryFormat | None = None) -> ToolFormat | None:
+    """The tool-call format a chat template teaches its model (``library``:
+    mlx-lm's for its tokenizer, which wins), or ``None`` when it has no tools
+    or a format this module cannot parse."""
     if not supports_tools(chat_template):
         return None
+    if library is not None:
+        return library
     if _HERMES_OPEN in chat_template:
         return "hermes"
     if _PYTHON_TAG in chat_template or ("ipython" in chat_template and '"parameters"' in chat_template):
@@ -107,16 +152,19 @@ def tool_prompt(tools: Collection[dict]) -> str:
             f'{{"name": <function-name>, "arguments": <args-json-object>}}\n{_HERMES_CLOSE}')
 
 
-def parse_tool_calls(text: str, fmt: ToolFormat | None,
-                     tool_names: Collection[str] | None = None) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(text: str, fmt: ToolFormat | None, tool_names: Collection[str] | None = None,
+                     tools: Collection[dict] | None = None) -> tuple[str, list[ToolCall]]:
     """Split generated ``text`` into (the text without calls, the calls).
 
     A span that does not parse (bad JSON, no name) stays in the text. The
     untagged Llama form (a bare JSON reply) counts only when every object in
     it names one of ``tool_names`` (when given), since a model may well answer
     with JSON. When calls are found the remaining text loses its trailing
-    whitespace. ``fmt=None`` returns ``(text, [])``.
+    whitespace. ``fmt=None`` returns ``(text, [])``. ``tools`` (the request's
+    definitions) tell mlx-lm's parsers the arguments' types.
     """
+    if isinstance(fmt, LibraryFormat):
+        return _parse_marked(text, fmt, tools)
     if fmt == "hermes":
         return _parse_hermes(text)
     if fmt == "llama3":
@@ -150,6 +198,26 @@ def _parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
             calls.append(call)
             kept.append(text[pos:m.start()])
             pos = m.end()
+    if not calls:
+        return text, []
+    kept.append(text[pos:])
+    return "".join(kept).rstrip(), calls
+
+
+def _parse_marked(text: str, fmt: LibraryFormat, tools) -> tuple[str, list[ToolCall]]:
+    calls, kept, pos = [], [], 0
+    while (start := text.find(fmt.start, pos)) >= 0:
+        begin = start + len(fmt.start)
+        end = text.find(fmt.end, begin) if fmt.end else -1
+        stop = len(text) if end < 0 else end + len(fmt.end)
+        try:
+            found = fmt.parse(text[begin: len(text) if end < 0 else end], tools)
+        except Exception:  # a parser of model text may raise anything: the span stays text
+            kept.append(text[pos:stop])
+        else:
+            calls += found
+            kept.append(text[pos:start])
+        pos = stop
     if not calls:
         return text, []
     kept.append(text[pos:])
@@ -218,7 +286,7 @@ class ToolCallFilter:
     """
 
     def __init__(self, fmt: ToolFormat):
-        self._marker = _MARKERS[fmt]
+        self._marker = fmt.start if isinstance(fmt, LibraryFormat) else _MARKERS[fmt]
         self._bare_json = fmt == "llama3"
         self._text = ""
         self._sent = 0
@@ -241,15 +309,15 @@ class ToolCallFilter:
         return out
 
 
-def finish_result(result: ChatResult, fmt: ToolFormat | None,
-                  tool_names: Collection[str] | None = None) -> ChatResult:
+def finish_result(result: ChatResult, fmt: ToolFormat | None, tool_names: Collection[str] | None = None,
+                  tools: Collection[dict] | None = None) -> ChatResult:
     """``result`` with tool calls parsed out of its text; a turn that ended
     normally with calls ends with ``"tool_use"``. A turn cut by ``max_tokens``
     or a stop string keeps its reason (its calls may be incomplete) and its calls
     stay in the text."""
     if fmt is None or result.stop_reason != "stop" or result.tool_calls:
         return result
-    text, calls = parse_tool_calls(result.text, fmt, tool_names)
+    text, calls = parse_tool_calls(result.text, fmt, tool_names, tools)
     if not calls:
         return result
     return replace(result, text=text, stop_reason="tool_use", tool_calls=tuple(calls))

@@ -102,3 +102,14 @@ def test_the_first_tokens_logprobs_match_a_direct_forward_of_the_prompt():
     assert first.logprob == pytest.approx(want[first.token], abs=1e-5)
     assert [t.token for t in first.top] == list(np.argsort(-want)[:5])
     assert [t.logprob for t in first.top] == pytest.approx(sorted(want, reverse=True)[:5], abs=1e-5)
+
+
+def test_a_tokenizer_llguidance_cannot_read_still_gets_logprobs():
+    from tests.runtime.test_engine import ByteTokenizer
+    from tests.tiny import tiny_model
+
+    tok = ByteTokenizer()
+    engine = Engine(tiny_model("llama"), tok)
+    sid = engine.add([5, 6, 7], SamplingParams(max_tokens=4, logprobs=1))
+    done = drain(engine)[sid]
+    assert [lp.piece for lp in done.logprobs] == [tok.decode([t]).encode() for t in done.output_tokens]

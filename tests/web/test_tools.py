@@ -9,8 +9,8 @@ import pytest
 
 from runtime.grammar import GrammarError
 from web.schema import ChatResult, TextDelta, ToolCall, Usage
-from web.tools import (ToolCallFilter, call_grammar, finish_result, flatten_tool_messages, parse_tool_calls,
-                       split_tool_calls, supports_tools, tool_format, tool_prompt)
+from web.tools import (LibraryFormat, ToolCallFilter, call_grammar, finish_result, flatten_tool_messages,
+                       library_format, parse_tool_calls, split_tool_calls, supports_tools, tool_format, tool_prompt)
 
 # SmolLM2-Instruct's template (the embedded model): no tools.
 SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -311,3 +311,89 @@ def test_a_model_without_tools_is_told_of_them_only_when_it_must_call_one():
     with_tools = prepare(ChatRequest(**ask, tools=(WEATHER_FN,), tool_choice="required"), HERMES)
     assert with_tools.tools == (WEATHER_FN,) and with_tools.messages[0].content == "Be brief."
     assert with_tools.grammar == call_grammar("hermes", [WEATHER_FN])
+
+
+# Qwen3-Coder's calls, in its template's own conventions (the real one renders them so).
+QWEN3_CODER = """{%- for message in messages %}
+{%- if message.role == "assistant" %}<|im_start|>assistant
+{{ message.content }}
+{%- for tool_call in message.tool_calls or [] %}
+{%- set tool_call = tool_call.function if tool_call.function is defined else tool_call %}
+{{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n' }}
+{%- for args_name, args_value in tool_call.arguments|items %}
+{{- '<parameter=' + args_name + '>\\n' }}
+{%- set args_value = args_value | tojson | safe if args_value is mapping or (args_value is sequence and args_value is not string) else args_value | string %}
+{{- args_value }}
+{{- '\\n</parameter>\\n' }}
+{%- endfor %}
+{{- '</function>\\n</tool_call>' }}
+{%- endfor %}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}{# (the real one lists the tools in its system turn) #}{% if tools %}{% endif %}"""
+
+
+def wrapper(parser: str | None):
+    """The embedded tokenizer as mlx-lm wraps a model whose template names ``parser``."""
+    import importlib
+
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from tests.tiny import embedded_tokenizer
+
+    if parser is None:
+        return TokenizerWrapper(embedded_tokenizer()._tokenizer)
+    module = importlib.import_module(f"mlx_lm.tool_parsers.{parser}")
+    return TokenizerWrapper(embedded_tokenizer()._tokenizer, tool_parser=module.parse_tool_call,
+                            tool_call_start=module.tool_call_start, tool_call_end=module.tool_call_end)
+
+
+def test_mlx_lm_names_the_format_of_the_other_families():
+    assert library_format(wrapper("qwen3_coder")) == LibraryFormat("qwen3_coder", "<tool_call>", "</tool_call>")
+    assert library_format(wrapper("mistral")) == LibraryFormat("mistral", "[TOOL_CALLS]", "")
+    assert library_format(wrapper("json_tools")) is None  # Hermes's JSON: read here
+    assert library_format(wrapper(None)) is None
+    assert tool_format(HERMES, library_format(wrapper("qwen3_coder"))).parser == "qwen3_coder"
+    assert tool_format(SMOLLM2, library_format(wrapper("qwen3_coder"))) is None  # a template without tools
+
+
+def test_qwen3_coder_calls_as_its_template_renders_them_parse_back_typed():
+    render = pytest.importorskip("transformers.utils.chat_template_utils").render_jinja_template
+    calls = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}},
+             {"type": "function", "function": {"name": "noop", "arguments": {}}}]
+    text = render(conversations=[[{"role": "assistant", "content": "Let me check.", "tool_calls": calls}]],
+                  tools=[WEATHER_FN, NOOP_FN], chat_template=QWEN3_CODER)[0][0]
+    reply = text.removeprefix("<|im_start|>assistant\n").split("<|im_end|>")[0]
+    fmt = library_format(wrapper("qwen3_coder"))
+    rest, found = parse_tool_calls(reply, fmt, tools=[WEATHER_FN, NOOP_FN])
+    assert rest == "Let me check."
+    assert [(c.name, c.arguments) for c in found] == [("get_weather", {"city": "Oslo", "days": 3}), ("noop", {})]
+    # A call cut short stays text; streamed, nothing from its marker on is shown.
+    cut = reply[: reply.index("</parameter>")]
+    assert parse_tool_calls(cut, fmt, tools=[WEATHER_FN]) == (cut, [])
+    hold = ToolCallFilter(fmt)
+    assert "".join(hold.feed(reply[i:i + 7]) for i in range(0, len(reply), 7)) == "Let me check."
+
+
+@pytest.mark.parametrize("reply", [
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Lima", "days": 2}',
+    '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Lima", "days": 2}}]',
+])
+def test_mistral_calls_parse_in_both_of_its_forms(reply):
+    rest, found = parse_tool_calls("Sure. " + reply, library_format(wrapper("mistral")))
+    assert rest == "Sure." and [(c.name, c.arguments) for c in found] == [("get_weather", {"city": "Lima", "days": 2})]
+
+
+def test_a_library_format_turn_ends_in_tool_use_and_a_forced_call_gets_no_grammar():
+    fmt = library_format(wrapper("qwen3_coder"))
+    text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
+    result = finish_result(ChatResult(text, "stop", Usage(1, 0, 1)), fmt, {"get_weather"}, [WEATHER_FN])
+    assert result.stop_reason == "tool_use" and result.tool_calls[0].arguments == {"city": "Oslo"}
+    from web.chat import prepare
+    from web.schema import ChatRequest
+
+    req = ChatRequest(messages=({"role": "user", "content": "Weather?"},), max_tokens=50, tools=(WEATHER_FN,),
+                      tool_choice="required")
+    prepared = prepare(req, QWEN3_CODER, fmt)
+    assert prepared.fmt == fmt and prepared.grammar is None and prepared.tools == (WEATHER_FN,)
