@@ -11,9 +11,10 @@ before it queues.
 ``Grammars`` belongs to one engine: the tokenizer as llguidance reads it
 (built on first use, ~0.3 s; it also gives a token's exact bytes, for
 log-probabilities) and the last ``CACHED`` grammars compiled against it;
-``constraint`` gives each sequence its own matcher. A ``Constraint`` says which tokens may come next (``allowed``: a mask over the
-logits row, which is that sequence's alone, so batch invariance holds) and
-follows the tokens taken (``advance``). The end-of-turn tokens are allowed
+``constraint`` gives each sequence its own matcher. A ``Constraint`` says
+which tokens may come next (``allowed``: a mask over the logits row, which
+is that sequence's alone, so batch invariance holds) and follows the tokens
+taken (``advance``). The end-of-turn tokens are allowed
 exactly where the grammar may end, and are the only ones allowed where it
 must: a finite grammar ends the reply by construction.
 """

@@ -14,7 +14,8 @@ from runtime.grammar import JSON_OBJECT, GrammarError, json_schema
 
 from .schema import RequestError
 
-__all__ = ["bad", "boolean", "integer", "jtype", "number", "no_tools_with", "obj", "output_format", "seq", "string", "strings"]
+__all__ = ["bad", "boolean", "integer", "jtype", "number", "no_tools_with", "obj", "output_format", "seq", "string",
+           "strings"]
 
 _JSON_TYPES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number",
                list: "an array", dict: "an object", type(None): "null"}
@@ -120,7 +121,8 @@ def strings(data: dict, key: str, where: str = "", *, allow_one: bool = False) -
     return tuple(value)
 
 
-def output_format(data: dict, key: str, where: str = "", *, kinds: tuple[str, ...] = ("text", "json_object", "json_schema"),
+def output_format(data: dict, key: str, where: str = "", *,
+                  kinds: tuple[str, ...] = ("text", "json_object", "json_schema"),
                   schema_in: str | None = None) -> str | None:
     """A structured-output request, ``{"type": "json_schema", "schema": {...}}``
     (the schema one object deeper, under ``schema_in``, for OpenAI chat's

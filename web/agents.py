@@ -37,8 +37,8 @@ from runtime.sampling import MAX_LOGPROBS
 
 from . import _validate as v
 from ._aio import closing
-from .schema import (ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem, TextDelta, load_json,
-                     logprob_json)
+from .schema import (ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem, TextDelta,
+                     load_json, logprob_json)
 from .sse import KEEP_ALIVE, encode
 
 if TYPE_CHECKING:

@@ -60,7 +60,6 @@ __all__ = [
 ]
 
 
-
 @dataclass(frozen=True)
 class LibraryFormat:
     """A call format read by mlx-lm's parser ``mlx_lm.tool_parsers.<parser>``:

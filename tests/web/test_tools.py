@@ -259,10 +259,11 @@ def test_tool_call_is_hashable_by_id_and_name():
 
 
 # Closed schemas: a forced call of these tools has finitely many forms.
-WEATHER_FN = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
-    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
-                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"], "additionalProperties": False}}}
+WEATHER_FN = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}}
 NOOP_FN = {"type": "function", "function": {"name": "noop", "parameters": {
     "type": "object", "properties": {}, "additionalProperties": False}}}
 
@@ -382,7 +383,8 @@ def test_qwen3_coder_calls_as_its_template_renders_them_parse_back_typed():
 ])
 def test_mistral_calls_parse_in_both_of_its_forms(reply):
     rest, found = parse_tool_calls("Sure. " + reply, library_format(wrapper("mistral")))
-    assert rest == "Sure." and [(c.name, c.arguments) for c in found] == [("get_weather", {"city": "Lima", "days": 2})]
+    assert rest == "Sure."
+    assert [(c.name, c.arguments) for c in found] == [("get_weather", {"city": "Lima", "days": 2})]
 
 
 def test_a_library_format_turn_ends_in_tool_use_and_a_forced_call_gets_no_grammar():
