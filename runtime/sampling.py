@@ -103,19 +103,18 @@ class Sampler:
         p = self.params
         if self.constraint is not None:
             logits = mx.where(self.constraint.allowed(logits.shape[-1]), logits, -mx.inf)
-        token = self._draw(logits)
+        logprobs = None if p.greedy and p.logprobs is None else logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = mx.argmax(logits, axis=-1) if p.greedy else self._draw(logprobs)
         if p.logprobs is None:
             return Draw(token, None)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         top = mx.argpartition(-logprobs, p.logprobs - 1)[: p.logprobs] if p.logprobs else mx.array([], mx.int32)
         top = top[mx.argsort(-logprobs[top])]
         return Draw(token, (mx.concatenate([logprobs[token][None], logprobs[top]]), top))
 
-    def _draw(self, logits: mx.array) -> mx.array:
+    def _draw(self, logprobs: mx.array) -> mx.array:
+        """A token from the row's log-softmax, under temperature, top-k, min-p and top-p."""
         p = self.params
-        if p.greedy:
-            return mx.argmax(logits, axis=-1)
-        logprobs = (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[None]
+        logprobs = logprobs[None]
         if p.top_k > 0:
             logprobs = apply_top_k(logprobs, p.top_k)
         if p.min_p > 0:

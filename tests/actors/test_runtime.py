@@ -473,6 +473,25 @@ async def test_a_cache_whose_blocks_left_the_disk_is_handed_over_whole(open_runt
         assert record is not None and len(record.tokens) == rt._gpu.hot.agents["ada"][0] > 256  # all of it
 
 
+async def replies(rt, asks: list[tuple[str, dict]], *, together: bool, system: str | None = None) -> list[str]:
+    """Fresh agents ("t0", "t1" ... together, "s0" ... one at a time) each take one of
+    ``asks`` (text, sampling); their replies in order."""
+    agents = [await rt.agent(f"{'t' if together else 's'}{i}", system=system) for i in range(len(asks))]
+    out: list = [None] * len(asks)
+
+    async def one(i):
+        out[i] = await agents[i].reply(asks[i][0], **asks[i][1])
+
+    if together:
+        async with anyio.create_task_group() as tg:
+            for i in range(len(asks)):
+                tg.start_soon(one, i)
+    else:
+        for i in range(len(asks)):
+            await one(i)
+    return out
+
+
 async def test_8_bit_caches_batch_persist_and_live_apart_from_4_bit_ones(tmp_path):
     """``kv_bits=8``: agents at once reply as one at a time, a restart serves the
     next turn from the 8-bit files, and a 4-bit runtime does not take them."""
@@ -482,26 +501,11 @@ async def test_8_bit_caches_batch_persist_and_live_apart_from_4_bit_ones(tmp_pat
     from tests.web.live import tiny_loaded
 
     loaded = tiny_loaded()
-    questions = ("Name a fruit.", "Name a colour.", "Name a city.")
-
-    async def replies(rt, together: bool) -> list[str]:
-        agents = [await rt.agent(f"{'t' if together else 's'}{i}", system="Be brief.") for i in range(3)]
-        out = [None] * 3
-
-        async def one(i):
-            out[i] = await agents[i].reply(questions[i], max_tokens=12)
-
-        if together:
-            async with anyio.create_task_group() as tg:
-                for i in range(3):
-                    tg.start_soon(one, i)
-        else:
-            for i in range(3):
-                await one(i)
-        return out
+    asks = [(q, dict(max_tokens=12)) for q in ("Name a fruit.", "Name a colour.", "Name a city.")]
 
     async with Runtime.open(loaded, tmp_path, kv_bits=8) as rt:
-        assert await replies(rt, together=True) == await replies(rt, together=False)
+        assert await replies(rt, asks, together=True, system="Be brief.") == \
+            await replies(rt, asks, together=False, system="Be brief.")
         await (await rt.agent("s0")).reply("Another?", max_tokens=4)
     store = CacheStore(tmp_path)
     manifest = json.loads((store.agent_dir("s0", "tiny@kv8") / MANIFEST).read_text())
@@ -519,7 +523,6 @@ async def test_8_bit_caches_batch_persist_and_live_apart_from_4_bit_ones(tmp_pat
             pass
 
 
-
 async def test_a_grammar_shapes_a_reply_and_a_bad_one_is_refused_at_once(tmp_path):
     """``grammar=`` (``runtime.grammar``) on the in-process API: two agents at
     once, one constrained, reply as each does alone, and the constrained
@@ -533,27 +536,12 @@ async def test_a_grammar_shapes_a_reply_and_a_bad_one_is_refused_at_once(tmp_pat
 
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
               "required": ["ok", "n"], "additionalProperties": False}
-    asks = [dict(max_tokens=40, grammar=json_schema(schema)), dict(max_tokens=12)]
-
-    async def replies(rt, together: bool) -> list[str]:
-        agents = [await rt.agent(f"{'t' if together else 's'}{i}") for i in range(2)]
-        out = [None, None]
-
-        async def one(i):
-            out[i] = await agents[i].reply("Answer as JSON.", **asks[i])
-
-        if together:
-            async with anyio.create_task_group() as tg:
-                for i in range(2):
-                    tg.start_soon(one, i)
-        else:
-            for i in range(2):
-                await one(i)
-        return out
+    asks = [("Answer as JSON.", dict(max_tokens=40, grammar=json_schema(schema))),
+            ("Answer as JSON.", dict(max_tokens=12))]
 
     async with Runtime.open(tiny_loaded(), tmp_path) as rt:
-        together = await replies(rt, together=True)
-        assert together == await replies(rt, together=False)
+        together = await replies(rt, asks, together=True)
+        assert together == await replies(rt, asks, together=False)
         jsonschema.validate(json.loads(together[0]), schema)
         with pytest.raises(ValueError, match="Invalid type"):
             (await rt.agent("s0")).send("x", grammar='{"grammars": [{"json_schema": {"type": "strin"}}]}')
