@@ -110,3 +110,15 @@ def test_masked_logits_are_the_models_where_allowed():
     mask = constraint.allowed(logits.shape[0])
     token = Sampler(SamplingParams(), constraint)(logits).token.item()
     assert token == mx.argmax(mx.where(mask, logits, -mx.inf)).item() and mask[token].item()
+
+
+def test_compiled_grammars_are_bounded():
+    from runtime.grammar import CACHED
+
+    tok = embedded_tokenizer()
+    grammars = Grammars(tok, tok.eos_token_ids)
+    for i in range(CACHED + 3):
+        grammars.constraint(json_schema({"enum": [f"v{i}"]}))
+    assert len(grammars._compiled) == CACHED
+    assert json_schema({"enum": [f"v{CACHED + 2}"]}) in grammars._compiled  # the newest kept, the oldest gone
+    assert json_schema({"enum": ["v0"]}) not in grammars._compiled
