@@ -118,6 +118,12 @@ class GpuActor:
         engine = self._thread.registry.engine
         return None if engine is None else engine.row_counts
 
+    @property
+    def speculation(self) -> bool | None:
+        """Whether the loaded engine verifies drafts (None while unloaded)."""
+        engine = self._thread.registry.engine
+        return None if engine is None else engine.speculation
+
     def stats(self) -> dict:
         """A snapshot for tests and benchmarks (read across threads: approximate)."""
         t, s = self._thread, self._thread.scheduler

@@ -126,6 +126,7 @@ class Runtime:
         kv_bits: int = 4,
         decode_rows: int = DECODE_ROWS,
         batch_prefill: bool = True,
+        speculation: bool = True,
         eviction_watermarks: tuple[float, float] = (0.9, 0.75),
         disk_budget: int | None = None,
         conversation_ttl_s: float | None = None,
@@ -154,7 +155,10 @@ class Runtime:
         same logits is measured when a model loads (``row_counts``), and
         forwards use only those.  ``batch_prefill``: several agents' prompt
         chunks share a forward (up to twice ``prefill_chunk`` tokens) where
-        that measurement found it leaves every chunk as alone.  ``eviction_watermarks``:
+        that measurement found it leaves every chunk as alone.  ``speculation``:
+        decoding agents verify drafts from their own history in the same
+        forwards (``runtime.speculation``: no reply changes; not when
+        sharded).  ``eviction_watermarks``:
         (high, low) fractions of the budget for the eviction actor.
         ``disk_budget``: bytes the cache directory may hold; the least recently
         written cache files are removed to stay within it (None: no cap).
@@ -185,7 +189,7 @@ class Runtime:
                                        conversation_ttl_s=conversation_ttl_s, prune_interval_s=prune_interval_s)
         eviction = EvictionActor(*eviction_watermarks)
         gpu = GpuActor(next(iter(catalogue)), store, budget, persistence.mailbox, eviction.mailbox,
-                       engine_options=_engine_options(prefill_chunk, kv_bits, decode_rows, batch_prefill),
+                       engine_options=_engine_options(prefill_chunk, kv_bits, decode_rows, batch_prefill, speculation),
                        model_idle_s=model_idle_s,
                        catalogue=catalogue, group=group, rank_timeout_s=rank_timeout_s, row_counts=measured)
         persistence.gpu = eviction.gpu = gpu
@@ -256,6 +260,12 @@ class Runtime:
         measuring them found (``runtime.row_counts``); None while unloaded."""
         counts = self._gpu.row_counts
         return None if counts is None else counts.describe()
+
+    @property
+    def speculation(self) -> bool | None:
+        """Whether decoding agents verify drafts from their own history
+        (``runtime.speculation``); None while unloaded."""
+        return self._gpu.speculation
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -794,5 +804,7 @@ class Reply:
         self._events.close()
 
 
-def _engine_options(prefill_chunk: int, kv_bits: int, decode_rows: int, batch_prefill: bool = True) -> dict:
-    return {"max_chunk": prefill_chunk, "kv_bits": kv_bits, "decode_rows": decode_rows, "batch_prefill": batch_prefill}
+def _engine_options(prefill_chunk: int, kv_bits: int, decode_rows: int, batch_prefill: bool = True,
+                    speculation: bool = True) -> dict:
+    return {"max_chunk": prefill_chunk, "kv_bits": kv_bits, "decode_rows": decode_rows, "batch_prefill": batch_prefill,
+            "speculation": speculation}

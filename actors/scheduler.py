@@ -248,13 +248,20 @@ class Scheduler:
         self.route(engine.step_once())
 
     def _reserve_next_tokens(self) -> None:
-        """Reserve each decoding turn's next token (a new block every 256).  When
-        the rest of the budget is held by turns in progress, the newest turn is
-        preempted (its cache becomes an idle one that can go to disk; it resumes
-        first when room returns); a turn alone that still cannot grow ends there
-        (reason ``length``)."""
+        """Reserve each decoding turn's next token (a new block every 256), and
+        room for the drafts it may verify (else it verifies none this step).
+        When the rest of the budget is held by turns in progress, the newest
+        turn is preempted (its cache becomes an idle one that can go to disk;
+        it resumes first when room returns); a turn alone that still cannot
+        grow ends there (reason ``length``)."""
         caches, engine = self.registry.caches, self.registry.engine
-        for seq_id, tokens in engine.decode_lengths().items():
+        for seq_id, (tokens, drafts) in engine.decode_lengths().items():
+            if drafts and (t := self.by_seq.get(seq_id)) is not None:
+                try:
+                    caches.grow(t.cmd.agent_id, tokens + drafts)
+                    continue
+                except OutOfMemory:
+                    engine.hold_drafts(seq_id)
             while (t := self.by_seq.get(seq_id)) is not None:
                 try:
                     caches.grow(t.cmd.agent_id, tokens)

@@ -43,12 +43,14 @@ class Turn:
 
 
 def chat(client: httpx.Client, url: str, agent: str, messages: list[dict], max_tokens: int,
-         model: str | None = None) -> Turn:
-    """One streamed, greedy chat completion; raises RuntimeError on an HTTP or stream error."""
+         model: str | None = None, temperature: float = 0.0) -> Turn:
+    """One streamed chat completion, greedy unless a ``temperature`` is given
+    (then top-p 0.95); raises RuntimeError on an HTTP or stream error."""
     body = {
         "messages": messages,
         "max_tokens": max_tokens,
-        "temperature": 0.0,
+        "temperature": temperature,
+        **({"top_p": 0.95} if temperature else {}),
         "stream": True,
         "stream_options": {"include_usage": True},
     }

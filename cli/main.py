@@ -130,6 +130,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3, help="rounds of each, alternating (default 3)")
     _add_json(p, "the results")
 
+    p = bench.add_parser("speculation", help="decode tokens/s with speculation (drafts from history) on vs off")
+    _add_model(p)
+    p.add_argument("--quick", action="store_true", help="2 rounds (a few minutes on 2 cores)")
+    p.add_argument("--rounds", type=parse_positive_int, help="rounds of each, alternating (default 3; --quick 2)")
+    p.add_argument("--peer", action="store_true",
+                   help="also `semantic serve` against mlx_lm.server over HTTP on the same workloads")
+    _add_json(p, "the results")
+
     p = bench.add_parser("sharded", help="decode with the model sharded over ranks (mlx.launch) vs one process")
     _add_model(p)
     p.add_argument("--ranks", type=int, default=3, help="processes the model is sharded over (default 3)")

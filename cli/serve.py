@@ -76,6 +76,9 @@ def add_parser(sub) -> None:
                    help="the most token slots of a decode forward (default 8); more decoding agents take more "
                         "forwards. Which counts up to N leave a reply unchanged by its neighbours is measured when "
                         "the model loads and shown by /health (docs/architecture.md)")
+    p.add_argument("--speculation", choices=("on", "off"), default="on",
+                   help="decoding agents verify drafts from their own history in the same forwards, which changes "
+                        "no reply (default on; docs/architecture.md)")
     p.add_argument("--api-key", help="require this key (x-api-key or 'Authorization: Bearer'); default: none")
     p.add_argument("--backend", choices=("trio", "asyncio"), default="trio", help="event loop (default trio)")
     p.add_argument("--max-tokens-cap", type=int, metavar="N",
@@ -146,7 +149,7 @@ def _engine_settings(args: argparse.Namespace) -> dict:
 def _runtime_options(args: argparse.Namespace, group) -> dict:
     """More ``Runtime.open`` keywords: the engine's settings, and the group this is rank 0 of."""
     group_options = {} if group is None else {"group": group, "rank_timeout_s": args.rank_timeout}
-    return _engine_settings(args) | group_options
+    return _engine_settings(args) | {"speculation": args.speculation == "on"} | group_options
 
 
 def _other_layouts(cache_dir, model: str, kv_bits: int, ranks: int) -> None:

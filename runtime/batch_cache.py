@@ -218,23 +218,24 @@ class DequantizingKVCache(_BaseCache):
         fk, fv = self._float
         return fk[..., : q.offset, :], fv[..., : q.offset, :]
 
-    def attend_new(self, new_k: mx.array, new_v: mx.array) -> tuple[mx.array, mx.array]:
-        """Add one decoded token to the working copy only, given as the unpack of
-        its Q4 rows (which its ``BatchQuantizedKVCache`` writes to the record
-        later); return the keys and values to attend over."""
-        q, prev = self.quantized, self.offset
+    def attend_new(self, new_k: mx.array, new_v: mx.array) -> list[tuple[mx.array, mx.array]]:
+        """Add decoded tokens (1, H, n, D) to the working copy only, given as the
+        unpack of their Q4 rows (which their ``BatchQuantizedKVCache`` writes
+        to the record later); return what each attends over: the keys and
+        values up to and including it."""
+        q, prev, n = self.quantized, self.offset, new_k.shape[2]
         if self._float is None:  # first use: the whole record at once
             self._float = (None, None) if q.keys is None else tuple(
                 _unpack(t, q.group_size, q.bits, new_k.dtype) for t in (q.keys, q.values))
         fk, fv = self._float
-        if fk is None or fk.shape[2] <= prev:
-            capacity = (prev + q.step) // q.step * q.step
+        if fk is None or fk.shape[2] < prev + n:
+            capacity = (prev + n + q.step - 1) // q.step * q.step
             fk, fv = _grown(fk, prev, capacity, new_k), _grown(fv, prev, capacity, new_v)
-        fk[..., prev : prev + 1, :] = new_k
-        fv[..., prev : prev + 1, :] = new_v
+        fk[..., prev : prev + n, :] = new_k
+        fv[..., prev : prev + n, :] = new_v
         self._float = (fk, fv)
-        self.unwritten += 1
-        return fk[..., : prev + 1, :], fv[..., : prev + 1, :]
+        self.unwritten += n
+        return [(fk[..., : prev + j + 1, :], fv[..., : prev + j + 1, :]) for j in range(n)]
 
     def make_mask(self, *args, **kwargs):
         return create_attention_mask(*args, offset=self.offset, **kwargs)
@@ -368,6 +369,7 @@ class StateCache(ArraysCache):
         super().__init__(size)
         self.offset = 0
         self.checkpoints: list[tuple[int, list]] = []  # (tokens seen, the state then), oldest first
+        self.trail: list[list] = []  # the state after each slot of the last decode step (``cut``)
 
     def advance(self, N):
         super().advance(N)
@@ -386,6 +388,15 @@ class StateCache(ArraysCache):
             raise ValueError(f"no checkpoint at {tokens} tokens to go back to")
         self.offset, self.cache = tokens, list(state)
         self.checkpoints = [c for c in self.checkpoints if c[0] <= tokens]
+
+    def cut(self, n: int) -> None:
+        """Go back ``n`` tokens within the last decode step (drafts rejected:
+        ``runtime.speculation``), to the state after its slot before them."""
+        if not 0 <= n < len(self.trail):
+            raise ValueError(f"the last step ran {len(self.trail)} tokens here: {n} cannot be cut")
+        if n:
+            self.cache, self.offset = list(self.trail[-1 - n]), self.offset - n
+            self.trail = self.trail[: len(self.trail) - n]
 
     def make_mask(self, N: int, **kwargs):
         return None  # one sequence, no padding: nothing to mask
@@ -410,16 +421,20 @@ class StateCache(ArraysCache):
 class BatchQuantizedKVCache:
     """One layer's caches of the sequences decoded together in a forward.
 
-    The forward's input is one row of token slots (a measured count); slot ``i``
-    holds the next token of the sequence whose cache is ``caches[i]``, and slots
-    after the last sequence are padding. Three agents in a forward of 4 slots:
+    The forward's input is one row of token slots (a measured count); a
+    sequence takes ``widths[i]`` consecutive slots (one, or more when it
+    verifies drafted tokens: ``runtime.speculation``), each its next token
+    after the one before, and slots after the last sequence are padding.
+    Three agents in a forward of 6 slots, ``b`` verifying two drafts:
 
-        slot      0  1  2  3
-        cache     a  b  c  .      slot 3 is padding: computed, then ignored
+        slot      0  1  2  3  4  5
+        cache     a  b  b  b  c  .      slot 5 is padding: computed, then ignored
 
-    Attention modules made ``runtime.rowwise.rowwise`` attend per sequence when
-    given this cache; the model's own mask is not used (``make_mask`` gives
-    None): each sequence's cache makes its own.
+    Attention modules made ``runtime.rowwise.rowwise`` attend per slot when
+    given this cache, over its sequence's cache up to and including that
+    slot's token -- what a decode step of that token alone attends over. The
+    model's own mask is not used (``make_mask`` gives None): each sequence's
+    cache makes its own.
     """
 
     ROWS = 32  # decode steps whose new Q4 rows are held before they go to the records
@@ -428,17 +443,30 @@ class BatchQuantizedKVCache:
         if not caches:
             raise ValueError("a batch needs at least one sequence")
         self.caches = list(caches)
+        self.widths = [1] * len(self.caches)  # this step's slots a sequence (``Engine._launch`` sets them)
         # Every sequence attends over a float working copy: ``attend_new`` serves this layer.
         self.in_float = all(isinstance(c, DequantizingKVCache) for c in self.caches)
-        self._rows: list[tuple[mx.array, ...]] = []  # a held step's Q4 triple, keys' heads then values', (slots, 2H, 1, ...)
+        # Held steps: the Q4 triple of every slot, keys' heads then values' (slots, 2H, 1, ...), and the
+        # slots of each sequence that go to its record (fewer than its width once drafts are cut).
+        self._rows: list[tuple[tuple[mx.array, ...], list[int], list[int]]] = []
 
     def make_mask(self, *args, **kwargs):
         return None
 
+    @property
+    def slot_caches(self) -> list:
+        """Each used slot's sequence cache, in slot order."""
+        return [c for c, w in zip(self.caches, self.widths) for _ in range(w)]
+
+    @property
+    def positions(self) -> list[int]:
+        """Each used slot's position in its sequence (before this step writes)."""
+        return [c.offset + j for c, w in zip(self.caches, self.widths) for j in range(w)]
+
     def attend_new(self, keys: mx.array, values: mx.array) -> list[tuple[mx.array, mx.array]]:
         """Quantize every slot's new token at once (``keys``, ``values``: (slots,
-        H, 1, D)), add each sequence's to its working copy and hold the Q4 rows
-        for its record; return what each sequence attends over.
+        H, 1, D)), add each to its sequence's working copy in slot order and
+        hold the Q4 rows for the records; return what each slot attends over.
 
         One quantization a layer and step for the whole forward, keys and
         values together, kept as it comes out (no write), where writing each
@@ -450,10 +478,16 @@ class BatchQuantizedKVCache:
         assert not self.full, "a full batch is flushed before its next step (Engine._launch)"
         c, heads = self.caches[0].quantized, keys.shape[1]
         *q, new = _quantize_unpack(mx.concatenate([keys, values], axis=1), c.group_size, c.bits)  # one for both
-        self._rows.append(tuple(q))
+        self._rows.append((tuple(q), list(self.widths), list(self.widths)))
         slots = keys.shape[0]
-        new_k, new_v = new[:, :heads], new[:, heads:]
-        return [c.attend_new(k, v) for c, k, v in zip(self.caches, mx.split(new_k, slots), mx.split(new_v, slots))]
+        if max(self.widths) == 1:  # a slot a sequence: one split
+            new_k, new_v = mx.split(new[:, :heads], slots), mx.split(new[:, heads:], slots)
+            return [c.attend_new(k, v)[0] for c, k, v in zip(self.caches, new_k, new_v)]
+        fetched, at = [], 0
+        for c, w in zip(self.caches, self.widths):  # a sequence's slots are its tokens in order
+            fetched += c.attend_new(new[at : at + w, :heads].swapaxes(0, 2), new[at : at + w, heads:].swapaxes(0, 2))
+            at += w
+        return fetched
 
     @property
     def held(self) -> int:
@@ -465,29 +499,49 @@ class BatchQuantizedKVCache:
         return self.held == self.ROWS
 
     def drop_last(self) -> None:
-        """Forget the last step's rows: its sequences' working copies drop its token too
+        """Forget the last step's rows: its sequences' working copies drop its tokens too
         (a decode step computed ahead and then dropped, ``runtime.engine``)."""
         assert self._rows, "no step held to drop"
-        self._rows.pop()
-        for c in self.caches:
-            c.unwritten -= 1
+        _, _, kept = self._rows.pop()
+        for c, n in zip(self.caches, kept):
+            c.unwritten -= n
+
+    def cut(self, i: int, n: int) -> None:
+        """Drop the last ``n`` tokens sequence ``i`` wrote in the last step held
+        (drafts it rejected): its working copy and its record never get them."""
+        _, _, kept = self._rows[-1]
+        assert 0 <= n <= kept[i], "only the last step's own tokens can be cut"
+        kept[i] -= n
+        self.caches[i].unwritten -= n
 
     def flush(self) -> None:
         """Write the held Q4 rows to each sequence's record (before anyone reads
         a record, and when ``ROWS`` steps are held)."""
         if not self._rows:
             return
-        steps = [mx.concatenate(parts, axis=2) for parts in zip(*self._rows)]
-        heads = steps[0].shape[1] // 2
+        heads = self._rows[0][0][0].shape[1] // 2
+        if all(max(widths) == 1 == min(kept) for _, widths, kept in self._rows):  # a slot a sequence: one gather
+            steps = [mx.concatenate(parts, axis=2) for parts in zip(*(q for q, _, _ in self._rows))]
+            rows = [tuple(t[i : i + 1] for t in steps) for i in range(len(self.caches))]
+        else:
+            rows = [[] for _ in self.caches]
+            for q, widths, kept in self._rows:
+                starts = itertools.accumulate([0, *widths[:-1]])
+                for i, (at, n) in enumerate(zip(starts, kept)):
+                    if n:  # a sequence's slots are its tokens in order: along the token axis
+                        rows[i].append(tuple(t[at : at + n].swapaxes(0, 2) for t in q))
+            rows = [tuple(mx.concatenate(parts, axis=2) for parts in zip(*r)) if r else None for r in rows]
+        for c, r in zip(self.caches, rows):
+            if r is not None:
+                c.quantized.append(tuple(t[:, :heads] for t in r), tuple(t[:, heads:] for t in r))
         for i, c in enumerate(self.caches):
-            c.quantized.append(tuple(t[i : i + 1, :heads] for t in steps), tuple(t[i : i + 1, heads:] for t in steps))
-            c.unwritten -= self.held
+            c.unwritten -= sum(kept[i] for _, _, kept in self._rows)
         self._rows = []
 
     @property
     def arrays(self) -> list:
         """What a step evaluates besides the sequences' caches, so graphs never grow."""
-        return [t for step in self._rows for t in step]
+        return [t for q, _, _ in self._rows for t in q]
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,10 @@ The GPU actor drives it step by step and is its only caller (one thread):
   final chunk, joins it with its last prompt token still to feed, and the next
   decode step samples its first token;
 * ``step_once`` feeds every decoding sequence its next input (the token it
-  sampled last, or the prompt token it joined with) and samples the next:
-  exactly one new token per sequence. While the same sequences decode, the
+  sampled last, or the prompt token it joined with) and samples the next --
+  and, for a sequence whose history offers drafts worth verifying, the
+  drafts in the slots after its input, taking those the draws agree with
+  and one more (``runtime.speculation``). While the same sequences decode, the
   step after is built and started on those tokens before they are read, so
   the model's graph is built while the last step computes; a sequence that
   finishes, joins or leaves drops that step (undone in every cache);
@@ -56,6 +58,7 @@ from .lean import lean
 from .row_counts import RowCounts, choose
 from .rowwise import rowwise
 from .sampling import Draw, Sampler, SamplingParams, TokenLogprob
+from .speculation import Drafter, StepCosts, allot
 
 __all__ = ["Engine", "Delta", "Finished", "SamplingParams", "TokenLogprob"]
 
@@ -76,6 +79,8 @@ class Finished:
     prefilled_tokens: int  # prompt tokens computed by this request
     stop_sequence: str | None = None  # the stop string that ended it, if one did
     logprobs: tuple[TokenLogprob, ...] = ()  # of each output token, when ``SamplingParams.logprobs`` asked
+    drafted_tokens: int = 0  # drafts verified (``runtime.speculation``)
+    accepted_tokens: int = 0  # of them, taken as output
 
 
 @dataclass(frozen=True)
@@ -99,11 +104,14 @@ class _Sequence:
     fed: list[int]  # token ids whose K/V are in the cache
     reused: int
     prompt_tokens: int  # the prompt as given (``resume`` may extend ``prompt`` with tokens to recompute)
+    drafter: Drafter | None  # its history, for drafts (None: it does not speculate)
     output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of ``output``, when asked
     text: str = ""  # all generated text so far
     shown: int = 0  # length of ``text`` already handed out
     stop_hit: str | None = None  # the stop string found in ``text``
+    drafted: int = 0  # drafts verified
+    accepted: int = 0  # drafts taken
 
     @property
     def pending(self) -> list[int]:
@@ -121,10 +129,18 @@ class _Step:
     """A decode step started (its tokens computing) and not yet read."""
 
     rows: list[_Sequence]
-    tokens: mx.array  # each row's sampled token
-    logprobs: list  # each row's ``Draw.logprobs``
-    layers: list[tuple[BatchQuantizedKVCache, int]]  # the batch caches it wrote, with the steps each held before
+    drafts: list[list[int]]  # each row's drafts, fed after its next input (``runtime.speculation``)
+    tokens: mx.array  # each token slot's draw: a row's slots are its input's, then each draft's
+    logprobs: list  # each slot's ``Draw.logprobs``
+    # Each forward's rows, and the batch caches it wrote with the steps each held before.
+    tiles: list[tuple[list[_Sequence], list[tuple[BatchQuantizedKVCache, int]]]]
     states: list[tuple[StateCache, int, list]]  # recurrent layers before it (they cannot be cut back)
+    contexts: list[int]  # tokens each row's cache held before it
+    started: float  # ``perf_counter`` when its build began
+
+    @property
+    def layers(self) -> list[tuple[BatchQuantizedKVCache, int]]:
+        return [layer for _, layers in self.tiles for layer in layers]
 
 
 class Engine:
@@ -142,6 +158,9 @@ class Engine:
     ``batch_prefill``.  ``model`` is made ``rowwise`` and ``lean`` in place.  ``shared_tokens``:
     a model sharded over ranks maps the tokens this rank sampled to those every
     rank goes on with (rank 0's: another CPU may round the logits differently).
+    ``speculation``: decoding sequences verify drafts from their own history
+    in the same forwards (``runtime.speculation``; not sharded: each rank
+    would choose its own).
     """
 
     def __init__(
@@ -160,6 +179,7 @@ class Engine:
         decode_rows: int = DECODE_ROWS,
         row_counts: RowCounts | None = None,
         shared_tokens=None,
+        speculation: bool = True,
     ):
         if decode_rows < 1:
             raise ValueError("decode_rows must be at least 1")
@@ -181,6 +201,7 @@ class Engine:
         self.shared_tokens = shared_tokens or (lambda tokens: tokens)
         # Build each decode step while the last computes (not sharded: ranks act on rank 0's tokens).
         self.compute_ahead = shared_tokens is None
+        self.speculation = speculation and shared_tokens is None
         self._n_heads = _query_heads(model)
         self._eos = set(tokenizer.eos_token_ids)
         self._grammars = Grammars(tokenizer, self._eos)
@@ -192,6 +213,7 @@ class Engine:
         # they hold the newest tokens' Q4 rows until ``_flush`` writes them to the records.
         self._batches: dict[tuple[int, ...], list[BatchQuantizedKVCache]] = {}
         self._ahead: _Step | None = None  # the decode step started on tokens not yet read
+        self._held: set[int] = set()  # sequences whose next step verifies no drafts (``hold_drafts``)
 
     # -- queries ---------------------------------------------------------
 
@@ -207,9 +229,16 @@ class Engine:
     def idle(self) -> bool:
         return not self._prefilling and not self._decoding
 
-    def decode_lengths(self) -> dict[int, int]:
-        """Tokens each decoding sequence's cache will hold after the next decode step."""
-        return {seq.id: len(seq.fed) + 1 for seq in self._decoding}
+    def decode_lengths(self) -> dict[int, tuple[int, int]]:
+        """For each decoding sequence: the tokens its cache holds after the next
+        decode step, and how many drafts that step may add for a while (those
+        it rejects are cut at its end). ``hold_drafts`` if those cannot fit."""
+        return {seq.id: (len(seq.fed) + 1, self._draft_room(seq)) for seq in self._decoding}
+
+    def hold_drafts(self, seq_id: int) -> None:
+        """Verify no drafts for this sequence in the next decode step (its owner
+        has no room for them)."""
+        self._held.add(seq_id)
 
     def new_cache(self) -> list:
         return make_sequence_cache(self.model, bits=self.kv_bits, group_size=self.kv_group_size)
@@ -258,6 +287,8 @@ class Engine:
             fed=prompt[:cached_tokens],
             reused=cached_tokens,
             prompt_tokens=len(prompt),
+            # (a grammar's mask for a draft's place waits on the tokens before it: no drafts)
+            drafter=Drafter(prompt) if self.speculation and sampling.grammar is None else None,
         )
         self._prefilling.append(seq)
         return seq.id
@@ -326,34 +357,83 @@ class Engine:
         return picks
 
     def step_once(self) -> list[Delta]:
-        """One new token for every decoding sequence; [] when none is decoding.
+        """At least one new token for every decoding sequence; [] when none is decoding.
 
-        While the same sequences go on decoding (none waiting to join, none at
-        its last token, none under a grammar), the next step is built and
-        started on these tokens before they are read (``_launch``), so the
-        model's graph is built while the last step computes. A sequence that
-        still finishes (end of turn, a stop string), joins or leaves drops
-        that step ahead (``_drop_ahead``): nothing it computed is kept."""
+        A sequence whose history offers drafts worth verifying
+        (``runtime.speculation``) feeds them after its next input in the same
+        forward, and takes those its draws agree with and one more; the rest
+        are cut from its caches. While the same sequences go on decoding
+        without drafts (none waiting to join, none at its last token, none
+        under a grammar, none whose history offers drafts), the next step is
+        built and started on these tokens before they are read (``_launch``),
+        so the model's graph is built while the last step computes. A
+        sequence that still finishes (end of turn, a stop string), joins or
+        leaves drops that step (``_drop_ahead``): nothing it computed is kept."""
         if not self._decoding:
             return []
         if self._ahead is not None and self._ahead.rows != self._decoding:
             self._drop_ahead()  # a sequence joined: a fresh step feeds everyone
         step, self._ahead = self._ahead or self._launch(), None
-        if self.compute_ahead and not self._prefilling and all(
-                len(seq.output) + 1 < seq.sampling.max_tokens and seq.sampler.constraint is None for seq in step.rows):
+        self._held.clear()  # (for that step only)
+        if self.compute_ahead and not self._prefilling and not any(step.drafts) and all(
+                len(seq.output) + 1 < seq.sampling.max_tokens and seq.sampler.constraint is None
+                and not self._drafts_pay([seq])[0] for seq in step.rows):
             # (not when a sequence is about to join or reach its length, nor when a grammar's
-            # next mask waits on these tokens)
+            # next mask or a sequence's drafts wait on these tokens)
             self._ahead = self._launch(after=step)
         tokens = step.tokens.tolist()
+        if any(step.drafts):  # (a step with drafts is never built ahead: this is its whole time)
+            self._costs.timed([1 + len(d) for d in step.drafts], step.contexts, (time.perf_counter() - step.started) * 1e3)
         if self._ahead is not None:
             for seq, token in zip(step.rows, tokens):
                 seq.fed.append(token)  # what the step ahead feeds
-        results = [self._accept(seq, t, lp) for seq, t, lp in zip(step.rows, tokens, step.logprobs)]
+        results, at = [], 0
+        for seq, drafts in zip(step.rows, step.drafts):
+            width = 1 + len(drafts)
+            results.append(self._verify(seq, drafts, tokens[at : at + width], step.logprobs[at : at + width], step))
+            at += width
         self._decoding = [seq for seq, (_, _, reason) in zip(step.rows, results) if reason is None]
         if len(self._decoding) < len(step.rows):
             self._drop_ahead()
             self._flush()
         return [self._delta(seq, *result) for seq, result in zip(step.rows, results)]
+
+    def _verify(self, seq: _Sequence, drafts: list[int], tokens: list[int], logprobs: list,
+                step: _Step) -> tuple[tuple[int, ...], str, str | None]:
+        """Take a sequence's tokens of a step: the draw of each slot while the
+        draft fed there equals it, then the draw that differs (or the last
+        slot's); drafts after the last taken are cut from its caches."""
+        agreed = next((j for j, d in enumerate(drafts) if tokens[j] != d), len(drafts))
+        new, text, reason = (), "", None
+        taken = 0
+        while reason is None and taken <= agreed:
+            more, shown, reason = self._accept(seq, tokens[taken], logprobs[taken])
+            new, text, taken = new + more, text + shown, taken + 1
+        if drafts:
+            seq.drafted += len(drafts)
+            seq.accepted += taken - 1
+            self._cut(seq, len(drafts) - (taken - 1), step)
+        if seq.drafter is not None:
+            seq.drafter.settle(len(drafts), agreed)
+        return new, text, reason
+
+    def _cut(self, seq: _Sequence, n: int, step: _Step) -> None:
+        """Drop a sequence's last ``n`` tokens of ``step`` (drafts not taken) from
+        ``fed`` and every cache: rows the step holds, records, recurrent states."""
+        if not n:
+            return
+        del seq.fed[-n:]
+        tile, layers = next((tile, layers) for tile, layers in step.tiles if seq in tile)
+        i = tile.index(seq)
+        for layer, held in layers:
+            c = layer.caches[i]
+            if layer.held > held:  # the step's rows wait in the batch (attention through working copies)
+                layer.cut(i, n)
+            elif isinstance(c, StateCache):
+                c.cut(n)
+            else:
+                trimmed = c.trim(n)
+                assert trimmed == n, "every cache a decode step writes can drop its last tokens"
 
     @property
     def row_counts(self) -> RowCounts:
@@ -363,6 +443,7 @@ class Engine:
     def row_counts(self, counts: RowCounts) -> None:
         row_plans.apply(self.model, counts.plans)
         self._row_counts = counts
+        self._costs = StepCosts(counts)  # what a step costs, for ``allot``
 
     def calibrate(self, max_rows: int | None = None, seed: int = 0) -> RowCounts:
         """Measure which decode row counts 1..``max_rows`` (default
@@ -539,40 +620,67 @@ class Engine:
 
     def _launch(self, after: _Step | None = None) -> _Step:
         """Build and start a decode step of the decoding sequences, in forwards
-        of ``row_counts``: fed their next inputs, or (``after``) the tokens that
-        step samples, still computing, which ``step_once`` appends to ``fed``
-        once read."""
-        rows, tiles, at = list(self._decoding), [], 0
-        for n, slots in self.row_counts.forwards(len(rows)):
-            tiles.append((rows[at : at + n], slots))
+        of ``row_counts``: fed their next inputs and the drafts ``_drafts_pay``
+        allots them, or (``after``) the tokens that step samples, still
+        computing, which ``step_once`` appends to ``fed`` once read."""
+        start = time.perf_counter()
+        rows = list(self._decoding)
+        contexts = [len(seq.fed) for seq in rows]
+        drafts = self._drafts_pay(rows) if after is None else [[] for _ in rows]
+        tiles, at = [], 0
+        for n, slots in self.row_counts.pack([1 + len(d) for d in drafts]):
+            tiles.append((rows[at : at + n], drafts[at : at + n], slots))
             at += n
-        keys = [(slots, *(seq.id for seq in tile)) for tile, slots in tiles]
+        keys = [tuple(seq.id for seq in tile) for tile, _, _ in tiles]
         if set(keys) != self._batches.keys():  # the forwards' sequences changed: records first
             self._flush()
-            self._batches = {key: _batch(s.view for s in tile) for key, (tile, _) in zip(keys, tiles)}
+            self._batches = {key: _batch(s.view for s in tile) for key, (tile, _, _) in zip(keys, tiles)}
         for layer in (layer for batch in self._batches.values() for layer in batch if layer.full):
             layer.flush()  # only steps that are read (``after`` is, next) are ever held
         states = [(c, c.offset, list(c.cache)) for seq in rows for c in seq.view if isinstance(c, StateCache)]
-        layers = [layer for key in keys for layer in self._batches[key]]
-        before = [layer.held for layer in layers]
+        written = [[(layer, layer.held) for layer in self._batches[key]] for key in keys]
         if after is None:
-            fed = [seq.next_input for seq in rows]
-            for seq, token in zip(rows, fed):
-                seq.fed.append(token)
-            inputs = mx.array(fed)
+            fed = [[seq.next_input, *d] for seq, d in zip(rows, drafts)]
+            for seq, tokens in zip(rows, fed):
+                seq.fed += tokens
+            inputs = mx.array([t for tokens in fed for t in tokens])
         else:
             inputs = after.tokens
         draws: list[Draw] = []
         at = 0
-        for key, (tile, slots) in zip(keys, tiles):
-            logits = self._forward(self._batches[key], inputs[at : at + len(tile)], slots)
-            draws += [seq.sampler(logits[i]) for i, seq in enumerate(tile)]
-            at += len(tile)
+        for key, (tile, tile_drafts, slots) in zip(keys, tiles):
+            widths = [1 + len(d) for d in tile_drafts]
+            for layer in self._batches[key]:
+                layer.widths = widths
+            logits = self._forward(self._batches[key], inputs[at : at + sum(widths)], slots)
+            slot = 0
+            for seq, d in zip(tile, tile_drafts):  # each slot's draw judges the draft fed after it; the last's is free
+                draws += [seq.sampler(logits[slot + j], draft) for j, draft in enumerate([*d, None])]
+                slot += 1 + len(d)
+            at += slot
         tokens = self.shared_tokens(mx.stack([d.token for d in draws]))
         logprobs = [d.logprobs for d in draws]
         held = [b.arrays for batch in self._batches.values() for b in batch]
+        self._costs.built((time.perf_counter() - start) * 1e3)
         mx.async_eval(tokens, [lp for lp in logprobs if lp is not None], [cache_arrays(seq.view) for seq in rows], held)
-        return _Step(rows, tokens, logprobs, list(zip(layers, before)), states)
+        return _Step(rows, drafts, tokens, logprobs, [(tile, w) for (tile, _, _), w in zip(tiles, written)], states,
+                     contexts, start)
+
+    def _draft_room(self, seq: _Sequence) -> int:
+        """The most drafts a sequence may verify in its next step."""
+        if seq.drafter is None or seq.id in self._held:
+            return 0
+        return max(0, min(self.row_counts.counts[-1] - 1, seq.sampling.max_tokens - len(seq.output) - 1))
+
+    def _drafts_pay(self, rows: list[_Sequence]) -> list[list[int]]:
+        """The drafts each sequence verifies in its next step: what its history
+        offers, as many as ``allot`` finds pay for their slots."""
+        offers = [[] if seq.drafter is None else seq.drafter.offer(self._draft_room(seq)) for seq in rows]
+        if not any(offers):
+            return offers
+        counts = allot(offers, [0.0 if seq.drafter is None else seq.drafter.rate for seq in rows],
+                       [len(seq.fed) for seq in rows], self._costs)
+        return [offer[:n] for offer, n in zip(offers, counts)]
 
     def _drop_ahead(self) -> None:
         """Undo the step computed ahead, if any: each of its sequences as before
@@ -629,6 +737,8 @@ class Engine:
             reason, new = STOP, ()
         else:
             seq.output.append(token)
+            if seq.drafter is not None:
+                seq.drafter.extend(token)
             if logprobs is not None:
                 seq.logprobs.append(TokenLogprob.read(token, logprobs, self._grammars.token_bytes))
             seq.detokenizer.add_token(token)
@@ -674,6 +784,8 @@ class Engine:
             prefilled_tokens=min(len(seq.fed), seq.prompt_tokens) - seq.reused,
             stop_sequence=seq.stop_hit if reason == STOP else None,
             logprobs=tuple(seq.logprobs),
+            drafted_tokens=seq.drafted,
+            accepted_tokens=seq.accepted,
         )
 
 

@@ -48,6 +48,8 @@ class TurnResult:
     decode_s: float | None = None  # first token -> end
     stop_sequence: str | None = None  # the stop string that ended it (reason "stop")
     logprobs: tuple[TokenLogprob, ...] = ()  # of each output token, when the turn asked for them
+    drafted_tokens: int = 0  # drafts its decode steps verified (``runtime.speculation``)
+    accepted_tokens: int = 0  # of them, taken as output
 
     @classmethod
     def measured(cls, finished: Finished | None, reason: str, *, arrived: float, admitted: float,
@@ -70,6 +72,8 @@ class TurnResult:
             decode_s=None if first is None else ended - first,
             stop_sequence=f.stop_sequence if f else None,
             logprobs=f.logprobs if f else (),
+            drafted_tokens=f.drafted_tokens if f else 0,
+            accepted_tokens=f.accepted_tokens if f else 0,
         )
 
     @property

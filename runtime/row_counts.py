@@ -81,6 +81,24 @@ class RowCounts:
             n -= take
         return out
 
+    def pack(self, widths: list[int]) -> list[tuple[int, int]]:
+        """How sequences taking ``widths`` token slots each (one, or more to
+        verify drafts) are run: (sequences, token slots) a forward, in order.
+        A sequence's slots stay in one forward; each forward takes sequences
+        while they fit the largest count, padded up to the next count. With
+        a slot each, ``forwards``."""
+        top, out, n, used = self.counts[-1], [], 0, 0
+        for w in widths:
+            if w > top:
+                raise ValueError(f"a sequence of {w} token slots in forwards of at most {top}")
+            if used + w > top:
+                out.append((n, next(c for c in self.counts if c >= used)))
+                n = used = 0
+            n, used = n + 1, used + w
+        if n:
+            out.append((n, next(c for c in self.counts if c >= used)))
+        return out
+
     def describe(self) -> dict:
         return asdict(self)
 

@@ -2,10 +2,11 @@
 invariance (``runtime.batch_cache`` explains the whole).
 
 ``rowwise(model)`` lets every attention module of an mlx-lm model, when its
-cache is a ``BatchQuantizedKVCache`` (a decode step: one token slot a
-sequence) or a ``PrefillBatch`` (several sequences' prompt chunks), attend
-for each sequence over that sequence's own cache, with the shapes it has
-when the sequence is alone. Two ways, with the same result by construction:
+cache is a ``BatchQuantizedKVCache`` (a decode step: a token slot a
+sequence, or more for its drafts) or a ``PrefillBatch`` (several sequences'
+prompt chunks), attend for each slot or chunk over its sequence's own cache,
+with the shapes it has when the sequence is alone -- a draft's slot as a
+decode step of that token. Two ways, with the same result by construction:
 
 * **standard layout** (Llama, Qwen 2/3, Gemma 3, GPT-OSS): projections and
   q/k norms run over all rows at once -- at row counts whose rows agree
@@ -27,7 +28,8 @@ import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 
 from .attention import attend, attend_each
-from .batch_cache import BatchQuantizedKVCache, ChunkMasks, DequantizingKVCache, PrefillBatch, WindowKVCache
+from .batch_cache import (BatchQuantizedKVCache, ChunkMasks, DequantizingKVCache, PrefillBatch, StateCache,
+                          WindowKVCache)
 from .rotary import rotate
 
 __all__ = ["rowwise"]
@@ -86,8 +88,8 @@ def _rowwise_class(cls: type) -> type:
             if standard and _in_float(self, x, [cache]):  # a prefill chunk on the CPU
                 return _standard_chunks(self, x, PrefillBatch([cache], [x.shape[1]]), [mask])
             return cls.__call__(self, x, mask, cache)
-        if len(cache.caches) > x.shape[1]:
-            raise ValueError(f"{len(cache.caches)} sequences in a forward of {x.shape[1]} slots")
+        if sum(cache.widths) > x.shape[1]:
+            raise ValueError(f"{sum(cache.widths)} token slots used in a forward of {x.shape[1]}")
         if standard:
             return _standard(self, x, cache)
         return _per_sequence(functools.partial(cls.__call__, self), x, cache)
@@ -96,10 +98,21 @@ def _rowwise_class(cls: type) -> type:
 
 
 def _per_sequence(attention: Callable, x: mx.array, batch: BatchQuantizedKVCache) -> mx.array:
-    """``attention(x, mask, cache)`` once per sequence on its own slot of ``x``
-    (1, slots, D); zeros for the padding slots."""
-    outs = [attention(x[:, i : i + 1], _mask(c), c) for i, c in enumerate(batch.caches)]
+    """``attention(x, mask, cache)`` once per slot of ``x`` (1, slots, D) with
+    its sequence's cache, in slot order; zeros for the padding slots. A
+    recurrent state keeps what it was after each of a step's slots
+    (``StateCache.trail``: drafts it rejects are cut back to one)."""
+    outs = []
+    for i, (c, first) in enumerate(zip(batch.slot_caches, _firsts(batch.widths))):
+        outs.append(attention(x[:, i : i + 1], _mask(c), c))
+        if isinstance(c, StateCache):
+            c.trail = [list(c.cache)] if first else [*c.trail, list(c.cache)]
     return _pad_slots(mx.concatenate(outs, axis=1), x.shape[1], axis=1)
+
+
+def _firsts(widths: list[int]) -> list[bool]:
+    """For each used slot, whether it is its sequence's first."""
+    return [j == 0 for w in widths for j in range(w)]
 
 
 def _standard(attn: nn.Module, x: mx.array, batch: BatchQuantizedKVCache) -> mx.array:
@@ -107,14 +120,14 @@ def _standard(attn: nn.Module, x: mx.array, batch: BatchQuantizedKVCache) -> mx.
     batch (slots, heads, 1, head_dim) for everything but the cache write and the
     attention, which run per sequence."""
     _, slots, _ = x.shape
-    caches = batch.caches
-    positions = [c.offset for c in caches] + [0] * (slots - len(caches))
+    caches = batch.slot_caches
+    positions = batch.positions + [0] * (slots - len(caches))
     q, k, v = _project(attn, x, (slots, 1))
     q, k = rotate(attn.rope, q, positions), rotate(attn.rope, k, positions)
     scale = _scale(attn)
     if batch.in_float:  # working copies: one quantization for every slot (``attend_new``)
         fetched = batch.attend_new(k, v)
-    else:
+    else:  # slot by slot: a sequence's later slots see its earlier ones' tokens
         fetched = [c.update_and_fetch(k[i : i + 1], v[i : i + 1]) for i, c in enumerate(caches)]
     if _in_float(attn, x, caches):
         out = attend_each(q[: len(caches)], fetched, scale)

@@ -98,21 +98,31 @@ class Sampler:
         self._key = mx.random.key(seed)
         self._previous_key = self._key
 
-    def __call__(self, logits: mx.array) -> Draw:
-        """``logits``: (vocab,) -> the token drawn, and its logprobs if asked for (lazy)."""
+    def __call__(self, logits: mx.array, draft: int | None = None) -> Draw:
+        """``logits``: (vocab,) -> the token drawn, and its logprobs if asked for (lazy).
+
+        ``draft``: a token proposed for this place (``runtime.speculation``):
+        greedy draws as ever (the engine takes the draft if it is the draw);
+        with temperature the draft is the token with the chance the row gives
+        it, and otherwise a draw from the row without it -- together, exactly
+        the row's distribution."""
         p = self.params
         if self.constraint is not None:
             logits = mx.where(self.constraint.allowed(logits.shape[-1]), logits, -mx.inf)
         logprobs = None if p.greedy and p.logprobs is None else logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = mx.argmax(logits, axis=-1) if p.greedy else self._draw(logprobs)
+        if p.greedy:
+            token = mx.argmax(logits, axis=-1)
+        else:
+            token = self._draw(logprobs) if draft is None else self._judge(logprobs, draft)
         if p.logprobs is None:
             return Draw(token, None)
         top = mx.argpartition(-logprobs, p.logprobs - 1)[: p.logprobs] if p.logprobs else mx.array([], mx.int32)
         top = top[mx.argsort(-logprobs[top])]
         return Draw(token, (mx.concatenate([logprobs[token][None], logprobs[top]]), top))
 
-    def _draw(self, logprobs: mx.array) -> mx.array:
-        """A token from the row's log-softmax, under temperature, top-k, min-p and top-p."""
+    def _scaled(self, logprobs: mx.array) -> mx.array:
+        """The logits a token is drawn from: the row's log-softmax under top-k,
+        min-p and top-p, over the temperature; (1, vocab)."""
         p = self.params
         logprobs = logprobs[None]
         if p.top_k > 0:
@@ -121,9 +131,26 @@ class Sampler:
             logprobs = apply_min_p(logprobs, p.min_p)
         if p.top_p < 1:
             logprobs = apply_top_p(logprobs, p.top_p)
+        return logprobs * (1 / self.params.temperature)
+
+    def _key_for_draw(self) -> mx.array:
         self._previous_key = self._key
         self._key, key = mx.random.split(self._key)
-        return mx.random.categorical(logprobs * (1 / p.temperature), key=key)[0]
+        return key
+
+    def _draw(self, logprobs: mx.array) -> mx.array:
+        """A token from the row's log-softmax, under temperature, top-k, min-p and top-p."""
+        return mx.random.categorical(self._scaled(logprobs), key=self._key_for_draw())[0]
+
+    def _judge(self, logprobs: mx.array, draft: int) -> mx.array:
+        """``draft`` with the probability p(draft) the row gives it, else a token
+        from p with the draft left out."""
+        scaled = self._scaled(logprobs)
+        chance = mx.exp(scaled[0, draft] - mx.logsumexp(scaled, axis=-1)[0])
+        accept_key, other_key = mx.random.split(self._key_for_draw())
+        without = mx.where(mx.arange(scaled.shape[-1]) == draft, -mx.inf, scaled)
+        other = mx.random.categorical(without, key=other_key)[0]
+        return mx.where(mx.random.uniform(key=accept_key) < chance, mx.array(draft, other.dtype), other)
 
     def undo(self) -> None:
         """Forget the last draw: the next call draws as it would have (a decode

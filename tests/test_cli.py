@@ -269,8 +269,9 @@ def test_serve_options_parse():
     assert parser().parse_args(["serve", "--kv-bits", "8"]).kv_bits == 8
     from cli.serve import _runtime_options
 
-    assert _runtime_options(args, None) == {}  # the runtime's default decode rows
-    assert _runtime_options(parser().parse_args(["serve", "--decode-rows", "1"]), None) == {"decode_rows": 1}
+    assert _runtime_options(args, None) == {"speculation": True}  # the runtime's default decode rows
+    assert _runtime_options(parser().parse_args(["serve", "--decode-rows", "1", "--speculation", "off"]), None) == {
+        "decode_rows": 1, "speculation": False}
     args = parser().parse_args(["cache", "prune", "--older-than", "7d", "--to", "10G"])
     assert (args.older_than, args.to) == (7 * 86400, 10 << 30)
 

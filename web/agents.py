@@ -129,7 +129,8 @@ def turn_json(agent_id: str, model: str, result: ChatResult) -> dict:
         "stop_reason": _STOP[result.stop_reason],
         "stop_sequence": result.stop_sequence,
         "usage": {"prompt_tokens": u.prompt_tokens, "reused_tokens": u.cache_read_input_tokens,
-                  "prefilled_tokens": u.input_tokens, "output_tokens": u.output_tokens},
+                  "prefilled_tokens": u.input_tokens, "output_tokens": u.output_tokens,
+                  "drafted_tokens": u.drafted_tokens, "accepted_tokens": u.accepted_tokens},
         "timing": timing,
         **({"logprobs": [logprob_json(lp) for lp in turn.logprobs]} if turn is not None and turn.logprobs else {}),
     }

@@ -341,7 +341,8 @@ def new_message_id() -> str:
 
 def _usage(usage: Usage) -> dict:
     return {"input_tokens": usage.input_tokens, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": usage.cache_read_input_tokens, "output_tokens": usage.output_tokens}
+            "cache_read_input_tokens": usage.cache_read_input_tokens, "output_tokens": usage.output_tokens,
+            "drafted_tokens": usage.drafted_tokens, "accepted_tokens": usage.accepted_tokens}
 
 
 def _thinking_block(thinking: str) -> dict:

@@ -495,7 +495,8 @@ class _Server:
         memory, disk = await anyio.to_thread.run_sync(memory_and_disk, rt)
         body = {"status": "ok" if rt.healthy else "unhealthy", "ready": rt.healthy,
                 "error": None if rt.error is None else str(rt.error), "model": rt.model,
-                "context_length": rt.context_length, "row_counts": rt.row_counts, "memory": memory,
+                "context_length": rt.context_length, "row_counts": rt.row_counts,
+                "speculation": rt.speculation, "memory": memory,
                 "disk": {"bytes": memory["disk_bytes"], **disk},
                 "queue_depth": stats.get("waiting", 0), "decoding": stats.get("decoding", 0),
                 "agents": len(self.core.index)}

@@ -141,7 +141,8 @@ def sampling(req: ChatRequest) -> dict:
 
 
 def chat_result(result: TurnResult) -> ChatResult:
-    usage = Usage(result.prefilled_tokens, result.reused_tokens, result.output_tokens)
+    usage = Usage(result.prefilled_tokens, result.reused_tokens, result.output_tokens,
+                  result.drafted_tokens, result.accepted_tokens)
     stop = getattr(result, "stop_sequence", None)
     if result.reason == "stop":
         return ChatResult(result.text, "stop_sequence" if stop else "stop", usage, stop or None, turn=result)

@@ -63,7 +63,8 @@ def turn_record(agent_id: str, route: str, turn_id: int, result: TurnResult, cac
             "prompt_tokens": prompt, "prefilled_tokens": result.prefilled_tokens,
             "reused_tokens": result.reused_tokens, "output_tokens": result.output_tokens,
             "reuse": _r(result.reused_tokens / prompt) if prompt else None,
-            "ttft_s": _r(result.ttft_s), "decode_tps": _r(result.decode_tps, 2), "cache": cache}
+            "ttft_s": _r(result.ttft_s), "decode_tps": _r(result.decode_tps, 2), "cache": cache,
+            "drafted_tokens": result.drafted_tokens, "accepted_tokens": result.accepted_tokens}
 
 
 def agent_row(info: AgentInfo, last: dict | None) -> dict:

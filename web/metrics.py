@@ -7,6 +7,7 @@ tests, never share counters). Names and what they measure:
     semantic_decode_tokens_per_second     histogram  one turn's decode speed
     semantic_prompt_tokens_total{kind}    counter    prefilled | reused (served from a cache)
     semantic_output_tokens_total          counter
+    semantic_draft_tokens_total{verdict}  counter    accepted | rejected: drafts decode steps verified
     semantic_turns_total{cache}           counter    hot | warm (disk) | prefix (shared system
                                                      prompt) | miss: where the reused tokens came from
     semantic_batch_size                   gauge      sequences decoding together (at scrape)
@@ -48,6 +49,7 @@ class Metrics:
                                 buckets=_TPS, registry=r)
         self.prompt = Counter("semantic_prompt_tokens", "Prompt tokens by how they were served", ["kind"], registry=r)
         self.output = Counter("semantic_output_tokens", "Generated tokens", registry=r)
+        self.drafts = Counter("semantic_draft_tokens", "Drafted tokens verified, by verdict", ["verdict"], registry=r)
         self.turns = Counter("semantic_turns", "Turns by where their reused tokens came from", ["cache"], registry=r)
         self.batch = Gauge("semantic_batch_size", "Sequences decoding together", registry=r)
         self.queue = Gauge("semantic_queue_depth", "Turns waiting for admission", registry=r)
@@ -69,6 +71,8 @@ class Metrics:
         self._totals: dict[Counter, int] = {}
         for kind in ("prefilled", "reused"):
             self.prompt.labels(kind)
+        for verdict in ("accepted", "rejected"):
+            self.drafts.labels(verdict)
         for cache in ("hot", "warm", "prefix", "miss"):
             self.turns.labels(cache)
 
@@ -83,6 +87,8 @@ class Metrics:
         self.prompt.labels("prefilled").inc(result.prefilled_tokens)
         self.prompt.labels("reused").inc(result.reused_tokens)
         self.output.inc(result.output_tokens)
+        self.drafts.labels("accepted").inc(result.accepted_tokens)
+        self.drafts.labels("rejected").inc(result.drafted_tokens - result.accepted_tokens)
         self.turns.labels("miss" if not result.reused_tokens else tier or "prefix").inc()
 
     def render(self, stats: dict, memory: dict, disk: dict) -> bytes:

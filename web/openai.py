@@ -63,7 +63,7 @@ from .sse import KEEP_ALIVE, encode
 if TYPE_CHECKING:
     from .chat import ChatTurn
 
-__all__ = ["completion_chunks", "completion_json", "error_json", "events", "function_tool", "parse_request",
+__all__ = ["completion_chunks", "completion_json", "drafts_json", "error_json", "events", "function_tool", "parse_request",
            "response_json", "session_hint", "tool_arguments"]
 
 log = logging.getLogger("semantic.web")
@@ -286,7 +286,14 @@ def new_completion_id() -> str:
 def _usage(usage: Usage) -> dict:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.output_tokens,
             "total_tokens": usage.prompt_tokens + usage.output_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cache_read_input_tokens}}
+            "prompt_tokens_details": {"cached_tokens": usage.cache_read_input_tokens},
+            "completion_tokens_details": drafts_json(usage)}
+
+
+def drafts_json(usage: Usage) -> dict:
+    """Drafts verified, as OpenAI reports a prediction's tokens (``runtime.speculation``)."""
+    return {"accepted_prediction_tokens": usage.accepted_tokens,
+            "rejected_prediction_tokens": usage.drafted_tokens - usage.accepted_tokens}
 
 
 def _tool_calls(result: ChatResult) -> list[dict]:

@@ -80,7 +80,7 @@ from runtime.sampling import MAX_LOGPROBS
 from . import _validate as v
 from ._aio import closing
 from .identity import state_hash
-from .openai import function_tool, session_hint, text_parts, tool_arguments
+from .openai import drafts_json, function_tool, session_hint, text_parts, tool_arguments
 from .reasoning import CLOSE, OPEN, split_reasoning
 from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, Usage, cancelled,
                      load_json, logprob_json, stream_text)
@@ -344,7 +344,8 @@ def _usage(usage: Usage) -> dict:
     return {"input_tokens": usage.prompt_tokens,
             "input_tokens_details": {"cached_tokens": usage.cache_read_input_tokens,
                                      "cache_write_tokens": usage.input_tokens},
-            "output_tokens": usage.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0, **drafts_json(usage)},
             "total_tokens": usage.prompt_tokens + usage.output_tokens}
 
 

@@ -139,9 +139,12 @@ class Usage:
     input_tokens: int  # prompt tokens prefilled for this request
     cache_read_input_tokens: int = 0  # prompt tokens served from the agent's cache
     output_tokens: int = 0
+    drafted_tokens: int = 0  # drafts verified while decoding (``runtime.speculation``)
+    accepted_tokens: int = 0  # of them, taken as output
 
     def __post_init__(self):
-        if min(self.input_tokens, self.cache_read_input_tokens, self.output_tokens) < 0:
+        if min(self.input_tokens, self.cache_read_input_tokens, self.output_tokens, self.drafted_tokens,
+               self.accepted_tokens) < 0:
             raise ValueError("token counts must be >= 0")
 
     @property

@@ -145,7 +145,7 @@ def test_batch_arguments():
     with pytest.raises(ValueError, match="at least one sequence"):
         BatchQuantizedKVCache([])
     model = rowwise(tiny_model("llama"))
-    with pytest.raises(ValueError, match="9 sequences in a forward of 8 slots"):
+    with pytest.raises(ValueError, match="9 token slots used in a forward of 8"):
         _forward(model, [1] * 8, [_prefilled(model, [2, 3], True) for _ in range(9)])
     batch = BatchQuantizedKVCache([SequenceQuantizedKVCache()] * 5)
     out = _per_sequence(lambda x, mask, cache: x + 1, mx.zeros((1, 8, 4)), batch)

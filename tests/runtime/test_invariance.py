@@ -33,11 +33,14 @@ LONGEST = 130  # the anchor row; the others are 1-64 tokens shorter
 @pytest.fixture
 def logits_by_params(monkeypatch):
     """Every row of logits a sampler sees, keyed by its SamplingParams object
-    (less those of a step computed ahead and dropped: ``Sampler.undo``)."""
+    (less those of a step computed ahead and dropped: ``Sampler.undo``). The
+    engines these tests run verify no drafts, so every row seen is a step's
+    (``test_speculation`` checks the rows drafts take)."""
     seen: dict[int, list[mx.array]] = {}
     call, undo = sampling.Sampler.__call__, sampling.Sampler.undo
 
-    def recording(self, logits):
+    def recording(self, logits, draft=None):
+        assert draft is None, "an engine of these tests verified a draft"
         seen.setdefault(id(self.params), []).append(logits)
         return call(self, logits)
 
@@ -70,7 +73,7 @@ def _row(base_cache, tokens: list[int], length: int, cold: bool):
 
 
 def _run(model, tokenizer, rows, seen, row_counts) -> list[list[mx.array]]:
-    engine = Engine(model, tokenizer, row_counts=row_counts)
+    engine = Engine(model, tokenizer, row_counts=row_counts, speculation=False)
     seen.clear()  # ids of dead objects are reused
     params = [SamplingParams(max_tokens=STEPS) for _ in rows]  # one object per row: the recorder's key
     for (prompt, cache, cached), p in zip(rows, params):
@@ -122,7 +125,7 @@ def _come_and_go(model, tokenizer, seen, row_counts, seed: int = 0) -> list[str]
     probe, steps = prompt(), 12
     runs = []
     for busy in (False, True):
-        engine = Engine(model, tokenizer, row_counts=row_counts)
+        engine = Engine(model, tokenizer, row_counts=row_counts, speculation=False)
         seen.clear()
         params = SamplingParams(max_tokens=steps)
         engine.add(probe, params)
@@ -210,7 +213,8 @@ def _prefill_together(model, tokenizer, seen, row_counts, seed: int = 0, max_chu
     runs = []
     for busy in (False, True):
         # Three chunks' rows a forward: a final chunk with its short rest still finds a neighbour.
-        engine = Engine(model, tokenizer, max_chunk=max_chunk, prefill_rows=3 * max_chunk, row_counts=row_counts)
+        engine = Engine(model, tokenizer, max_chunk=max_chunk, prefill_rows=3 * max_chunk, row_counts=row_counts,
+                        speculation=False)
         seen.clear()
         params = SamplingParams(max_tokens=steps)
 

@@ -313,7 +313,7 @@ def test_message_json():
         "content": [{"type": "text", "text": "Hello!"}],
         "stop_reason": "end_turn", "stop_sequence": None,
         "usage": {"input_tokens": 7, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 30,
-                  "output_tokens": 3},
+                  "output_tokens": 3, "drafted_tokens": 0, "accepted_tokens": 0},
     }
     sdk_types.Message.model_validate(body)
     assert anthropic.message_json(ChatResult("x", "stop", USAGE), model="m")["id"].startswith("msg_")
@@ -371,7 +371,7 @@ START = ("message_start", {"type": "message_start", "message": {
     "id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": [],
     "stop_reason": None, "stop_sequence": None,
     "usage": {"input_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
-              "output_tokens": 0}}})  # the head goes out before the turn ends: its usage is in message_delta
+              "output_tokens": 0, "drafted_tokens": 0, "accepted_tokens": 0}}})  # the head goes out before the turn ends: its usage is in message_delta
 TEXT_START = ("content_block_start", {"type": "content_block_start", "index": 0,
                                       "content_block": {"type": "text", "text": ""}})
 PING = ("ping", {"type": "ping"})
@@ -390,7 +390,9 @@ def message_delta(reason, usage=USAGE, seq=None):
     return ("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
                               "usage": {"input_tokens": usage.input_tokens, "cache_creation_input_tokens": 0,
                                         "cache_read_input_tokens": usage.cache_read_input_tokens,
-                                        "output_tokens": usage.output_tokens}})
+                                        "output_tokens": usage.output_tokens,
+                                        "drafted_tokens": usage.drafted_tokens,
+                                        "accepted_tokens": usage.accepted_tokens}})
 
 
 MESSAGE_STOP = ("message_stop", {"type": "message_stop"})

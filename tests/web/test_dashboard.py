@@ -61,11 +61,12 @@ async def test_hub_fans_out_drops_slow_subscribers_and_keeps_recent_turns():
 
 def test_turn_record_and_agent_row_json():
     result = TurnResult("stop", "hi", prompt_tokens=100, reused_tokens=75, prefilled_tokens=25, output_tokens=9,
-                        queued_s=0.0, ttft_s=0.0123456, decode_s=0.5)
+                        queued_s=0.0, ttft_s=0.0123456, decode_s=0.5, drafted_tokens=6, accepted_tokens=4)
     record = turn_record("alice", "openai", 7, result, "hot")
     assert record == {"agent": "alice", "route": "openai", "turn_id": 7, "reason": "stop", "prompt_tokens": 100,
                       "prefilled_tokens": 25, "reused_tokens": 75, "output_tokens": 9, "reuse": 0.75,
-                      "ttft_s": 0.0123, "decode_tps": 16.0, "cache": "hot"}
+                      "ttft_s": 0.0123, "decode_tps": 16.0, "cache": "hot", "drafted_tokens": 6,
+                      "accepted_tokens": 4}
     from actors import AgentInfo, Message
     info = AgentInfo("alice", (Message("system", "s"), Message("user", "u"), Message("assistant", "a")),
                      "tiny", 40, 4096, "hot", 1.5)

@@ -200,10 +200,11 @@ def test_tool_choice(choice, names, mode):
 
 # --- responses ----------------------------------------------------------------
 
-USAGE = Usage(input_tokens=7, cache_read_input_tokens=30, output_tokens=3)
+USAGE = Usage(input_tokens=7, cache_read_input_tokens=30, output_tokens=3, drafted_tokens=5, accepted_tokens=2)
 CALL = ToolCall("call_9", "get_weather", {"city": "Paris"})
 USAGE_JSON = {"prompt_tokens": 37, "completion_tokens": 3, "total_tokens": 40,
-              "prompt_tokens_details": {"cached_tokens": 30}}
+              "prompt_tokens_details": {"cached_tokens": 30},
+              "completion_tokens_details": {"accepted_prediction_tokens": 2, "rejected_prediction_tokens": 3}}
 
 
 def test_completion_json():

@@ -146,8 +146,10 @@ async def test_the_agent_api_contract(tmp_path):
         assert (first["agent_id"], first["role"]) == ("ada", "assistant")
         assert first["stop_reason"] in ("end_turn", "max_tokens", "stop_sequence")
         u = first["usage"]
-        assert set(u) == {"prompt_tokens", "reused_tokens", "prefilled_tokens", "output_tokens"}
+        assert set(u) == {"prompt_tokens", "reused_tokens", "prefilled_tokens", "output_tokens", "drafted_tokens",
+                          "accepted_tokens"}
         assert u["prompt_tokens"] == u["reused_tokens"] + u["prefilled_tokens"] and u["output_tokens"] >= 1
+        assert 0 <= u["accepted_tokens"] <= u["drafted_tokens"]
         assert set(first["timing"]) == {"ttft_ms", "queued_ms", "prefill_ms", "decode_ms", "decode_tps"}
         assert first["timing"]["ttft_ms"] > 0
 
@@ -232,7 +234,7 @@ async def test_streamed_messages_follow_anthropics_sse_sequence_exactly(tmp_path
     assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None} or \
            delta["delta"]["stop_reason"] == "end_turn"
     assert set(delta["usage"]) == {"input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens",
-                                   "output_tokens"}
+                                   "output_tokens", "drafted_tokens", "accepted_tokens"}
     assert delta["usage"]["input_tokens"] > 0 and 1 <= delta["usage"]["output_tokens"] <= 8
     assert events[-1][1] == {"type": "message_stop"}
 

@@ -274,7 +274,8 @@
       `<tr data-agent="${esc(t.agent)}" data-route="${esc(t.route)}"><td>${esc(t.agent)}</td>` +
       `<td>${esc(ROUTES[t.route] || t.route)}</td><td class="num">${int(t.prefilled_tokens)}</td>` +
       `<td class="num">${int(t.reused_tokens)}</td><td class="num">${int(t.output_tokens)}</td>` +
-      `<td class="num">${ms(t.ttft_s)}</td><td class="num">${rate(t.decode_tps)}</td></tr>`).join("");
+      `<td class="num">${ms(t.ttft_s)}</td><td class="num">${rate(t.decode_tps)}</td>` +
+      `<td class="num">${t.drafted_tokens ? pct(t.accepted_tokens / t.drafted_tokens) : "–"}</td></tr>`).join("");
   }
 
   // -- one agent: history, actions, chat ------------------------------------------------

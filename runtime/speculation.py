@@ -1,0 +1,152 @@
+"""Exact speculative decoding: drafts from an agent's own memory, verified
+inside the batch.
+
+Agents mostly write what they have seen: a file shown to them with a line
+changed, tool output quoted, identifiers repeated. A sequence's ``Drafter``
+indexes its token history (the conversation it was prompted with and what it
+has written since) by its last few tokens; where they occurred before, the
+tokens that followed are offered as drafts. No draft model.
+
+The engine feeds a drafting sequence its next input and the drafts in
+consecutive token slots of one decode forward (``runtime.batch_cache``): each
+slot computes exactly what a decode step of its token alone would, so slot
+j's draw is the token decode would draw there. Drafts are taken while they
+equal those draws, the first that does not is replaced by the draw, and the
+rest are cut from every cache. Greedy output is therefore bitwise the output
+without drafts. With temperature the sampler accepts a draft d with
+probability p(d) and otherwise draws from p without d (``Sampler``, the
+speculative-sampling rule for a draft that is certain), so each token's
+distribution is exactly the model's.
+
+``allot`` chooses how many drafts each sequence verifies in a step: the most
+expected tokens per unit of forward time, from each sequence's recent
+acceptance and the forward times measured at each row count; a sequence whose
+drafts keep failing gets none, so text that never repeats pays nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .row_counts import RowCounts
+
+__all__ = ["Drafter", "NGRAMS", "StepCosts", "allot"]
+
+NGRAMS = (4, 3, 2)  # the history's last tokens looked up, longest first
+_KEEP = 0.7  # weight of the acceptance counts so far at each verify (recent drafts count most)
+_FORGET = 0.95  # at each step without drafts: a sequence whose drafts failed long ago is tried again
+
+
+class Drafter:
+    """One sequence's token history, searched for drafts, and how its drafts fared."""
+
+    def __init__(self, history: list[int]):
+        self.tokens = list(history)
+        self._array = np.zeros(len(history) + 256, np.int64)  # ``tokens`` as an array (searched), grown by half
+        self._array[: len(history)] = history
+        self._synced = len(history)
+        self.proposed = self.accepted = 0.0  # drafts verified and taken, decayed (``rate``)
+
+    def extend(self, token: int) -> None:
+        self.tokens.append(token)
+
+    def offer(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens that followed the latest earlier occurrence
+        of the history's last ``NGRAMS`` tokens, the longest that occurred."""
+        n_tokens = len(self.tokens)
+        if limit < 1 or n_tokens <= min(NGRAMS):
+            return []
+        if n_tokens > len(self._array):
+            self._array = np.concatenate([self._array, np.zeros(n_tokens // 2 + 256, np.int64)])
+        self._array[self._synced : n_tokens] = self.tokens[self._synced :]
+        self._synced = n_tokens
+        a = self._array[:n_tokens]
+        for n in NGRAMS:
+            if n_tokens <= n:
+                continue
+            # j: where an earlier n-gram starts that has a follower (j + n < n_tokens) and equals the last n
+            same = a[n - 1 : n_tokens - 1] == a[-1]
+            for back in range(1, n):
+                same &= a[n - 1 - back : n_tokens - 1 - back] == a[-1 - back]
+            found = np.flatnonzero(same)
+            if found.size:
+                after = int(found[-1]) + n
+                return self.tokens[after : after + limit]
+        return []
+
+    @property
+    def rate(self) -> float:
+        """The chance the next draft is taken, from recent verdicts (1/2 before any)."""
+        return (self.accepted + 1) / (self.proposed + 2)
+
+    def settle(self, proposed: int, accepted: int) -> None:
+        """Count a step's verdict: ``accepted`` of ``proposed`` drafts taken (none
+        proposed: the counts fade towards the prior)."""
+        if proposed:
+            self.proposed = _KEEP * self.proposed + proposed
+            self.accepted = _KEEP * self.accepted + accepted
+        else:
+            self.proposed *= _FORGET
+            self.accepted *= _FORGET
+
+
+class StepCosts:
+    """What a decode step costs (ms) by its sequences' slots (``widths``) and
+    how many tokens each holds (``contexts``): the forwards' times measured
+    at each row count (``RowCounts.ms``, at short contexts), the attention
+    of each slot over its sequence's tokens (``key_ms`` a token, learned
+    from drafting steps timed: it grows with the context, and a draft's slot
+    reads every key again), and building the step's graph when it has drafts
+    (a step without them is built while the last one computes). Forwards
+    count one each when the row counts were not measured."""
+
+    def __init__(self, counts: RowCounts):
+        self.counts = counts
+        self.build_ms = 0.0  # building a step's graph, recently
+        self.key_ms = 0.0  # a slot's attention, per token it attends over, recently
+
+    def __call__(self, widths: list[int], contexts: list[int]) -> float:
+        counts = self.counts
+        if not counts.ms:
+            return float(len(counts.pack(widths)))
+        forwards = sum(counts.ms[slots - 1] for _, slots in counts.pack(widths))
+        return forwards + self.key_ms * _keys(widths, contexts) + (self.build_ms if max(widths) > 1 else 0.0)
+
+    def built(self, ms: float) -> None:
+        """A step's graph took ``ms`` to build."""
+        self.build_ms += 0.2 * (ms - self.build_ms)
+
+    def timed(self, widths: list[int], contexts: list[int], ms: float) -> None:
+        """A drafting step took ``ms`` from the start of its build to its tokens."""
+        if not self.counts.ms:
+            return
+        forwards = sum(self.counts.ms[slots - 1] for _, slots in self.counts.pack(widths))
+        self.key_ms += 0.2 * (max(0.0, ms - self.build_ms - forwards) / _keys(widths, contexts) - self.key_ms)
+
+
+def _keys(widths: list[int], contexts: list[int]) -> int:
+    """Tokens a step's slots attend over: slot j of a sequence holding c sees c + j + 1."""
+    return sum(w * c + w * (w + 1) // 2 for w, c in zip(widths, contexts))
+
+
+def allot(offers: list[list[int]], rates: list[float], contexts: list[int], costs: StepCosts) -> list[int]:
+    """How many of its offered drafts each sequence verifies in the next step.
+
+    A sequence with t drafts whose next draft is taken with chance r yields
+    1 + r + ... + r^t tokens expected; what the step costs is ``costs``'s
+    estimate. Drafts are added likeliest first, and the allotment with the
+    most expected tokens per unit of time wins -- none when no draft pays for
+    its slot and the attention it adds."""
+    top = costs.counts.counts[-1]
+    taken = [0] * len(offers)
+    tokens = float(len(offers))
+    best, chosen = tokens / costs([1] * len(offers), contexts), list(taken)
+    candidates = sorted(((rates[i] ** (j + 1), i) for i, offer in enumerate(offers)
+                         for j in range(min(len(offer), top - 1))), reverse=True)
+    for value, i in candidates:
+        taken[i] += 1
+        tokens += value
+        ratio = tokens / costs([1 + t for t in taken], contexts)
+        if ratio > best:
+            best, chosen = ratio, list(taken)
+    return chosen

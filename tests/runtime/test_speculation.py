@@ -1,0 +1,279 @@
+"""Exact speculative decoding (``runtime.speculation``): drafts verified inside
+the batch change no token, no logprob and no cache, for every family; with
+temperature the distribution is the model's."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from runtime import engine as engine_module
+from runtime.batch_cache import StateCache
+from runtime.engine import Engine, SamplingParams
+from runtime.row_counts import RowCounts
+from runtime.sampling import Sampler
+from runtime.speculation import Drafter, StepCosts, allot
+from tests.runtime.test_engine import ByteTokenizer, drain, measured
+from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
+
+
+class Oracle(Drafter):
+    """Drafts read from a known continuation, wrong at every ``wrong``-th
+    place: runs of drafts that are taken, cut short where one is wrong. It
+    claims a high acceptance, so that ``allot`` verifies its drafts even where
+    a slot costs nearly a forward (attention run per slot)."""
+
+    rate = 0.99
+
+    def __init__(self, history, continuation, wrong: int):
+        super().__init__(history)
+        self.continuation, self.wrong, self.offered = list(continuation), wrong, 0
+
+    def offer(self, limit):
+        at = len(self.tokens)
+        drafts = self.continuation[at : at + max(limit, 0)]
+        self.offered += len(drafts)
+        return [(t + 1) % VOCAB if (at + j) % self.wrong == 0 else t for j, t in enumerate(drafts)]
+
+
+def run(model, tokenizer, prompts, params, counts, speculation=True, oracle=None, monkeypatch=None, act=None):
+    """Each prompt's ``Finished``, all added at once (``act(engine, step)`` may add and cancel more)."""
+    if oracle is not None:
+        monkeypatch.setattr(engine_module, "Drafter", lambda history: Oracle(history, *oracle[tuple(history)]))
+    engine = Engine(model, tokenizer, row_counts=counts, speculation=speculation)
+    ids = [engine.add(p, q) for p, q in zip(prompts, params)]
+    done = drain(engine, act and (lambda step: act(engine, step)))
+    if oracle is not None:
+        monkeypatch.setattr(engine_module, "Drafter", Drafter)
+    return [done[i] for i in ids]
+
+
+def contents(cache) -> list:
+    """What a finished sequence's caches hold, up to what they cover."""
+    return [c.cache if isinstance(c, StateCache) else c.state for c in cache]
+
+
+def assert_same(a, b):
+    assert a.output_tokens == b.output_tokens and a.text == b.text and a.reason == b.reason
+    assert a.cache_tokens == b.cache_tokens
+    assert a.logprobs == b.logprobs  # float32 log-softmax of the rows drawn from, bit for bit
+    assert len(a.cache) == len(b.cache)
+    x, y = tree_flatten(contents(a.cache)), tree_flatten(contents(b.cache))
+    assert [k for k, _ in x] == [k for k, _ in y]
+    assert all(mx.array_equal(p, q).item() for (_, p), (_, q) in zip(x, y))
+
+
+def prompts_for(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("arch", TINY_CONFIGS)
+def test_greedy_with_drafts_is_bitwise_without(arch, monkeypatch):
+    """Three sequences at once, drafts taken in runs and cut where wrong: every
+    token, logprob and cache byte as without drafts (alone, and batched at
+    every measured count), and drafts were both taken and cut."""
+    model, tok = tiny_model(arch), ByteTokenizer()
+    counts = measured(model, tok)
+    prompts = prompts_for(0, 3)
+    params = [SamplingParams(max_tokens=m, logprobs=2) for m in (30, 17, 24)]
+    want = run(model, tok, prompts, params, counts, speculation=False)
+    alone = [run(model, tok, [p], [q], counts, speculation=False)[0] for p, q in zip(prompts, params)]
+    oracle = {tuple(p): (list(p) + list(f.output_tokens), w) for p, f, w in zip(prompts, want, (5, 3, 9))}
+    got = run(model, tok, prompts, params, counts, oracle=oracle, monkeypatch=monkeypatch)
+    for a, b, c in zip(want, got, alone):
+        assert_same(a, b)
+        assert_same(c, b)
+    assert sum(f.accepted_tokens for f in got) > 0
+    assert sum(f.drafted_tokens - f.accepted_tokens for f in got) > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_next", "deepseek_v3"])
+def test_drafts_beside_neighbours_that_come_and_go(arch, monkeypatch):
+    """A drafting sequence beside 1-7 others that arrive, finish and are
+    cancelled at random steps (some drafting too), in forwards fixed at 8
+    slots and at the measured counts: its reply is as alone without drafts."""
+    model, tok = tiny_model(arch), ByteTokenizer()
+    for counts in (RowCounts.fixed(8), measured(model, tok)):
+        rng = random.Random(3)
+        probe, params = prompts_for(5, 1)[0], SamplingParams(max_tokens=40, logprobs=1)
+        want = run(model, tok, [probe], [params], counts, speculation=False)[0]
+        oracle = {tuple(probe): (probe + list(want.output_tokens), 4)}
+        live: list[int] = []
+
+        def act(engine, step):
+            if live and rng.random() < 0.3:
+                engine.cancel(live.pop(rng.randrange(len(live))))
+            for _ in range(rng.randrange(0, 3)):
+                if len(live) < 7:
+                    other = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(3, 30))]
+                    oracle[tuple(other)] = (other, 2)  # no continuation known: offers nothing
+                    live.append(engine.add(other, SamplingParams(max_tokens=rng.randrange(1, 12))))
+
+        got = run(model, tok, [probe], [params], counts, oracle=oracle, monkeypatch=monkeypatch, act=act)[0]
+        assert_same(want, got)
+        assert got.accepted_tokens > 0 and got.drafted_tokens > got.accepted_tokens
+
+
+def test_stop_strings_and_length_cut_where_they_would(monkeypatch):
+    """A stop string or ``max_tokens`` inside a run of taken drafts ends the
+    reply at the same token, with the same text and cache, as without."""
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    counts = RowCounts.fixed(8)
+    prompt = prompts_for(9, 1)[0]
+    free = run(model, tok, [prompt], [SamplingParams(max_tokens=40)], counts, speculation=False)[0]
+    text = free.text
+    stop = text[11:13] if len(text) > 14 else text[-2:]
+    for params in (SamplingParams(max_tokens=40, stop=(stop,)), SamplingParams(max_tokens=13)):
+        want = run(model, tok, [prompt], [params], counts, speculation=False)[0]
+        oracle = {tuple(prompt): (prompt + list(free.output_tokens), 1000)}  # every draft right
+        got = run(model, tok, [prompt], [params], counts, oracle=oracle, monkeypatch=monkeypatch)[0]
+        assert_same(want, got)
+        assert got.accepted_tokens > 0
+
+
+def drafting(monkeypatch, arch: str, seed: int, max_tokens: int, wrong: int):
+    """An engine with one sequence added whose drafts come from its reply
+    without drafts (``Oracle``): (engine, its id, that reply)."""
+    model, tok = tiny_model(arch), ByteTokenizer()
+    prompt, params = prompts_for(seed, 1)[0], SamplingParams(max_tokens=max_tokens)
+    want = run(model, tok, [prompt], [params], RowCounts.fixed(8), speculation=False)[0]
+    monkeypatch.setattr(engine_module, "Drafter", lambda h: Oracle(h, prompt + list(want.output_tokens), wrong))
+    engine = Engine(model, tok, row_counts=RowCounts.fixed(8))
+    return engine, engine.add(prompt, params), want
+
+
+def test_preempted_and_resumed_while_drafting(monkeypatch):
+    """Taken out between steps of a drafting sequence and put back with its
+    cache, a reply goes on as if it had never left."""
+    engine, sid, want = drafting(monkeypatch, "qwen3", seed=4, max_tokens=30, wrong=6)
+    for _ in range(4):
+        engine.prefill_step() or engine.step_once()
+    finished = engine.preempt(sid)
+    engine.resume(sid, finished.cache, len(finished.cache_tokens))
+    got = drain(engine)[sid]
+    assert got.output_tokens == want.output_tokens and got.cache_tokens == want.cache_tokens
+    assert got.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_sampled_tokens_follow_the_models_distribution(arch, monkeypatch):
+    """With temperature, the token at a drafted place has the model's
+    distribution: over 400 seeds each, the frequencies of the token after the
+    first drafted place, with drafts (from the greedy reply: some taken,
+    some not) and without, are within a chi-square bound of each other."""
+    model, tok = tiny_model(arch), ByteTokenizer()
+    counts = RowCounts.fixed(8)
+    prompt = prompts_for(2, 1)[0]
+    greedy = run(model, tok, [prompt], [SamplingParams(max_tokens=6)], counts, speculation=False)[0]
+    oracle = {tuple(prompt): (prompt + list(greedy.output_tokens), 1000)}
+    at = 2  # the third token: the first draft's place is the second (the first comes from the prefill)
+    seen = {}
+    for speculation in (False, True):
+        found, drafted = Counter(), 0
+        for seed in range(400):
+            params = SamplingParams(temperature=0.7, max_tokens=4, seed=seed)
+            f = run(model, tok, [prompt], [params], counts, speculation=speculation,
+                    oracle=oracle if speculation else None, monkeypatch=monkeypatch)[0]
+            found[f.output_tokens[at - 1 : at + 1]] += 1
+            drafted += f.drafted_tokens
+        seen[speculation] = found
+        assert drafted > 0 if speculation else drafted == 0
+    assert chi_square_agrees(seen[False], seen[True])
+
+
+def chi_square_agrees(a: Counter, b: Counter, alpha_z: float = 4.0) -> bool:
+    """Two samples of one distribution: the two-sample chi-square over the
+    outcomes seen (rare ones pooled) within ``alpha_z`` standard deviations
+    of its mean (its degrees of freedom)."""
+    keys = sorted(set(a) | set(b), key=lambda k: -(a[k] + b[k]))
+    common = [k for k in keys if a[k] + b[k] >= 10]
+    pooled = (sum(a[k] for k in keys if k not in common), sum(b[k] for k in keys if k not in common))
+    cells = [(a[k], b[k]) for k in common] + ([pooled] if sum(pooled) else [])
+    na, nb = sum(a.values()), sum(b.values())
+    stat = sum((x * math.sqrt(nb / na) - y * math.sqrt(na / nb)) ** 2 / (x + y) for x, y in cells if x + y)
+    dof = max(len(cells) - 1, 1)
+    return stat <= dof + alpha_z * math.sqrt(2 * dof)
+
+
+def test_a_draft_is_taken_with_the_chance_the_row_gives_it():
+    """The sampler's verdict on a draft: the token drawn at its place has the
+    row's distribution (after temperature and top-k), whichever token was
+    drafted -- the likeliest, an unlikely one, one top-k leaves out."""
+    logits = mx.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    scaled = mx.where(mx.arange(6) < 4, logits / 0.8, -mx.inf)
+    want = mx.softmax(scaled).tolist()
+    n = 6000
+    for draft in (0, 3, 5):
+        sampler = Sampler(SamplingParams(temperature=0.8, top_k=4, seed=draft))
+        tokens = [sampler(logits, draft).token.item() for _ in range(n)]
+        found = Counter(tokens)
+        for token, p in enumerate(want):
+            sd = math.sqrt(n * p * (1 - p)) or 1
+            assert abs(found[token] - n * p) <= 4.5 * sd, (draft, token, found[token], n * p)
+
+
+def test_drafts_from_history():
+    """The longest recent n-gram that ends the history and occurred before
+    offers what followed it there; nothing when none occurred."""
+    d = Drafter([1, 2, 3, 4, 5, 6, 9, 2, 3, 4])
+    assert d.offer(3) == [5, 6, 9]
+    assert d.offer(10) == [5, 6, 9, 2, 3, 4]
+    d.extend(7)
+    assert d.offer(4) == []  # (3, 4, 7) and (4, 7) never occurred
+    d.extend(2)
+    d.extend(3)
+    assert d.offer(2) == [4, 7]  # (2, 3) occurred twice: the latest was followed by 4, 7
+    assert Drafter([5, 5]).offer(3) == []
+    assert d.offer(0) == []
+
+
+def test_allot_pays_only_for_drafts_worth_their_slots():
+    """Drafts are verified where their expected tokens pay for the time they
+    add: all of them when slots cost nothing more, none when the chance is
+    low against a costly slot, more for the likelier sequence, fewer over a
+    long context once its attention is known to cost."""
+    free = StepCosts(RowCounts.fixed(8))
+    assert allot([[1, 2, 3]], [0.5], [100], free) == [3]
+    assert allot([[1] * 7] * 8, [0.9] * 8, [100] * 8, free) == [0] * 8  # drafts would add forwards
+    costs = StepCosts(RowCounts(tuple(range(1, 9)), ms=(50.0, 60, 70, 75, 80, 85, 95, 100)))
+    assert allot([[1, 2, 3, 4]], [0.05], [100], costs) == [0]
+    assert allot([[1, 2, 3, 4, 5, 6, 7]], [0.95], [100], costs) == [7]
+    likely, unlikely = allot([[1, 2, 3], [1, 2, 3]], [0.9, 0.3], [100, 100], costs)
+    assert likely > unlikely
+    costs.timed([4], [2000], 75 + 4 * 2000 * 0.01)  # the step took 0.01 ms more a token a slot attended over
+    assert 0.001 < costs.key_ms < 0.01
+    short, long = (allot([[1, 2, 3, 4, 5, 6, 7]], [0.8], [context], costs)[0] for context in (100, 8000))
+    assert short > long
+
+
+def test_pack_keeps_a_sequences_slots_in_one_forward():
+    counts = RowCounts((1, 2, 4, 8))
+    assert counts.pack([1] * 11) == counts.forwards(11) == [(8, 8), (3, 4)]
+    assert counts.pack([3, 4, 2]) == [(2, 8), (1, 2)]
+    assert counts.pack([8, 1]) == [(1, 8), (1, 1)]
+    with pytest.raises(ValueError, match="9 token slots"):
+        counts.pack([9])
+
+
+def test_held_drafts_wait_a_step(monkeypatch):
+    """A sequence whose owner has no room for drafts (``hold_drafts``) verifies
+    none in the next step, and drafts again after; ``decode_lengths`` says
+    what a step needs and may add."""
+    engine, sid, want = drafting(monkeypatch, "llama", seed=6, max_tokens=24, wrong=1000)
+    while engine.prefilling:
+        engine.prefill_step()
+    (tokens, room), = engine.decode_lengths().values()
+    assert (tokens, room) == (len(prompts_for(6, 1)[0]) + 1, 7)
+    engine.hold_drafts(sid)
+    (delta,) = engine.step_once()
+    assert len(delta.tokens) == 1  # no drafts verified
+    (delta,) = engine.step_once()
+    assert len(delta.tokens) > 1  # drafts again, every one right
+    got = drain(engine)[sid]
+    assert got.output_tokens == want.output_tokens
