@@ -42,7 +42,8 @@ def ours(loaded, ctxs, batch_sizes, steps, repeats, decode_rows: int = DECODE_RO
 
     from runtime.row_counts import cached
 
-    engine = Engine(loaded.model, loaded.tokenizer, decode_rows=decode_rows)
+    # The decode step itself, one token a sequence as the peer's (drafts: ``bench speculation``).
+    engine = Engine(loaded.model, loaded.tokenizer, decode_rows=decode_rows, speculation=False)
     engine.row_counts = cached(engine)  # the row counts a server would use here
     prefilled = []
     for ctx in ctxs:  # prefill each context once
