@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -39,6 +38,8 @@ import uuid
 from pathlib import Path
 
 import runtime  # noqa: F401  (fast BLAS before mlx)
+
+from . import report
 
 DATA = Path(__file__).parent / "data"
 TARGETS = {"edit": 2.0, "multi-turn": 1.3, "prose": 0.97, "edit x4": 1.5}  # speculation on / off
@@ -146,9 +147,9 @@ def compare(engine, prompts: list[list[int]], max_tokens: int, rounds: int, figu
     on, off = ({"tps": _median(rate(x) for x in runs[side]), "tokens": runs[side][-1]["tokens"],
                 "drafted": runs[side][-1]["drafted"], "accepted": runs[side][-1]["accepted"]}
                for side in (True, False))
-    ratio = on["tps"] / off["tps"] if on["tps"] and off["tps"] else None
+    ratio = report.ratio(on["tps"], off["tps"])
     return {"figure": figure, "prompt_tokens": [len(p) for p in prompts], "max_tokens": max_tokens,
-            "temperature": temperature, "on": on, "off": off, "ratio": ratio and round(ratio, 3), "target": target,
+            "temperature": temperature, "on": on, "off": off, "ratio": ratio, "target": target,
             "met": ratio is not None and ratio >= target,
             # greedy speculation is exact: the replies must not differ
             "identical": None if temperature else all(x["outputs"] == runs[False][0]["outputs"]
@@ -156,8 +157,8 @@ def compare(engine, prompts: list[list[int]], max_tokens: int, rounds: int, figu
 
 
 def _median(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return round(statistics.median(values), 2) if values else None
+    m = report.median(values)
+    return None if m is None else round(m, 2)
 
 
 def in_process(loaded, rounds: int, max_tokens: int | None = None, log=lambda line: None) -> dict:
@@ -236,7 +237,7 @@ def over_http(model: str, singles: dict, rounds: int, workdir: Path, log) -> dic
                         tps[side].append(turn.decode_tps)
                         tokens[side] = turn.completion_tokens
                 ours, peer = _median(tps[OURS]), _median(tps[PEER])
-                out[name] = {"ours_tps": ours, "peer_tps": peer, "ratio": ours and peer and round(ours / peer, 3),
+                out[name] = {"ours_tps": ours, "peer_tps": peer, "ratio": report.ratio(ours, peer),
                              "tokens": tokens}
                 log(f"{name} over HTTP: decode tok/s ours {ours}, peer {peer}: {out[name]['ratio']}x")
     finally:

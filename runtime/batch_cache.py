@@ -369,7 +369,7 @@ class StateCache(ArraysCache):
         super().__init__(size)
         self.offset = 0
         self.checkpoints: list[tuple[int, list]] = []  # (tokens seen, the state then), oldest first
-        self.trail: list[list] = []  # the state after each slot of the last decode step (``cut``)
+        self.trail: list[list] = []  # the state after each slot of a decode step with drafts, until ``cut``
 
     def advance(self, N):
         super().advance(N)
@@ -391,12 +391,13 @@ class StateCache(ArraysCache):
 
     def cut(self, n: int) -> None:
         """Go back ``n`` tokens within the last decode step (drafts rejected:
-        ``runtime.speculation``), to the state after its slot before them."""
-        if not 0 <= n < len(self.trail):
+        ``runtime.speculation``), to the state after its slot before them;
+        the step's trail is forgotten either way."""
+        if not 0 <= n < max(len(self.trail), 1):
             raise ValueError(f"the last step ran {len(self.trail)} tokens here: {n} cannot be cut")
         if n:
             self.cache, self.offset = list(self.trail[-1 - n]), self.offset - n
-            self.trail = self.trail[: len(self.trail) - n]
+        self.trail = []
 
     def make_mask(self, N: int, **kwargs):
         return None  # one sequence, no padding: nothing to mask

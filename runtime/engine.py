@@ -230,10 +230,16 @@ class Engine:
         return not self._prefilling and not self._decoding
 
     def decode_lengths(self) -> dict[int, tuple[int, int]]:
-        """For each decoding sequence: the tokens its cache holds after the next
-        decode step, and how many drafts that step may add for a while (those
-        it rejects are cut at its end). ``hold_drafts`` if those cannot fit."""
-        return {seq.id: (len(seq.fed) + 1, self._draft_room(seq)) for seq in self._decoding}
+        """For each decoding sequence: the tokens its cache may hold once the
+        next decode step is read -- that step's input, and the next one's,
+        which a step built ahead writes before its own turn to reserve (counted
+        whether or not one is, so a reply cut by its budget ends at the same
+        token either way) -- and how many drafts the step may add for a while
+        (those it rejects are cut at its end). ``hold_drafts`` if those
+        cannot fit."""
+        ahead = self._ahead.rows if self._ahead is not None and self._ahead.rows == self._decoding else ()
+        return {seq.id: (len(seq.fed) + 1, 0) if seq in ahead else (len(seq.fed) + 2, self._draft_room(seq))
+                for seq in self._decoding}
 
     def hold_drafts(self, seq_id: int) -> None:
         """Verify no drafts for this sequence in the next decode step (its owner
@@ -377,7 +383,7 @@ class Engine:
         self._held.clear()  # (for that step only)
         if self.compute_ahead and not self._prefilling and not any(step.drafts) and all(
                 len(seq.output) + 1 < seq.sampling.max_tokens and seq.sampler.constraint is None
-                and not self._drafts_pay([seq])[0] for seq in step.rows):
+                for seq in step.rows) and not any(self._drafts_pay(step.rows)):
             # (not when a sequence is about to join or reach its length, nor when a grammar's
             # next mask or a sequence's drafts wait on these tokens)
             self._ahead = self._launch(after=step)
@@ -412,7 +418,7 @@ class Engine:
         if drafts:
             seq.drafted += len(drafts)
             seq.accepted += taken - 1
-            self._cut(seq, len(drafts) - (taken - 1), step)
+            self._cut(seq, len(drafts) - (taken - 1), step)  # (none cut: recurrent states drop their trail)
         if seq.drafter is not None:
             seq.drafter.settle(len(drafts), agreed)
         return new, text, reason
@@ -420,17 +426,17 @@ class Engine:
     def _cut(self, seq: _Sequence, n: int, step: _Step) -> None:
         """Drop a sequence's last ``n`` tokens of ``step`` (drafts not taken) from
         ``fed`` and every cache: rows the step holds, records, recurrent states."""
-        if not n:
-            return
-        del seq.fed[-n:]
+        del seq.fed[len(seq.fed) - n :]
         tile, layers = next((tile, layers) for tile, layers in step.tiles if seq in tile)
         i = tile.index(seq)
         for layer, held in layers:
             c = layer.caches[i]
-            if layer.held > held:  # the step's rows wait in the batch (attention through working copies)
-                layer.cut(i, n)
-            elif isinstance(c, StateCache):
+            if isinstance(c, StateCache):
                 c.cut(n)
+            elif not n:
+                continue
+            elif layer.held > held:  # the step's rows wait in the batch (attention through working copies)
+                layer.cut(i, n)
             else:
                 trimmed = c.trim(n)
                 assert trimmed == n, "every cache a decode step writes can drop its last tokens"

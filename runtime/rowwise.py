@@ -100,19 +100,20 @@ def _rowwise_class(cls: type) -> type:
 def _per_sequence(attention: Callable, x: mx.array, batch: BatchQuantizedKVCache) -> mx.array:
     """``attention(x, mask, cache)`` once per slot of ``x`` (1, slots, D) with
     its sequence's cache, in slot order; zeros for the padding slots. A
-    recurrent state keeps what it was after each of a step's slots
-    (``StateCache.trail``: drafts it rejects are cut back to one)."""
-    outs = []
-    for i, (c, first) in enumerate(zip(batch.slot_caches, _firsts(batch.widths))):
-        outs.append(attention(x[:, i : i + 1], _mask(c), c))
+    recurrent state verifying drafts keeps what it was after each of the
+    step's slots (``StateCache.trail``: drafts it rejects are cut back to
+    one)."""
+    outs, at = [], 0
+    for c, width in zip(batch.caches, batch.widths):
+        trail = []
+        for _ in range(width):
+            outs.append(attention(x[:, at : at + 1], _mask(c), c))
+            at += 1
+            if width > 1 and isinstance(c, StateCache):
+                trail.append(list(c.cache))
         if isinstance(c, StateCache):
-            c.trail = [list(c.cache)] if first else [*c.trail, list(c.cache)]
+            c.trail = trail
     return _pad_slots(mx.concatenate(outs, axis=1), x.shape[1], axis=1)
-
-
-def _firsts(widths: list[int]) -> list[bool]:
-    """For each used slot, whether it is its sequence's first."""
-    return [j == 0 for w in widths for j in range(w)]
 
 
 def _standard(attn: nn.Module, x: mx.array, batch: BatchQuantizedKVCache) -> mx.array:

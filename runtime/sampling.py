@@ -131,7 +131,7 @@ class Sampler:
             logprobs = apply_min_p(logprobs, p.min_p)
         if p.top_p < 1:
             logprobs = apply_top_p(logprobs, p.top_p)
-        return logprobs * (1 / self.params.temperature)
+        return logprobs * (1 / p.temperature)
 
     def _key_for_draw(self) -> mx.array:
         self._previous_key = self._key

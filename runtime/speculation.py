@@ -106,11 +106,13 @@ class StepCosts:
         self.key_ms = 0.0  # a slot's attention, per token it attends over, recently
 
     def __call__(self, widths: list[int], contexts: list[int]) -> float:
-        counts = self.counts
-        if not counts.ms:
-            return float(len(counts.pack(widths)))
-        forwards = sum(counts.ms[slots - 1] for _, slots in counts.pack(widths))
-        return forwards + self.key_ms * _keys(widths, contexts) + (self.build_ms if max(widths) > 1 else 0.0)
+        if not self.counts.ms:
+            return float(len(self.counts.pack(widths)))
+        return (self._forwards(widths) + self.key_ms * _keys(widths, contexts)
+                + (self.build_ms if max(widths) > 1 else 0.0))
+
+    def _forwards(self, widths: list[int]) -> float:
+        return sum(self.counts.ms[slots - 1] for _, slots in self.counts.pack(widths))
 
     def built(self, ms: float) -> None:
         """A step's graph took ``ms`` to build."""
@@ -120,8 +122,8 @@ class StepCosts:
         """A drafting step took ``ms`` from the start of its build to its tokens."""
         if not self.counts.ms:
             return
-        forwards = sum(self.counts.ms[slots - 1] for _, slots in self.counts.pack(widths))
-        self.key_ms += 0.2 * (max(0.0, ms - self.build_ms - forwards) / _keys(widths, contexts) - self.key_ms)
+        attention = max(0.0, ms - self.build_ms - self._forwards(widths))
+        self.key_ms += 0.2 * (attention / _keys(widths, contexts) - self.key_ms)
 
 
 def _keys(widths: list[int], contexts: list[int]) -> int:

@@ -57,3 +57,22 @@ async def test_a_turn_that_outgrows_the_whole_budget_alone_ends_at_its_length(tm
         result = agent.last_result
         assert result.reason == "length" and result.prompt_tokens + result.output_tokens <= 257
         assert rt.cache_tier("long") in ("hot", "warm")  # kept (the eviction actor may have written it out)
+
+
+async def test_drafts_without_room_wait_and_the_reply_ends_where_it_would(tmp_path, monkeypatch):
+    """Alone in a 1-block budget, a turn whose drafts would pass the budget
+    verifies none there (``Engine.hold_drafts``) and ends at the same token
+    as the same turn without drafts; drafts were taken before."""
+    from runtime import engine as engine_module
+    from tests.web.test_drafts import Recalling
+
+    Recalling.seen = []
+    monkeypatch.setattr(engine_module, "Drafter", Recalling)  # a second agent gets the first one's reply as drafts
+    async with Runtime.open(tiny_loaded(), tmp_path / "cache", kv_bytes(1)) as rt:
+        first, again = [await rt.agent(name, system="You count sheep.") for name in ("first", "again")]
+        await first.reply("Start counting.", max_tokens=400)
+        await again.reply("Start counting.", max_tokens=400)
+    want, got = first.last_result, again.last_result
+    assert want.reason == "length"
+    assert (got.text, got.output_tokens, got.reason) == (want.text, want.output_tokens, want.reason)
+    assert got.accepted_tokens > 0 and want.drafted_tokens == 0

@@ -63,6 +63,7 @@ def assert_same(a, b):
     assert a.cache_tokens == b.cache_tokens
     assert a.logprobs == b.logprobs  # float32 log-softmax of the rows drawn from, bit for bit
     assert len(a.cache) == len(b.cache)
+    assert not any(c.trail for c in b.cache if isinstance(c, StateCache))  # a step's states are not kept after it
     x, y = tree_flatten(contents(a.cache)), tree_flatten(contents(b.cache))
     assert [k for k, _ in x] == [k for k, _ in y]
     assert all(mx.array_equal(p, q).item() for (_, p), (_, q) in zip(x, y))
@@ -269,7 +270,7 @@ def test_held_drafts_wait_a_step(monkeypatch):
     while engine.prefilling:
         engine.prefill_step()
     (tokens, room), = engine.decode_lengths().values()
-    assert (tokens, room) == (len(prompts_for(6, 1)[0]) + 1, 7)
+    assert (tokens, room) == (len(prompts_for(6, 1)[0]) + 2, 7)  # its next input, and the one after
     engine.hold_drafts(sid)
     (delta,) = engine.step_once()
     assert len(delta.tokens) == 1  # no drafts verified
