@@ -34,7 +34,7 @@ from .errors import (
     UnknownModel,
 )
 from .messages import Delta, Message
-from .runtime import Agent, AgentInfo, Reply, Runtime
+from .runtime import MAX_CHOICES, Agent, AgentInfo, Reply, Runtime
 
 __all__ = [
     "Agent",
@@ -43,6 +43,7 @@ __all__ = [
     "AgentGone",
     "ContextTooLong",
     "Delta",
+    "MAX_CHOICES",
     "Message",
     "Reply",
     "Runtime",

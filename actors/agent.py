@@ -222,7 +222,7 @@ class AgentActor:
         send, events = anyio.create_memory_object_stream[TurnEvent](math.inf)
         gpu = self.ctx.gpu
         gpu.submit(BeginTurn(message.turn_id, self.agent_id, messages, message.sampling, send, message.use_cache,
-                             message.tools, message.model))
+                             message.tools, message.model, message.choices))
         end: TurnEnded | TurnFailed | None = None
         consumer_gone = False
         async with events:

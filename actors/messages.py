@@ -82,11 +82,13 @@ class Message:
 @dataclass(frozen=True)
 class Delta:
     """New text of a reply as it streams (whole characters), its token ids,
-    and their log-probabilities when the turn asked for them."""
+    their log-probabilities when the turn asked for them, and which of the
+    turn's replies it extends (``choice``: 0 unless it asked for several)."""
 
     text: str
     tokens: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
+    choice: int = 0
 
 
 # -- generic replies ---------------------------------------------------------
@@ -137,6 +139,7 @@ class BeginTurn:
     use_cache: bool = True  # False: prefill the whole prompt, reuse nothing (for comparisons)
     tools: tuple[dict, ...] | None = None  # tool definitions for the chat template
     model: str | None = None  # the catalogue's model to run on (None: the one loaded)
+    choices: int = 1  # replies to the prompt, prefilled once; choice 0's is the agent's
 
 
 @dataclass(frozen=True)
@@ -250,6 +253,7 @@ class Send:
     messages: tuple[Message, ...] | None = None
     tools: tuple[dict, ...] | None = None
     model: str | None = None
+    choices: int = 1
 
 
 @dataclass(frozen=True)

@@ -81,9 +81,11 @@ if TYPE_CHECKING:
 
     from .archive import Summary
 
-__all__ = ["Agent", "AgentInfo", "Reply", "Runtime"]
+__all__ = ["Agent", "AgentInfo", "MAX_CHOICES", "Reply", "Runtime"]
 
 log = logging.getLogger("semantic.actors")
+
+MAX_CHOICES = 16  # replies one turn may ask for (``Agent.send``'s ``choices``)
 
 
 class Runtime:
@@ -632,7 +634,8 @@ class Agent:
         """How the agent's last turn ended (token counts, timings), cancelled ones included."""
         return self._slot.last_result
 
-    def send(self, text: str, *, use_cache: bool = True, model: str | None = None, **sampling) -> Reply:
+    def send(self, text: str, *, use_cache: bool = True, model: str | None = None, choices: int = 1,
+             **sampling) -> Reply:
         """Queue a turn now and return its stream: ``async for delta in agent.send(...)``.
 
         ``sampling``: ``SamplingParams`` fields (max_tokens, temperature, top_p,
@@ -642,7 +645,11 @@ class Agent:
         ``TokenLogprob`` (and the result all of them).  ``use_cache=False`` prefills
         the whole prompt and reuses nothing (to compare against caching).  ``model``:
         one of ``Runtime.models`` to run on (None: the loaded one); each model
-        keeps its own cache of the agent.  Turns of one agent run in
+        keeps its own cache of the agent.  ``choices`` (1 to ``MAX_CHOICES``):
+        replies to the one prompt, prefilled once and decoded together, each
+        sampled on its own (with a seed, choice ``i`` takes ``seed + i``);
+        deltas say which they extend (``Delta.choice``), the result holds the
+        others (``TurnResult.choices``), and the agent keeps choice 0.  Turns of one agent run in
         the order ``send`` was called; each sees the previous ones.  Closing the
         stream, breaking out of the loop, or cancelling the task that reads it
         cancels the turn within one engine step (see ``Reply``).
@@ -651,10 +658,10 @@ class Agent:
         ``UnknownModel``, ``RuntimeClosed``, ``RuntimeUnhealthy``, ``AgentGone``.  While streaming:
         ``TurnError`` (e.g. ``ContextTooLong``, ``OutOfMemory``) for this turn only.
         """
-        return self._queue(text, None, None, use_cache, model, sampling)
+        return self._queue(text, None, None, use_cache, model, choices, sampling)
 
     def respond(self, messages: Iterable[Message], *, tools: Iterable[dict] | None = None,
-                use_cache: bool = True, model: str | None = None, **sampling) -> Reply:
+                use_cache: bool = True, model: str | None = None, choices: int = 1, **sampling) -> Reply:
         """Queue a turn over a whole conversation and return its stream (as ``send``).
 
         For stateless clients that send everything each time: ``messages`` (a
@@ -671,18 +678,21 @@ class Agent:
         messages = tuple(messages)
         if not messages:
             raise ValueError("a conversation needs at least one message")
-        return self._queue("", messages, tuple(tools) if tools else None, use_cache, model, sampling)
+        return self._queue("", messages, tuple(tools) if tools else None, use_cache, model, choices, sampling)
 
     def _queue(self, text: str, messages: tuple[Message, ...] | None, tools: tuple[dict, ...] | None,
-               use_cache: bool, model: str | None, sampling: dict) -> Reply:
+               use_cache: bool, model: str | None, choices: int, sampling: dict) -> Reply:
         params = SamplingParams(**sampling)
+        if not (isinstance(choices, int) and 1 <= choices <= MAX_CHOICES):
+            raise ValueError(f"choices must be 1 to {MAX_CHOICES}, not {choices!r}")
         if model is not None:
             self._rt.check_model(model)
         self._rt._check_open()
         turn_id = next(self._rt._turn_ids)
         reply, events = anyio.create_memory_object_stream[TurnEvent](math.inf)
         try:
-            self._rt._deliver(self._slot, Send(turn_id, text, params, reply, use_cache, messages, tools, model))
+            self._rt._deliver(self._slot, Send(turn_id, text, params, reply, use_cache, messages, tools, model,
+                                               choices))
         except BaseException:
             reply.close()
             events.close()
@@ -770,7 +780,7 @@ class Reply:
         raise event.error
 
     async def text(self) -> str:
-        """Read the rest of the stream; return the whole reply."""
+        """Read the rest of the stream; return the whole reply (choice 0's)."""
         async for _ in self:
             pass
         return self.result.text

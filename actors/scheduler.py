@@ -45,7 +45,9 @@ class GpuTurn:
     cmd: BeginTurn
     received: float = field(default_factory=time.perf_counter)
     turn: turns.Turn | None = None
-    seq_id: int | None = None
+    seq_id: int | None = None  # choice 0's: the reply the agent keeps
+    seq_ids: list[int] = field(default_factory=list)  # every choice's, in order (``BeginTurn.choices``)
+    ended: dict[int, Finished] = field(default_factory=dict)  # choices that ended, until all have
     admitted: float | None = None
     first_token: float | None = None
     cancel_lag: int | None = None
@@ -53,9 +55,15 @@ class GpuTurn:
     preempted: Finished | None = None  # out of the engine to free memory (its cache dropped here)
 
     def result(self, f: Finished | None, reason: str) -> TurnResult:
+        """Its result (choice 0's), with the other choices' when it asked for several."""
         now = time.perf_counter()
-        return TurnResult.measured(f, reason, arrived=self.received, admitted=self.admitted or now,
-                                   first_token=self.first_token, ended=now, cancel_lag_steps=self.cancel_lag)
+
+        def measured(f: Finished | None, reason: str) -> TurnResult:
+            return TurnResult.measured(f, reason, arrived=self.received, admitted=self.admitted or now,
+                                       first_token=self.first_token, ended=now, cancel_lag_steps=self.cancel_lag)
+
+        others = tuple(measured(self.ended[s], self.ended[s].reason) for s in self.seq_ids[1:] if s in self.ended)
+        return replace(measured(f, reason), choices=others)
 
 
 class ReadAhead:
@@ -148,6 +156,7 @@ class Admission:
         sampling = cmd.sampling if n + cmd.sampling.max_tokens <= limit else replace(cmd.sampling, max_tokens=limit - n)
         try:
             t.seq_id = reg.engine.add(turn.prompt, sampling, turn.cache, turn.plan.keep)
+            t.seq_ids = [t.seq_id, *(reg.engine.add_choices(t.seq_id, cmd.choices - 1) if cmd.choices > 1 else ())]
         except Exception as e:
             caches.abandon(cmd.agent_id)
             return self.fail(t, TurnError(f"the turn could not start: {e!r}"))
@@ -238,7 +247,7 @@ class Scheduler:
     def admit(self, preempted_only: bool = False) -> None:
         while (t := self.admission.next(bool(self.turns), preempted_only)) is not None:
             self.turns[t.cmd.turn_id] = t
-            self.by_seq[t.seq_id] = t
+            self.by_seq.update(dict.fromkeys(t.seq_ids, t))
 
     def step(self) -> None:
         """One engine step: a prefill chunk, then a token for every decoding turn."""
@@ -253,26 +262,33 @@ class Scheduler:
         When the rest of the budget is held by turns in progress, the newest
         turn is preempted (its cache becomes an idle one that can go to disk;
         it resumes first when room returns); a turn alone that still cannot
-        grow ends there (reason ``length``)."""
+        grow ends there (reason ``length``). A turn of several choices is never
+        preempted (they share its prompt): one of its choices that cannot grow
+        ends there too, once no other turn can make room."""
         caches, engine = self.registry.caches, self.registry.engine
+
+        def grow(t: GpuTurn, seq_id: int, tokens: int) -> None:
+            caches.grow(t.cmd.agent_id, tokens, choice=t.seq_ids.index(seq_id))
+
         for seq_id, (tokens, drafts) in engine.decode_lengths().items():
             if drafts and (t := self.by_seq.get(seq_id)) is not None:
                 try:
-                    caches.grow(t.cmd.agent_id, tokens + drafts)
+                    grow(t, seq_id, tokens + drafts)
                     continue
                 except OutOfMemory:
                     engine.hold_drafts(seq_id)
             while (t := self.by_seq.get(seq_id)) is not None:
                 try:
-                    caches.grow(t.cmd.agent_id, tokens)
+                    grow(t, seq_id, tokens)
                     break
                 except OutOfMemory:
-                    if len(self.turns) == 1:
+                    others = [u for u in self.turns.values() if len(u.seq_ids) == 1]
+                    if len(self.turns) == 1 or not others:
                         log.warning("turn %d of %s stops at %d tokens: the KV budget holds no more",
                                     t.cmd.turn_id, t.cmd.agent_id, tokens - 1)
                         self.route([engine.cancel(seq_id, LENGTH)])
                     else:
-                        self._preempt(max(self.turns.values(), key=lambda u: u.admitted))
+                        self._preempt(max(others, key=lambda u: u.admitted))
 
     def _preempt(self, t: GpuTurn) -> None:
         finished = self.registry.engine.preempt(t.seq_id)
@@ -294,25 +310,35 @@ class Scheduler:
         if t is None or self.registry.engine is None:
             return  # already ended: nothing to do
         t.cancel_lag = steps - cmd.at_step
-        delta = self.registry.engine.cancel(t.seq_id)
-        assert delta is not None, "an admitted turn is unknown to the engine"
-        self.route([delta])
+        self._cancel(t)
+
+    def _cancel(self, t: GpuTurn) -> None:
+        for seq_id in [s for s in t.seq_ids if s in self.by_seq]:
+            delta = self.registry.engine.cancel(seq_id)
+            assert delta is not None, "an admitted turn is unknown to the engine"
+            self.route([delta])
 
     def route(self, deltas: list[EngineDelta]) -> None:
         for d in deltas:
             t = self.by_seq[d.seq_id]
+            choice = t.seq_ids.index(d.seq_id)
             t.generated += len(d.tokens)
             self.generated += len(d.tokens)
             if d.text or d.tokens:
                 if t.first_token is None:
                     t.first_token = time.perf_counter()
-                self.post(t.cmd.reply, Delta(d.text, d.tokens, d.logprobs))
+                self.post(t.cmd.reply, Delta(d.text, d.tokens, d.logprobs, choice))
             if d.finished is not None:
-                self._end(t, d.finished)
+                del self.by_seq[d.seq_id]
+                t.ended[d.seq_id] = d.finished
+                if choice:  # its cache goes: only choice 0's is the agent's
+                    self.registry.caches.release_choice(t.cmd.agent_id, choice)
+                if len(t.ended) == len(t.seq_ids):
+                    self._end(t, t.ended[t.seq_id])
 
     def _end(self, t: GpuTurn, finished: Finished) -> None:
         """Store a finished (or cancelled) turn's cache, hand it to persistence, reply."""
-        del self.turns[t.cmd.turn_id], self.by_seq[t.seq_id]
+        del self.turns[t.cmd.turn_id]
         reg = self.registry
         try:
             memory = turns.end(reg.caches, reg.loaded.tokenizer, t.turn, finished)
@@ -327,11 +353,9 @@ class Scheduler:
 
     def cancel_all(self) -> None:
         """Cancel every turn in the engine (their caches are kept)."""
-        engine = self.registry.engine
-        for t in list(self.turns.values()):
-            delta = engine.cancel(t.seq_id) if engine is not None else None
-            if delta is not None:
-                self.route([delta])
+        if self.registry.engine is not None:
+            for t in list(self.turns.values()):
+                self._cancel(t)
 
     def fail_all(self, error: SemanticError) -> None:
         """The engine failed: every turn in it fails; the files keep their last good versions."""
@@ -339,6 +363,8 @@ class Scheduler:
         for t in self.turns.values():
             if caches is not None:
                 caches.abandon(t.cmd.agent_id)
+                for choice in range(1, len(t.seq_ids)):
+                    caches.release_choice(t.cmd.agent_id, choice)
             self.admission.fail(t, error)
         self.turns.clear()
         self.by_seq.clear()

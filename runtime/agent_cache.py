@@ -137,11 +137,17 @@ class AgentCaches:
         """The agent's warm cache from disk, in host memory (None: none, or unusable)."""
         return self.store.read(agent_id, self.model_id, self.spec.hash)
 
-    def grow(self, agent_id: str, tokens: int) -> None:
+    def grow(self, agent_id: str, tokens: int, choice: int = 0) -> None:
         """Reserve room for a running turn's cache to grow to ``tokens``, with its
-        float working copy if the engine keeps one (freeing idle owners)."""
+        float working copy if the engine keeps one (freeing idle owners).
+        ``choice``: that of a turn's other replies (1, 2, ...: each a cache of
+        its own until it ends, ``release_choice``)."""
         assert agent_id in self._busy, "grow() is for a checked-out cache"
-        self._admit(agent_id, tokens, running=True)
+        self._admit(("choice", agent_id, choice) if choice else agent_id, tokens, running=True)
+
+    def release_choice(self, agent_id: str, choice: int) -> None:
+        """A turn's other reply ``choice`` ended: its cache is gone."""
+        self._release(("choice", agent_id, choice))
 
     def checkin(self, memory: AgentMemory) -> None:
         """Return an agent's cache after its turn; it becomes the most recently used."""

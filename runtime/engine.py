@@ -4,7 +4,9 @@ together one token per step.
 The GPU actor drives it step by step and is its only caller (one thread):
 
 * ``add`` queues a sequence: its prompt tokens and, optionally, an existing
-  per-sequence Q4 cache that covers a prefix of them;
+  per-sequence Q4 cache that covers a prefix of them; ``add_choices`` asks
+  for more replies to its prompt, prefilled once (each starts from a copy of
+  its cache once the prompt is in, and samples on its own);
 * ``prefill_step`` runs the next pending prefill's chunk, with the chunks of
   those after it that may share its forward (round-robin, so a long prompt
   cannot starve short ones); a sequence whose prefill completes
@@ -43,7 +45,7 @@ import itertools
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence as Seq
 
 import mlx.core as mx
@@ -209,6 +211,7 @@ class Engine:
         self._prefilling: deque[_Sequence] = deque()
         self._decoding: list[_Sequence] = []
         self._preempted: dict[int, _Sequence] = {}  # out of the engine, without their caches
+        self._choices: dict[int, list[_Sequence]] = {}  # by the sequence whose prompt they wait on (``add_choices``)
         # Each decode forward's per-layer batch caches, kept while its sequences stay the same:
         # they hold the newest tokens' Q4 rows until ``_flush`` writes them to the records.
         self._batches: dict[tuple[int, ...], list[BatchQuantizedKVCache]] = {}
@@ -282,7 +285,27 @@ class Engine:
                 c.trim(1)
             cached_tokens -= 1
         _mark(cache)  # and where the turn starts: the conversation cached so far
-        seq = _Sequence(
+        seq = self._sequence(prompt, sampling, cache, cached_tokens)
+        self._prefilling.append(seq)
+        return seq.id
+
+    def add_choices(self, seq_id: int, count: int) -> list[int]:
+        """``count`` more replies to the prompt of a sequence still prefilling;
+        their ids. The prompt is prefilled once: when it is in, each choice
+        starts from a copy of the sequence's cache and samples on its own --
+        with the seed plus its number (1, 2, ...) when the sampling has a seed,
+        so choice ``i`` is what a lone sequence with that seed would say."""
+        seq = next((s for s in self._prefilling if s.id == seq_id), None)
+        if seq is None:
+            raise ValueError(f"sequence {seq_id} is not prefilling: choices start with its prompt")
+        p = seq.sampling
+        choices = [self._sequence(seq.prompt, p if p.seed is None else replace(p, seed=p.seed + i), [], 0)
+                   for i in range(1, count + 1)]
+        self._choices.setdefault(seq_id, []).extend(choices)
+        return [c.id for c in choices]
+
+    def _sequence(self, prompt: list[int], sampling: SamplingParams, cache: list, cached_tokens: int) -> _Sequence:
+        return _Sequence(
             id=next(self._ids),
             prompt=prompt,
             sampling=sampling,
@@ -296,8 +319,16 @@ class Engine:
             # (a grammar's mask for a draft's place waits on the tokens before it: no drafts)
             drafter=Drafter(prompt) if self.speculation and sampling.grammar is None else None,
         )
-        self._prefilling.append(seq)
-        return seq.id
+
+    def _fork_choices(self, seq: _Sequence) -> list[_Sequence]:
+        """The choices waiting on ``seq``'s prompt, each now with a copy of its
+        cache, fed what it was fed."""
+        choices = self._choices.pop(seq.id, [])
+        for c in choices:
+            c.cache = copy_cache(seq.cache)
+            c.view = attention_view(c.cache, self.float_attention)
+            c.fed, c.reused = list(seq.fed), len(seq.fed)
+        return choices
 
     def prefill_step(self) -> list[Delta]:
         """Run the next pending prefill's next chunk -- with the chunks of the
@@ -322,15 +353,19 @@ class Engine:
                 _mark(seq.cache)
             if seq.pending:
                 mx.eval(cache_arrays(seq.view))
-                (self._decoding if ride else self._prefilling).append(seq)  # round-robin among pending prefills
+                if ride:  # its last prompt token is the next decode step's input, as its choices'
+                    self._decoding += [seq, *self._fork_choices(seq)]
+                else:
+                    self._prefilling.append(seq)  # round-robin among pending prefills
                 continue
-            draw = seq.sampler(logits[0, -1])
-            token = self.shared_tokens(draw.token[None])[0]
-            mx.eval(token, draw.logprobs, cache_arrays(seq.view))
-            new, text, reason = self._accept(seq, token.item(), draw.logprobs)
-            if reason is None:
-                self._decoding.append(seq)
-            deltas.append(self._delta(seq, new, text, reason))
+            for s in [seq, *self._fork_choices(seq)]:  # each draws from the prompt's last logits
+                draw = s.sampler(logits[0, -1])
+                token = self.shared_tokens(draw.token[None])[0]
+                mx.eval(token, draw.logprobs, cache_arrays(s.view))
+                new, text, reason = self._accept(s, token.item(), draw.logprobs)
+                if reason is None:
+                    self._decoding.append(s)
+                deltas.append(self._delta(s, new, text, reason))
         return deltas
 
     def _picks(self) -> list[tuple[_Sequence, int, bool]]:
@@ -615,10 +650,11 @@ class Engine:
     def _take(self, seq_id: int) -> _Sequence | None:
         self._drop_ahead()
         self._flush()
-        for queue in (self._prefilling, self._decoding):
+        for queue in (self._prefilling, self._decoding, *self._choices.values()):
             for seq in queue:
                 if seq.id == seq_id:
                     queue.remove(seq)
+                    self._choices = {k: v for k, v in self._choices.items() if v}
                     return seq
         return None
 

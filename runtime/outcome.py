@@ -50,6 +50,9 @@ class TurnResult:
     logprobs: tuple[TokenLogprob, ...] = ()  # of each output token, when the turn asked for them
     drafted_tokens: int = 0  # drafts its decode steps verified (``runtime.speculation``)
     accepted_tokens: int = 0  # of them, taken as output
+    # The turn's other replies when it asked for several (choices 1, 2, ...): the same
+    # prompt, prefilled once; this one (choice 0) is the reply the agent keeps.
+    choices: tuple[TurnResult, ...] = ()
 
     @classmethod
     def measured(cls, finished: Finished | None, reason: str, *, arrived: float, admitted: float,

@@ -152,3 +152,12 @@ def no_tools_with(grammar: str | None, tools, key: str) -> None:
     """Structured output and tools in one request are refused (not yet both at once)."""
     if grammar is not None and tools:
         raise bad(key, "structured output together with tools is not supported; send one or the other")
+
+
+def strict_tools(data: dict, inner: str | None = None) -> bool:
+    """Whether a tool in ``data["tools"]`` asks for ``strict`` adherence (``True``,
+    in its ``inner`` object where the protocol nests it: OpenAI chat's ``function``)."""
+    tools = data.get("tools")
+    return isinstance(tools, list) and any(
+        isinstance(t, dict) and isinstance(d := (t.get(inner) if inner else t), dict) and d.get("strict") is True
+        for t in tools)

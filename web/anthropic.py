@@ -59,8 +59,8 @@ from runtime.json_reader import JSONError, read_json
 
 from . import _validate as v
 from ._aio import closing
-from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, Usage, cancelled,
-                     load_json, stream_text)
+from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, TextDelta, Usage,
+                     cancelled, load_json, stream_text)
 from .sse import encode
 
 if TYPE_CHECKING:
@@ -121,6 +121,7 @@ def _request(data: dict, headers: Mapping[str, str], max_tokens: int) -> ChatReq
         hint=headers.get("x-claude-code-session-id") or _metadata_session(metadata),
         tools=tools,
         tool_choice=tool_choice,
+        strict_tools=v.strict_tools(data),
         metadata=metadata,
         grammar=grammar,
     )
@@ -434,11 +435,11 @@ async def message_events(items: AsyncIterable[StreamItem], *, model: str,
                         yield event
                     yield _event({"type": "content_block_delta", "index": index,
                                   "delta": {"type": "thinking_delta", "thinking": piece.text}})
-                elif isinstance(piece, str):
+                elif isinstance(piece, TextDelta):
                     for event in switch("text", {"type": "text", "text": ""}) if block != "text" else ():
                         yield event
                     yield _event({"type": "content_block_delta", "index": index,
-                                  "delta": {"type": "text_delta", "text": piece}})
+                                  "delta": {"type": "text_delta", "text": piece.text}})
                 else:
                     result = piece
     except RequestError as err:

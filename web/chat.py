@@ -84,8 +84,9 @@ def prepare(req: ChatRequest, chat_template: str | None, library: LibraryFormat 
     the grammar its reply must follow. A forced call (``required``) is held
     to one call of the tools in the Hermes or Llama 3 format -- for a template
     without tools, in the Hermes format its system prompt is told of
-    (``tool_prompt``). Raises ``RequestError`` (400) for tools whose schemas
-    cannot be enforced."""
+    (``tool_prompt``); under ``auto``, tools that ask to be ``strict`` hold
+    the reply to text or valid calls (``call_grammar``). Raises
+    ``RequestError`` (400) for tools whose schemas cannot be enforced."""
     conversation = context_first(req.conversation())
     forced = bool(req.tools) and req.tool_choice == "required"
     if supports_tools(chat_template):
@@ -99,9 +100,9 @@ def prepare(req: ChatRequest, chat_template: str | None, library: LibraryFormat 
             conversation = with_system(conversation, tool_prompt(req.tools))
             fmt = "hermes"
     grammar = req.grammar
-    if forced and fmt in ("hermes", "llama3"):
+    if (forced or (req.strict_tools and tools)) and fmt in ("hermes", "llama3"):
         try:
-            grammar = call_grammar(fmt, req.tools)
+            grammar = call_grammar(fmt, req.tools, forced)
         except GrammarError as e:
             raise RequestError(400, f"tools: this server cannot enforce a call of these tools: {e}", "tools") from None
     messages = tuple(Message(m["role"], m["content"], tuple(m.get("tool_calls") or ()), m.get("tool_call_id"),
@@ -214,7 +215,8 @@ class ChatCore:
             agent = await (self._fork(fork_from, agent_id) if fork_from is not None else self._open(agent_id))
             return await self._run(agent, model, req, prepared.messages, prepared, release, route,
                                    lambda: agent.respond(prepared.messages, tools=prepared.tools, model=model,
-                                                         **sampling(req), grammar=prepared.grammar))
+                                                         choices=req.choices, **sampling(req),
+                                                         grammar=prepared.grammar))
 
     async def send(self, agent: Agent, content: str, *, model: str, use_cache: bool, sampling: dict,
                    route: str = "agent") -> ChatTurn:
@@ -263,16 +265,17 @@ class ChatCore:
         except SemanticError as e:
             raise turn_error(e) from None
 
-    async def _reasoning(self, model: str) -> ReasoningSplitter | None:
-        """A splitter for ``model``'s replies, if it reasons (its template mentions
-        the tags); opened when its generation prompt opens one."""
+    async def _reasoning(self, model: str) -> bool | None:
+        """Whether ``model``'s replies start inside its reasoning tag (its
+        generation prompt opens one); None when it does not reason (its
+        template never mentions the tags)."""
         template = await self._template(model)
         if not template or (OPEN not in template and CLOSE not in template):
             return None
         if model not in self._opens_thinking:
             text, _ = await self.rt.prompt((Message("user", "hi"),), model=model)
             self._opens_thinking[model] = text.rstrip().endswith(OPEN)
-        return ReasoningSplitter(self._opens_thinking[model])
+        return self._opens_thinking[model]
 
     async def _open(self, agent_id: str) -> Agent:
         try:
@@ -294,10 +297,11 @@ class ChatCore:
             reasoning = await self._reasoning(model)
         except SemanticError as e:
             raise turn_error(e) from None
-        items = _Releasing(self._items(agent, prepared, reasoning, route, start), release)
+        choices = req.choices if req is not None else 1
+        items = _Releasing(self._items(agent, prepared, reasoning, choices, route, start), release)
         return ChatTurn(agent.id, model, req, messages, items, int(time.time()))
 
-    async def _items(self, agent: Agent, prepared: Prepared, reasoning: ReasoningSplitter | None, route: str,
+    async def _items(self, agent: Agent, prepared: Prepared, reasoning: bool | None, choices: int, route: str,
                      start: Callable[[], Reply]) -> AsyncIterator[StreamItem]:
         """One turn's items, and the index and metrics updated when it ends."""
         tier = self.rt.cache_tier(agent.id)
@@ -310,7 +314,7 @@ class ChatCore:
             except SemanticError as e:
                 raise turn_error(e) from None
             self.observer.turn_started(agent.id, route, reply.turn_id)
-            async with closing(_run_turn(reply, prepared, reasoning, self.heartbeat_s)) as items:
+            async with closing(_run_turn(reply, prepared, reasoning, choices, self.heartbeat_s)) as items:
                 async for item in items:
                     yield item
         finally:
@@ -353,23 +357,28 @@ class _Releasing:
             self._release()
 
 
-async def _run_turn(reply: Reply, prepared: Prepared, reasoning: ReasoningSplitter | None,
+async def _run_turn(reply: Reply, prepared: Prepared, reasoning: bool | None, choices: int,
                     heartbeat_s: float) -> AsyncIterator[StreamItem]:
-    """The items of one turn: ``ReasoningDelta`` items (when the model reasons)
-    and ``TextDelta`` items (tool-call markup held back), each delta's
-    ``LogprobsDelta`` after its text (when the turn asked), a ``Heartbeat``
-    whenever nothing came for ``heartbeat_s``, then its ``ChatResult`` with
-    reasoning and tool calls parsed out.  Runtime errors become
-    ``RequestError``.  Closing the iterator, or cancelling its reader, cancels
-    the turn (the agent's history stays as it was)."""
-    hold = ToolCallFilter(prepared.fmt) if prepared.fmt else None
+    """The items of one turn: ``ReasoningDelta`` items (when the model reasons;
+    ``reasoning``: its replies start inside the tag) and ``TextDelta`` items
+    (tool-call markup held back), each delta's ``LogprobsDelta`` after its
+    text (when the turn asked), each item of the reply ``choice`` it extends,
+    a ``Heartbeat`` whenever nothing came for ``heartbeat_s``, then its
+    ``ChatResult`` (the other choices' in it) with reasoning and tool calls
+    parsed out.  Runtime errors become ``RequestError``.  Closing the
+    iterator, or cancelling its reader, cancels the turn (the agent's history
+    stays as it was)."""
+    holds = [ToolCallFilter(prepared.fmt) if prepared.fmt else None for _ in range(choices)]
+    splitters = [ReasoningSplitter(reasoning) for _ in range(choices)] if reasoning is not None else None
 
-    def items(parts: list[tuple[str, str]]):
+    def items(choice: int, text: str, end: bool = False):
+        parts = [("text", text)] if splitters is None else (
+            splitters[choice].end() if end else splitters[choice].feed(text))
         for kind, text in parts:
             if kind == "thinking":
-                yield ReasoningDelta(text)
-            elif text := hold.feed(text) if hold else text:
-                yield TextDelta(text)
+                yield ReasoningDelta(text, choice)
+            elif text := holds[choice].feed(text) if holds[choice] else text:
+                yield TextDelta(text, choice)
 
     try:
         while True:
@@ -380,20 +389,23 @@ async def _run_turn(reply: Reply, prepared: Prepared, reasoning: ReasoningSplitt
             if delta is None:
                 yield Heartbeat()
             else:
-                for item in items(reasoning.feed(delta.text) if reasoning else [("text", delta.text)]):
+                for item in items(delta.choice, delta.text):
                     yield item
                 if delta.logprobs:
-                    yield LogprobsDelta(delta.logprobs)
+                    yield LogprobsDelta(delta.logprobs, delta.choice)
     except TurnCancelled:
         pass  # the runtime shut down under it: a "cancelled" result
     except SemanticError as e:  # TurnError, OutOfMemory, RuntimeClosed, ...: the turn did not run
         raise turn_error(e) from None
     finally:
         reply.close()
-    result = chat_result(reply.result)
-    if reasoning is not None:
-        for item in items(reasoning.end()):
-            yield item
-        thought, text = split_reasoning(reply.result.text, reasoning.opened)
-        result = replace(result, text=text, reasoning=thought)
-    yield finish_result(result, prepared.fmt, prepared.tool_names, prepared.tools)
+    results = []
+    for choice, turn in enumerate((reply.result, *reply.result.choices)):
+        result = chat_result(turn)
+        if splitters is not None:
+            for item in items(choice, "", end=True):
+                yield item
+            thought, text = split_reasoning(turn.text, reasoning)
+            result = replace(result, text=text, reasoning=thought)
+        results.append(finish_result(result, prepared.fmt, prepared.tool_names, prepared.tools))
+    yield replace(results[0], choices=tuple(results[1:]))

@@ -86,9 +86,10 @@ class Metrics:
             self.decode.observe(result.decode_tps)
         self.prompt.labels("prefilled").inc(result.prefilled_tokens)
         self.prompt.labels("reused").inc(result.reused_tokens)
-        self.output.inc(result.output_tokens)
-        self.drafts.labels("accepted").inc(result.accepted_tokens)
-        self.drafts.labels("rejected").inc(result.drafted_tokens - result.accepted_tokens)
+        for reply in (result, *result.choices):  # (a turn of several choices: each one's output)
+            self.output.inc(reply.output_tokens)
+            self.drafts.labels("accepted").inc(reply.accepted_tokens)
+            self.drafts.labels("rejected").inc(reply.drafted_tokens - reply.accepted_tokens)
         self.turns.labels("miss" if not result.reused_tokens else tier or "prefix").inc()
 
     def render(self, stats: dict, memory: dict, disk: dict) -> bytes:

@@ -27,9 +27,15 @@ as DeepSeek's API and vLLM send it.
 
 Leading ``system`` and ``developer`` messages become the system prompt; later
 ones stay where they are. Refused with a 400: images, audio and files (this
-server reads text), ``n`` other than 1, legacy ``function`` messages, a JSON
+server reads text), ``n`` outside 1-16, legacy ``function`` messages, a JSON
 schema this server cannot enforce, and ``response_format`` beside ``tools``.
 Other unknown fields are ignored.
+
+``n`` > 1: the replies are one prompt prefilled once and decoded together
+(``Agent.send``'s ``choices``), each sampled on its own (with a ``seed``,
+choice ``i`` takes ``seed + i``); ``usage`` counts the prompt once and every
+choice's output. The conversation's agent keeps choice 0. Streamed, each
+chunk carries one choice's delta (its ``index``).
 
 ``logprobs: true`` (with ``top_logprobs``, 0-20) puts each output token's
 log-probability (``runtime.sampling``) in ``choices[0].logprobs.content``;
@@ -51,13 +57,14 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import TYPE_CHECKING
 
+from actors import MAX_CHOICES
 from runtime.json_reader import JSONError, read_json
 from runtime.sampling import MAX_LOGPROBS
 
 from . import _validate as v
 from ._aio import closing
-from .schema import (ChatRequest, ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem,
-                     Usage, cancelled, load_json, logprob_json, stream_text)
+from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, TextDelta, Usage,
+                     cancelled, load_json, logprob_json, stream_text)
 from .sse import KEEP_ALIVE, encode
 
 if TYPE_CHECKING:
@@ -95,7 +102,6 @@ def parse_request(body: bytes, headers: Mapping[str, str] | None = None, *, max_
     session = v.string(data, "session_id", nonempty=True)
     if agent_id is not None and session is not None and session != agent_id:
         raise v.bad("session_id", f"names agent {session!r} but the X-Agent-Id header names {agent_id!r}")
-    _refuse_unsupported(data)
     stream = v.boolean(data, "stream")
     options = v.obj(data, "stream_options") or {}
     tools, tool_choice = _tools(data)
@@ -120,20 +126,17 @@ def parse_request(body: bytes, headers: Mapping[str, str] | None = None, *, max_
         hint=session_hint(data),
         tools=tools,
         tool_choice=tool_choice,
+        strict_tools=v.strict_tools(data, "function"),
         metadata=v.obj(data, "metadata"),
         grammar=grammar,
         logprobs=(top or 0) if v.boolean(data, "logprobs") else None,
+        choices=v.integer(data, "n", lo=1, hi=MAX_CHOICES) or 1,
     )
 
 
 def session_hint(data: dict) -> str | None:
     """OpenAI's cache routing hints, as a session hint: ``prompt_cache_key``, else ``user``."""
     return v.string(data, "prompt_cache_key", nonempty=True) or v.string(data, "user", nonempty=True)
-
-
-def _refuse_unsupported(data: dict) -> None:
-    if (n := v.integer(data, "n")) not in (None, 1):
-        raise v.bad("n", f"only 1 choice per request is supported, not {n}")
 
 
 def _messages(data: dict) -> tuple[str | None, tuple[dict, ...]]:
@@ -283,7 +286,8 @@ def new_completion_id() -> str:
     return "chatcmpl-" + secrets.token_hex(12)
 
 
-def _usage(usage: Usage) -> dict:
+def _usage(result: ChatResult) -> dict:
+    usage = result.total_usage
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.output_tokens,
             "total_tokens": usage.prompt_tokens + usage.output_tokens,
             "prompt_tokens_details": {"cached_tokens": usage.cache_read_input_tokens},
@@ -310,21 +314,25 @@ def completion_json(result: ChatResult, *, model: str, completion_id: str | None
     """
     if result.stop_reason == "cancelled":
         raise cancelled()
-    message = {"role": "assistant", "content": result.text or (None if result.tool_calls else ""),
-               "refusal": None}
-    if result.reasoning is not None:
-        message["reasoning_content"] = result.reasoning
-    if result.tool_calls:
-        message["tool_calls"] = _tool_calls(result)
+
+    def choice(index: int, reply: ChatResult) -> dict:
+        message = {"role": "assistant", "content": reply.text or (None if reply.tool_calls else ""),
+                   "refusal": None}
+        if reply.reasoning is not None:
+            message["reasoning_content"] = reply.reasoning
+        if reply.tool_calls:
+            message["tool_calls"] = _tool_calls(reply)
+        return {"index": index, "message": message,
+                "logprobs": _logprobs(reply.turn.logprobs if reply.turn else ()) if logprobs else None,
+                "finish_reason": _FINISH[reply.stop_reason]}
+
     return {
         "id": completion_id or new_completion_id(),
         "object": "chat.completion",
         "created": int(time.time()) if created is None else created,
         "model": model,
-        "choices": [{"index": 0, "message": message,
-                     "logprobs": _logprobs(result.turn.logprobs if result.turn else ()) if logprobs else None,
-                     "finish_reason": _FINISH[result.stop_reason]}],
-        "usage": _usage(result.usage),
+        "choices": [choice(i, reply) for i, reply in enumerate(result.every)],
+        "usage": _usage(result),
         "system_fingerprint": None,
     }
 
@@ -363,27 +371,32 @@ async def completion_chunks(items: AsyncIterable[StreamItem], *, model: str, inc
             "created": int(time.time()) if created is None else created, "model": model,
             "system_fingerprint": None}
 
-    def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> bytes:
-        body = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+    def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None, index: int = 0) -> bytes:
+        body = {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         return encode(body | {"usage": None} if include_usage else body)
 
-    started = False
+    started: set[int] = set()  # choices whose first chunk went out
     try:
         async with closing(stream_text(items, logprobs)) as pieces:
             async for piece in pieces:
-                if not started:
-                    started = True
-                    yield chunk({"role": "assistant", "content": ""})
                 if isinstance(piece, Heartbeat):
+                    if not started:  # (a long prompt prefilling: the stream begins)
+                        started.add(0)
+                        yield chunk({"role": "assistant", "content": ""})
                     yield KEEP_ALIVE
-                elif isinstance(piece, ReasoningDelta):
-                    yield chunk({"reasoning_content": piece.text})
-                elif isinstance(piece, str):
-                    yield chunk({"content": piece})
-                elif isinstance(piece, LogprobsDelta):  # its tokens' text came before it, or is held back
-                    yield chunk({}, logprobs=_logprobs(piece.logprobs))
-                else:
+                    continue
+                if isinstance(piece, ChatResult):
                     result = piece
+                    continue
+                if piece.choice not in started:
+                    started.add(piece.choice)
+                    yield chunk({"role": "assistant", "content": ""}, index=piece.choice)
+                if isinstance(piece, ReasoningDelta):
+                    yield chunk({"reasoning_content": piece.text}, index=piece.choice)
+                elif isinstance(piece, TextDelta):
+                    yield chunk({"content": piece.text}, index=piece.choice)
+                else:  # log-probabilities: their tokens' text came before them, or is held back
+                    yield chunk({}, logprobs=_logprobs(piece.logprobs), index=piece.choice)
     except RequestError as err:
         yield encode(error_json(err))
         yield _DONE
@@ -393,9 +406,12 @@ async def completion_chunks(items: AsyncIterable[StreamItem], *, model: str, inc
         yield encode(error_json(RequestError(500, "the server failed while generating; see its log")))
         yield _DONE
         return
-    for i, call in enumerate(_tool_calls(result)):
-        yield chunk({"tool_calls": [{"index": i, **call}]})
-    yield chunk({}, _FINISH[result.stop_reason])
+    for index, reply in enumerate(result.every):
+        if index not in started:
+            yield chunk({"role": "assistant", "content": ""}, index=index)
+        for i, call in enumerate(_tool_calls(reply)):
+            yield chunk({"tool_calls": [{"index": i, **call}]}, index=index)
+        yield chunk({}, _FINISH[reply.stop_reason], index=index)
     if include_usage:
-        yield encode({**head, "choices": [], "usage": _usage(result.usage)})
+        yield encode({**head, "choices": [], "usage": _usage(result)})
     yield _DONE

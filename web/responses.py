@@ -59,8 +59,11 @@ echoed).
 
 ``include: ["message.output_text.logprobs"]`` or ``top_logprobs`` (0-20) puts
 each output token's log-probability (``runtime.sampling``) in the
-``output_text`` part's ``logprobs``; streaming, they come with
-``response.output_text.done`` (the deltas' are empty).
+``output_text`` part's ``logprobs``; streaming, each
+``response.output_text.delta`` carries those of the tokens whose text it
+adds (tokens whose text is held back, as a call's markup may be, come with
+the next delta that has text, or in one with an empty ``delta`` before
+``response.output_text.done``, which has them all again).
 """
 
 from __future__ import annotations
@@ -82,8 +85,8 @@ from ._aio import closing
 from .identity import state_hash
 from .openai import drafts_json, function_tool, session_hint, text_parts, tool_arguments
 from .reasoning import CLOSE, OPEN, split_reasoning
-from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, Usage, cancelled,
-                     load_json, logprob_json, stream_text)
+from .schema import (ChatRequest, ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem,
+                     TextDelta, Usage, cancelled, load_json, logprob_json, stream_text)
 from .sse import KEEP_ALIVE, encode
 from .tools import ToolFormat, parse_tool_calls
 
@@ -202,6 +205,7 @@ def parse_request(body: bytes, headers: Mapping[str, str] | None = None, *, max_
         hint=session_hint(data),
         tools=chat_tools,
         tool_choice=choice,
+        strict_tools=v.strict_tools(data),
         metadata=v.obj(data, "metadata"),
         previous_response_id=previous,
         store=v.boolean(data, "store", default=True),
@@ -486,6 +490,21 @@ async def response_events(items: AsyncIterable[StreamItem], *, rid: str, model: 
     started = False
     thought: list[str] | None = None  # the reasoning so far, while its item is open
     index = 0  # the output index of the item streaming now
+    with_logprobs = req is not None and req.logprobs is not None
+    unsent: list[str] = []  # text not yet sent: it waits for its tokens' logprobs, which follow it
+    unsent_logprobs: list = []  # logprobs not yet sent: they wait for text
+
+    def send_text():
+        nonlocal started, unsent_logprobs
+        if thought is not None:
+            yield from end_reasoning()
+        if not started:
+            started = True
+            yield from start_message()
+        yield event("response.output_text.delta", item_id=message_id, output_index=index, content_index=0,
+                    delta="".join(unsent), logprobs=[logprob_json(lp) for lp in unsent_logprobs])
+        unsent.clear()
+        unsent_logprobs = []
 
     def start_message():
         yield event("response.output_item.added", output_index=index,
@@ -502,7 +521,7 @@ async def response_events(items: AsyncIterable[StreamItem], *, rid: str, model: 
         index += 1
 
     try:
-        async with closing(stream_text(items)) as pieces:
+        async with closing(stream_text(items, with_logprobs)) as pieces:
             async for piece in pieces:
                 if isinstance(piece, Heartbeat):
                     yield KEEP_ALIVE
@@ -514,16 +533,16 @@ async def response_events(items: AsyncIterable[StreamItem], *, rid: str, model: 
                     thought.append(piece.text)
                     yield event("response.reasoning_text.delta", item_id=reasoning_id, output_index=index,
                                 content_index=0, delta=piece.text)
-                elif isinstance(piece, str):
-                    if thought is not None:
-                        for chunk in end_reasoning():
+                elif isinstance(piece, TextDelta):
+                    unsent.append(piece.text)
+                    if not with_logprobs:
+                        for chunk in send_text():
                             yield chunk
-                    if not started:
-                        started = True
-                        for chunk in start_message():
+                elif isinstance(piece, LogprobsDelta):
+                    unsent_logprobs += piece.logprobs
+                    if unsent:
+                        for chunk in send_text():
                             yield chunk
-                    yield event("response.output_text.delta", item_id=message_id, output_index=index,
-                                content_index=0, delta=piece, logprobs=[])
                 else:
                     result = piece
     except Exception as e:
@@ -538,6 +557,9 @@ async def response_events(items: AsyncIterable[StreamItem], *, rid: str, model: 
         yield event("response.failed", response=response("failed", output=[], usage=None, error=failed))
         return
     output = _output(result, message_id, reasoning_id)
+    if unsent or (unsent_logprobs and any(item["type"] == "message" for item in output)):
+        for chunk in send_text():
+            yield chunk
     if thought is not None:
         for chunk in end_reasoning():
             yield chunk

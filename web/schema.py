@@ -110,9 +110,11 @@ class ChatRequest:
     hint: str | None = None  # a client's session key: conversations of one session may take over each other's agent
     tools: tuple[dict, ...] | None = None  # {"type": "function", "function": {name, description, parameters}}
     tool_choice: Literal["auto", "required"] = "auto"  # a forced tool arrives as tools=(that tool,)
+    strict_tools: bool = False  # a tool asked for strict adherence: "auto" holds calls to the tools too
     metadata: Mapping | None = None
     grammar: str | None = None  # structured output: the reply follows it (``runtime.grammar``)
     logprobs: int | None = None  # None: not asked; n: each token's logprob and the n likeliest tokens'
+    choices: int = 1  # replies to the prompt (OpenAI's ``n``), prefilled once
 
     def __post_init__(self):
         if not self.messages:
@@ -171,6 +173,7 @@ class ChatResult:
     tool_calls: tuple[ToolCall, ...] = ()  # non-empty exactly when stop_reason is "tool_use"
     reasoning: str | None = None  # what the model thought before answering (``web.reasoning``), if it did
     turn: object = field(default=None, compare=False)  # the runtime's record (timings), when there is one
+    choices: tuple[ChatResult, ...] = ()  # the request's other replies (``ChatRequest.choices``), 1 first
 
     def __post_init__(self):
         if self.stop_reason not in _STOP_REASONS:
@@ -181,15 +184,30 @@ class ChatResult:
             raise ValueError("tool_calls are given exactly when stop_reason is 'tool_use'")
         object.__setattr__(self, "tool_calls", tuple(self.tool_calls))
 
+    @property
+    def every(self) -> tuple[ChatResult, ...]:
+        """Every reply: this one (choice 0), then the others."""
+        return (self, *self.choices)
+
+    @property
+    def total_usage(self) -> Usage:
+        """The request's usage: its prompt once, every choice's output and drafts."""
+        u = self.usage
+        return Usage(u.input_tokens, u.cache_read_input_tokens, *(
+            sum(getattr(r.usage, key) for r in self.every)
+            for key in ("output_tokens", "drafted_tokens", "accepted_tokens")))
+
 
 @dataclass(frozen=True)
 class TextDelta:
     text: str  # new text, safe to show
+    choice: int = 0  # which reply it extends (``ChatRequest.choices``)
 
 
 @dataclass(frozen=True)
 class ReasoningDelta:
     text: str  # more of what the model thinks before it answers
+    choice: int = 0
 
 
 @dataclass(frozen=True)
@@ -197,6 +215,7 @@ class LogprobsDelta:
     """The log-probabilities of the tokens just generated (only when the request asked)."""
 
     logprobs: tuple[TokenLogprob, ...]
+    choice: int = 0
 
 
 def logprob_json(lp: TokenLogprob, top: bool = True) -> dict:
@@ -224,12 +243,12 @@ def cancelled() -> RequestError:
     return RequestError(503, "the turn was cancelled before it finished; try again")
 
 
-async def stream_text(items: AsyncIterable[StreamItem], logprobs: bool = False) -> AsyncIterator[str | StreamItem]:
-    """A turn's text as it streams (non-empty pieces, then what the result holds
-    beyond them; heartbeats and reasoning as they come, and log-probabilities
-    with ``logprobs``), then its ``ChatResult``.  ``items`` is closed before the
-    rest of the text comes; a cancelled result raises ``cancelled()``."""
-    parts: list[str] = []
+async def stream_text(items: AsyncIterable[StreamItem], logprobs: bool = False) -> AsyncIterator[StreamItem]:
+    """A turn's text as it streams (non-empty ``TextDelta`` pieces, then what each
+    reply's result holds beyond them; heartbeats and reasoning as they come, and
+    log-probabilities with ``logprobs``), then its ``ChatResult``.  ``items`` is
+    closed before the rest of the text comes; a cancelled result raises ``cancelled()``."""
+    parts: dict[int, list[str]] = {}  # by choice
     async with closing(items) as stream:  # closed once the result is in
         async for item in stream:
             if isinstance(item, (Heartbeat, ReasoningDelta)) or (logprobs and isinstance(item, LogprobsDelta)):
@@ -239,8 +258,8 @@ async def stream_text(items: AsyncIterable[StreamItem], logprobs: bool = False) 
                 continue
             if isinstance(item, TextDelta):
                 if item.text:
-                    parts.append(item.text)
-                    yield item.text
+                    parts.setdefault(item.choice, []).append(item.text)
+                    yield item
                 continue
             result = item
             break
@@ -248,8 +267,9 @@ async def stream_text(items: AsyncIterable[StreamItem], logprobs: bool = False) 
             raise AssertionError("the item stream ended without a ChatResult")
     if result.stop_reason == "cancelled":
         raise cancelled()
-    sent = "".join(parts)
-    assert result.text.startswith(sent), "streamed text must be a prefix of the result's text"
-    if rest := result.text[len(sent):]:
-        yield rest
+    for choice, reply in enumerate(result.every):
+        sent = "".join(parts.get(choice, ()))
+        assert reply.text.startswith(sent), "streamed text must be a prefix of the result's text"
+        if rest := reply.text[len(sent):]:
+            yield TextDelta(rest, choice)
     yield result

@@ -24,7 +24,12 @@ system prompt.
 
 A forced call (``tool_choice`` required or naming a tool) is enforced while
 decoding: ``call_grammar`` allows exactly one call, in the model's format,
-of one of the tools, with arguments its parameters schema accepts.
+of one of the tools, with arguments its parameters schema accepts. Under
+``auto``, a request whose tools ask for ``strict`` adherence gets the grammar
+of text or calls: text that never starts a call, or (Hermes) text and then
+one call or more, each valid; without ``strict`` nothing is enforced (a
+grammar costs every step its drafts and its build ahead) and a call that
+does not parse stays text.
 """
 
 from __future__ import annotations
@@ -128,17 +133,27 @@ def tool_format(chat_template: str | None, library: LibraryFormat | None = None)
     return None
 
 
-def call_grammar(fmt: ToolFormat, tools: Collection[dict]) -> str:
+def call_grammar(fmt: ToolFormat, tools: Collection[dict], forced: bool = True) -> str:
     """The grammar of a reply that is one call, in ``fmt``, of one of
     ``tools`` (``{"type": "function", "function": {name, parameters}}``)
-    with arguments its parameters schema accepts; raises ``GrammarError``."""
+    with arguments its parameters schema accepts -- or, not ``forced``, text
+    or calls: text that never starts a call, or (Hermes) text that ends
+    where a call begins, then one call or more. Raises ``GrammarError``."""
     key = "arguments" if fmt == "hermes" else "parameters"
-    calls = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", key], "properties": {
-        "name": {"const": t["function"]["name"]}, key: t["function"].get("parameters") or {"type": "object"}}}
-        for t in tools]}
+    calls = grammar.json_rule({"anyOf": [{
+        "type": "object", "additionalProperties": False, "required": ["name", key], "properties": {
+            "name": {"const": t["function"]["name"]}, key: t["function"].get("parameters") or {"type": "object"}}}
+        for t in tools]})
     if fmt == "hermes":
-        return grammar.lark(f'start: "{_HERMES_OPEN}\\n" call "\\n{_HERMES_CLOSE}"\ncall: {grammar.json_rule(calls)}')
-    return grammar.json_schema(calls)
+        call = f'"\\n" {calls} "\\n{_HERMES_CLOSE}"'  # after the opening marker
+        if forced:
+            return grammar.lark(f'start: "{_HERMES_OPEN}" call\ncall: {call}')
+        return grammar.lark(  # (a lexeme cannot end where the marker begins: ``prose`` stops at it)
+            f'start: TEXT | prose call more*\nprose[stop="{_HERMES_OPEN}"]: /(?s:.*)/\ncall: {call}\n'
+            f'more: "\\n{_HERMES_OPEN}" call\nTEXT: /(?s:.*)/ & ~/(?s:.*){_HERMES_OPEN}(?s:.*)/')
+    if forced:
+        return grammar.lark(f"start: {calls}")
+    return grammar.lark(f"start: TEXT | {calls}\nTEXT: /(?s:.*)/ & ~/[ \\t\\n]*\\{{(?s:.*)/")
 
 
 def tool_prompt(tools: Collection[dict]) -> str:

@@ -49,12 +49,16 @@ async def test_chat_completions_logprobs_streamed_and_not(tmp_path):
 async def test_responses_and_agent_api_logprobs(tmp_path):
     def ask(url):
         with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c:
-            return c.responses.create(model="tiny", input="Tell me about the sea.", max_output_tokens=12,
-                                      top_logprobs=2, include=["message.output_text.logprobs"])
+            def create(agent: str, **options):
+                return c.responses.create(model="tiny", input="Tell me about the sea.", max_output_tokens=12,
+                                          top_logprobs=2, include=["message.output_text.logprobs"],
+                                          extra_headers={"X-Agent-Id": agent}, **options)
+
+            return create("whole"), list(create("streamed", stream=True))
 
     async with live_server(tmp_path) as url, client(url) as http:
         with anyio.fail_after(120):
-            response = await anyio.to_thread.run_sync(ask, url)
+            response, events = await anyio.to_thread.run_sync(ask, url)
         await http.post("/v1/agents", json={"id": "sailor"})
         turn = (await http.post("/v1/agents/sailor/messages", json={
             "content": "Tell me about the sea.", "max_tokens": 12, "logprobs": 1})).json()
@@ -62,6 +66,10 @@ async def test_responses_and_agent_api_logprobs(tmp_path):
     part = response.output[0].content[0]
     check([e.model_dump() for e in part.logprobs], part.text, 2)
     assert len(part.logprobs) == response.usage.output_tokens
+    # Streamed, each text delta carries its own tokens' (no markup held back here): the same entries.
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert "".join(e.delta for e in deltas) == part.text and all(e.logprobs for e in deltas)
+    assert [lp.model_dump() for e in deltas for lp in e.logprobs] == [e.model_dump() for e in part.logprobs]
     check(turn["logprobs"], turn["content"], 1)
     assert len(turn["logprobs"]) == turn["usage"]["output_tokens"]
     assert bad.status_code == 400 and "logprobs" in bad.json()["error"]["message"]

@@ -182,3 +182,25 @@ async def test_tools_whose_schema_cannot_be_enforced_are_a_400_when_a_call_is_fo
     assert forced.status_code == 400 and forced.json()["error"]["param"] == "tools"
     assert "cannot enforce a call" in forced.json()["error"]["message"]
     assert free.status_code == 200  # nothing to enforce: the model is not told of tools
+
+
+async def test_auto_with_strict_tools_is_text_or_valid_calls(tmp_path):
+    """Under ``tool_choice: auto`` with ``strict`` tools, a tool-capable model
+    may answer either way (``test_tools``: the grammar takes both); whichever
+    it takes, a reply that ends is plain text or calls that validate."""
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in OPENAI_TOOLS]
+
+    def ask(url):
+        with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as gpt:
+            return [gpt.chat.completions.create(model="tiny", messages=ASK, max_tokens=200, tools=strict,
+                                                temperature=1.0, seed=seed) for seed in range(6)]
+
+    async with live_server(tmp_path, model=tiny_with_template(HERMES)) as url:
+        replies = await in_thread(url, ask)
+    for reply in replies:
+        choice = reply.choices[0]
+        if choice.finish_reason == "tool_calls":
+            for call in choice.message.tool_calls:
+                valid_call(call.function.name, json.loads(call.function.arguments))
+        elif choice.finish_reason == "stop":
+            assert "<tool_call>" not in choice.message.content and not choice.message.tool_calls

@@ -268,34 +268,72 @@ NOOP_FN = {"type": "function", "function": {"name": "noop", "parameters": {
     "type": "object", "properties": {}, "additionalProperties": False}}}
 
 
+def takes(g: str, text: str) -> bool:
+    """Whether the embedded tokenizer's tokens of ``text`` are a whole reply grammar ``g`` allows."""
+    from runtime.grammar import Grammars
+    from tests.tiny import embedded_tokenizer
+
+    tok = embedded_tokenizer()
+    constraint = Grammars(tok, tok.eos_token_ids).constraint(g)
+    for t in tok.encode(text, add_special_tokens=False):
+        if not constraint.allowed(len(tok.get_vocab())).tolist()[t]:
+            return False
+        constraint.advance(t)
+    return constraint.allowed(len(tok.get_vocab())).tolist()[min(tok.eos_token_ids)]  # it may end here
+
+
 @pytest.mark.parametrize("fmt, reply", [
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>'),
     ("llama3", '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 3}}'),
 ])
 def test_a_call_grammar_takes_exactly_what_the_parser_reads_as_a_call(fmt, reply):
-    from runtime.grammar import Grammars
-    from tests.tiny import embedded_tokenizer
-
-    tok = embedded_tokenizer()
-    grammars = Grammars(tok, tok.eos_token_ids)
     g = call_grammar(fmt, [WEATHER_FN, NOOP_FN])
-
-    def takes(text: str) -> bool:
-        constraint = grammars.constraint(g)
-        for t in tok.encode(text, add_special_tokens=False):
-            if not constraint.allowed(len(tok.get_vocab())).tolist()[t]:
-                return False
-            constraint.advance(t)
-        return constraint.allowed(len(tok.get_vocab())).tolist()[min(tok.eos_token_ids)]  # it may end here
-
-    assert takes(reply)
+    assert takes(g, reply)
     _, calls = parse_tool_calls(reply, fmt, {"get_weather", "noop"})
     assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Oslo", "days": 3})]
-    assert not takes(reply.replace("Oslo", "Rome"))  # not in the tool's schema
-    assert not takes(reply.replace("get_weather", "get_wether"))  # no such tool
-    assert not takes(reply.replace(', "days": 3', ""))  # a required argument left out
+    assert not takes(g, reply.replace("Oslo", "Rome"))  # not in the tool's schema
+    assert not takes(g, reply.replace("get_weather", "get_wether"))  # no such tool
+    assert not takes(g, reply.replace(', "days": 3', ""))  # a required argument left out
+    assert not takes(g, "It is sunny.")  # forced: a call, never text
     with pytest.raises(GrammarError, match="not"):
         call_grammar(fmt, [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}])
+
+
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>'
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 3}}'
+
+
+@pytest.mark.parametrize("fmt, reply, taken", [
+    ("hermes", "It is sunny in Oslo.", True),
+    ("hermes", HERMES_CALL, True),
+    ("hermes", "Let me look.\n" + HERMES_CALL, True),  # text, then a call
+    ("hermes", HERMES_CALL + "\n" + HERMES_CALL.replace("get_weather", "noop").replace(
+        '{"city": "Oslo", "days": 3}', "{}"), True),  # two calls
+    ("hermes", HERMES_CALL.replace("Oslo", "Rome"), False),  # a call, but not a valid one
+    ("hermes", "Let me look. " + HERMES_CALL.replace("get_weather", "get_wether"), False),
+    ("hermes", HERMES_CALL + " and some text after", False),
+    ("llama3", "It is sunny in Oslo.", True),
+    ("llama3", "Use {braces} as you like", True),
+    ("llama3", LLAMA_CALL, True),
+    ("llama3", LLAMA_CALL.replace("Oslo", "Rome"), False),
+    ("llama3", '  {"name": "noop"', False),  # a reply that starts as JSON is a call
+])
+def test_under_auto_a_strict_grammar_takes_text_or_valid_calls(fmt, reply, taken):
+    assert takes(call_grammar(fmt, [WEATHER_FN, NOOP_FN], forced=False), reply) is taken
+    if taken:  # and the parser reads it as the grammar does: calls where it holds calls
+        _, calls = parse_tool_calls(reply, fmt, {"get_weather", "noop"})
+        assert bool(calls) == ("get_weather" in reply or "noop" in reply)
+
+
+def test_auto_gets_a_grammar_only_when_a_tool_is_strict():
+    from web.chat import prepare
+    from web.schema import ChatRequest
+
+    ask = dict(messages=({"role": "user", "content": "Weather?"},), max_tokens=50)
+    assert prepare(ChatRequest(**ask, tools=(WEATHER_FN,)), HERMES).grammar is None
+    strict = prepare(ChatRequest(**ask, tools=(WEATHER_FN,), strict_tools=True), HERMES)
+    assert strict.grammar == call_grammar("hermes", [WEATHER_FN], forced=False)
+    assert prepare(ChatRequest(**ask, tools=(WEATHER_FN,), strict_tools=True), SMOLLM2).grammar is None  # unseen
 
 
 def test_a_model_without_tools_is_told_of_them_only_when_it_must_call_one():
