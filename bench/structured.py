@@ -65,7 +65,7 @@ def structured(loaded, batches: tuple[int, ...], steps: int, rounds: int, log=la
     from runtime.engine import Engine, SamplingParams
     from runtime.grammar import json_schema
 
-    engine = Engine(loaded.model, loaded.tokenizer, speculation=False)  # constrained sequences do not draft
+    engine = Engine(loaded.model, loaded.tokenizer, speculation=False)  # the decode step itself, without drafts
     tok = loaded.tokenizer
     grammar = json_schema(SCHEMA)
     free, shaped = SamplingParams(max_tokens=steps + 4), SamplingParams(max_tokens=steps + 4, grammar=grammar)

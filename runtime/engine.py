@@ -316,8 +316,7 @@ class Engine:
             fed=prompt[:cached_tokens],
             reused=cached_tokens,
             prompt_tokens=len(prompt),
-            # (a grammar's mask for a draft's place waits on the tokens before it: no drafts)
-            drafter=Drafter(prompt) if self.speculation and sampling.grammar is None else None,
+            drafter=Drafter(prompt) if self.speculation else None,
         )
 
     def _fork_choices(self, seq: _Sequence) -> list[_Sequence]:
@@ -697,7 +696,10 @@ class Engine:
             logits = self._forward(self._batches[key], inputs[at : at + sum(widths)], slots)
             slot = 0
             for seq, d in zip(tile, tile_drafts):  # each slot's draw judges the draft fed after it; the last's is free
-                draws += [seq.sampler(logits[slot + j], draft) for j, draft in enumerate([*d, None])]
+                c = seq.sampler.constraint  # (a grammar's mask at each slot: after the drafts before it)
+                masks = c.masks(d, logits.shape[-1]) if c is not None and d else [None] * (1 + len(d))
+                draws += [seq.sampler(logits[slot + j], draft, mask) for j, (draft, mask) in
+                          enumerate(zip([*d, None], masks))]
                 slot += 1 + len(d)
             at += slot
         tokens = self.shared_tokens(mx.stack([d.token for d in draws]))
@@ -717,12 +719,20 @@ class Engine:
     def _drafts_pay(self, rows: list[_Sequence]) -> list[list[int]]:
         """The drafts each sequence verifies in its next step: what its history
         offers, as many as ``allot`` finds pay for their slots."""
-        offers = [[] if seq.drafter is None else seq.drafter.offer(self._draft_room(seq)) for seq in rows]
+        offers = [self._offer(seq) for seq in rows]
         if not any(offers):
             return offers
         counts = allot(offers, [0.0 if seq.drafter is None else seq.drafter.rate for seq in rows],
                        [len(seq.fed) for seq in rows], self._costs)
         return [offer[:n] for offer, n in zip(offers, counts)]
+
+    def _offer(self, seq: _Sequence) -> list[int]:
+        """What a sequence's history offers as drafts, as far as its grammar allows them."""
+        if seq.drafter is None:
+            return []
+        offer = seq.drafter.offer(self._draft_room(seq))
+        c = seq.sampler.constraint
+        return offer if c is None or not offer else offer[: c.allows(offer)]
 
     def _drop_ahead(self) -> None:
         """Undo the step computed ahead, if any: each of its sequences as before

@@ -100,6 +100,24 @@ class Constraint:
     def advance(self, token: int) -> None:
         self._matcher.consume_token(token)
 
+    def allows(self, drafts: list[int]) -> int:
+        """How many of ``drafts`` the grammar allows in a row from here (up to
+        an end-of-turn token, which ends a reply rather than drafting one)."""
+        n = self._matcher.validate_tokens(drafts)
+        return next((i for i, t in enumerate(drafts[:n]) if t in self._ends), n)
+
+    def masks(self, drafts: list[int], size: int) -> list[mx.array]:
+        """``allowed`` here and after each of ``drafts`` (which it ``allows``):
+        the masks of a decode step's slots that verify them; the matcher is
+        left where it was."""
+        out = [self.allowed(size)]
+        for token in drafts:
+            self._matcher.consume_token(token)
+            out.append(self.allowed(size))
+        if drafts:
+            self._matcher.rollback(len(drafts))
+        return out
+
 
 class Grammars:
     """The grammars of one tokenizer (an mlx-lm ``TokenizerWrapper``), compiled once each."""

@@ -98,17 +98,19 @@ class Sampler:
         self._key = mx.random.key(seed)
         self._previous_key = self._key
 
-    def __call__(self, logits: mx.array, draft: int | None = None) -> Draw:
+    def __call__(self, logits: mx.array, draft: int | None = None, mask: mx.array | None = None) -> Draw:
         """``logits``: (vocab,) -> the token drawn, and its logprobs if asked for (lazy).
 
         ``draft``: a token proposed for this place (``runtime.speculation``):
         greedy draws as ever (the engine takes the draft if it is the draw);
         with temperature the draft is the token with the chance the row gives
         it, and otherwise a draw from the row without it -- together, exactly
-        the row's distribution."""
+        the row's distribution. ``mask``: the grammar's at this place, where
+        it is not the constraint's now (a slot after drafts: ``Constraint.masks``)."""
         p = self.params
         if self.constraint is not None:
-            logits = mx.where(self.constraint.allowed(logits.shape[-1]), logits, -mx.inf)
+            mask = self.constraint.allowed(logits.shape[-1]) if mask is None else mask
+            logits = mx.where(mask, logits, -mx.inf)
         logprobs = None if p.greedy and p.logprobs is None else logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if p.greedy:
             token = mx.argmax(logits, axis=-1)

@@ -39,8 +39,8 @@ def logits_by_params(monkeypatch):
     seen: dict[int, list[mx.array]] = {}
     call, undo = sampling.Sampler.__call__, sampling.Sampler.undo
 
-    def recording(self, logits, draft=None):
-        assert draft is None, "an engine of these tests verified a draft"
+    def recording(self, logits, draft=None, mask=None):
+        assert draft is None and mask is None, "an engine of these tests verified a draft"
         seen.setdefault(id(self.params), []).append(logits)
         return call(self, logits)
 

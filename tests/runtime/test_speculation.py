@@ -278,3 +278,48 @@ def test_held_drafts_wait_a_step(monkeypatch):
     assert len(delta.tokens) > 1  # drafts again, every one right
     got = drain(engine)[sid]
     assert got.output_tokens == want.output_tokens
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_sequences_under_a_grammar_draft_what_it_allows_and_say_what_they_say_without(arch, monkeypatch):
+    """Drafts of a constrained sequence are cut where its grammar forbids one
+    (``Constraint.allows``), and each slot draws under the mask of its own
+    place (``Constraint.masks``): every token, logprob and cache byte as
+    without drafts, beside a free sequence."""
+    from runtime.grammar import json_schema
+    from tests.runtime.test_grammar import COLOUR, SCHEMA
+    from tests.tiny import tiny_model_with_tokenizer
+
+    model, tok = tiny_model_with_tokenizer(arch)
+    counts = measured(model, tok)
+    prompts = [tok.encode(text) for text in ("Describe a shirt as JSON.", "Colour?", "Hello there")]
+    params = [SamplingParams(max_tokens=80, logprobs=2, grammar=json_schema(SCHEMA)),
+              SamplingParams(max_tokens=20, grammar=json_schema(COLOUR)), SamplingParams(max_tokens=15)]
+    want = run(model, tok, prompts, params, counts, speculation=False)
+    oracle = {tuple(p): (list(p) + list(f.output_tokens), w) for p, f, w in zip(prompts, want, (5, 3, 4))}
+    got = run(model, tok, prompts, params, counts, oracle=oracle, monkeypatch=monkeypatch)
+    for a, b in zip(want, got):
+        assert_same(a, b)
+    assert got[0].accepted_tokens > 0  # the constrained sequence took drafts
+
+
+def test_a_constraint_allows_drafts_as_far_as_its_grammar_goes_and_masks_each_place():
+    from runtime.grammar import Grammars, json_schema
+    from tests.tiny import embedded_tokenizer
+
+    tok = embedded_tokenizer()
+    grammars = Grammars(tok, tok.eos_token_ids)
+    c = grammars.constraint(json_schema({"enum": ["red", "green"]}))
+    size = len(tok.get_vocab())
+    green = tok.encode('"green"', add_special_tokens=False)
+    eos = min(tok.eos_token_ids)
+    assert c.allows(green) == len(green)
+    assert c.allows(green[:-1] + tok.encode("x", add_special_tokens=False)) == len(green) - 1
+    assert c.allows(green + [eos]) == len(green)  # an end of turn is never a draft
+    masks = c.masks(green, size)
+    fresh = grammars.constraint(json_schema({"enum": ["red", "green"]}))
+    for token, mask in zip([*green, None], masks):  # each as the matcher would give it there
+        assert mx.array_equal(mask, fresh.allowed(size)).item()
+        if token is not None:
+            fresh.advance(token)
+    assert mx.array_equal(c.allowed(size), masks[0]).item()  # and it is where it was
