@@ -42,7 +42,8 @@ from runtime.outcome import TurnResult
 from ._aio import closing
 from .identity import ConversationIndex, forked_conversation_id, new_conversation_id
 from .metrics import Metrics
-from .reasoning import CLOSE, OPEN, ReasoningSplitter, split_reasoning
+from .harmony import Harmony, speaks_harmony
+from .reasoning import CLOSE, OPEN, ThinkTags
 from .schema import (ChatRequest, ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem,
                      TextDelta, Usage)
 from .tools import (LibraryFormat, ToolCallFilter, ToolFormat, call_grammar, finish_result, flatten_tool_messages,
@@ -265,17 +266,19 @@ class ChatCore:
         except SemanticError as e:
             raise turn_error(e) from None
 
-    async def _reasoning(self, model: str) -> bool | None:
-        """Whether ``model``'s replies start inside its reasoning tag (its
-        generation prompt opens one); None when it does not reason (its
-        template never mentions the tags)."""
+    async def _reasoning(self, model: str) -> ThinkTags | Harmony | None:
+        """How ``model``'s replies keep reasoning apart: GPT-OSS's harmony
+        channels, or ``<think>`` tags (opened by its generation prompt, or
+        not); None when its template has neither."""
         template = await self._template(model)
+        if speaks_harmony(template):
+            return Harmony()
         if not template or (OPEN not in template and CLOSE not in template):
             return None
         if model not in self._opens_thinking:
             text, _ = await self.rt.prompt((Message("user", "hi"),), model=model)
             self._opens_thinking[model] = text.rstrip().endswith(OPEN)
-        return self._opens_thinking[model]
+        return ThinkTags(self._opens_thinking[model])
 
     async def _open(self, agent_id: str) -> Agent:
         try:
@@ -301,8 +304,8 @@ class ChatCore:
         items = _Releasing(self._items(agent, prepared, reasoning, choices, route, start), release)
         return ChatTurn(agent.id, model, req, messages, items, int(time.time()))
 
-    async def _items(self, agent: Agent, prepared: Prepared, reasoning: bool | None, choices: int, route: str,
-                     start: Callable[[], Reply]) -> AsyncIterator[StreamItem]:
+    async def _items(self, agent: Agent, prepared: Prepared, reasoning: ThinkTags | Harmony | None, choices: int,
+                     route: str, start: Callable[[], Reply]) -> AsyncIterator[StreamItem]:
         """One turn's items, and the index and metrics updated when it ends."""
         tier = self.rt.cache_tier(agent.id)
         reply = None
@@ -357,10 +360,10 @@ class _Releasing:
             self._release()
 
 
-async def _run_turn(reply: Reply, prepared: Prepared, reasoning: bool | None, choices: int,
+async def _run_turn(reply: Reply, prepared: Prepared, reasoning: ThinkTags | Harmony | None, choices: int,
                     heartbeat_s: float) -> AsyncIterator[StreamItem]:
-    """The items of one turn: ``ReasoningDelta`` items (when the model reasons;
-    ``reasoning``: its replies start inside the tag) and ``TextDelta`` items
+    """The items of one turn: ``ReasoningDelta`` items (when the model reasons:
+    ``reasoning`` reads it apart, and a harmony reply's calls) and ``TextDelta`` items
     (tool-call markup held back), each delta's ``LogprobsDelta`` after its
     text (when the turn asked), each item of the reply ``choice`` it extends,
     a ``Heartbeat`` whenever nothing came for ``heartbeat_s``, then its
@@ -369,7 +372,7 @@ async def _run_turn(reply: Reply, prepared: Prepared, reasoning: bool | None, ch
     iterator, or cancelling its reader, cancels the turn (the agent's history
     stays as it was)."""
     holds = [ToolCallFilter(prepared.fmt) if prepared.fmt else None for _ in range(choices)]
-    splitters = [ReasoningSplitter(reasoning) for _ in range(choices)] if reasoning is not None else None
+    splitters = [reasoning.splitter() for _ in range(choices)] if reasoning is not None else None
 
     def items(choice: int, text: str, end: bool = False):
         parts = [("text", text)] if splitters is None else (
@@ -405,7 +408,9 @@ async def _run_turn(reply: Reply, prepared: Prepared, reasoning: bool | None, ch
         if splitters is not None:
             for item in items(choice, "", end=True):
                 yield item
-            thought, text = split_reasoning(turn.text, reasoning)
+            thought, text, calls = reasoning.read(turn.text)
             result = replace(result, text=text, reasoning=thought)
+            if calls and result.stop_reason == "stop":
+                result = replace(result, stop_reason="tool_use", tool_calls=tuple(calls))
         results.append(finish_result(result, prepared.fmt, prepared.tool_names, prepared.tools))
     yield replace(results[0], choices=tuple(results[1:]))

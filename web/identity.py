@@ -41,6 +41,7 @@ from collections.abc import Iterable
 
 from actors import Message
 
+from .harmony import HARMONY, read_harmony
 from .reasoning import answer_text
 from .tools import ToolFormat, parse_tool_calls
 
@@ -92,8 +93,11 @@ def state_hash(messages: Iterable[Message]) -> str:
 def message_key(m: Message, fmt: ToolFormat | None) -> tuple:
     """What identifies ``m`` in a conversation a client sends back."""
     if m.role == "assistant":
-        content = answer_text(m.content)  # clients send reasoning back apart, if at all
-        text, parsed = parse_tool_calls(content, fmt) if fmt else (content, [])
+        if HARMONY in m.content:  # a GPT-OSS reply as generated
+            _, text, parsed = read_harmony(m.content)
+        else:
+            content = answer_text(m.content)  # clients send reasoning back apart, if at all
+            text, parsed = parse_tool_calls(content, fmt) if fmt else (content, [])
         calls = [(c.name, c.arguments) for c in parsed] + [
             (c["function"]["name"], c["function"]["arguments"]) for c in m.tool_calls]
         return ("assistant", text.strip(), tuple((name, json.dumps(args, sort_keys=True)) for name, args in calls))

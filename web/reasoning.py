@@ -10,7 +10,7 @@ thinking-2507's), until its first ``</think>``.
 
 from __future__ import annotations
 
-__all__ = ["OPEN", "CLOSE", "ReasoningSplitter", "answer_text", "split_reasoning"]
+__all__ = ["OPEN", "CLOSE", "ReasoningSplitter", "ThinkTags", "answer_text", "split_reasoning"]
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -21,6 +21,20 @@ def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
     parts = splitter.feed(text) + splitter.end()
     thinking = "".join(t for kind, t in parts if kind == "thinking")
     return (thinking if splitter.reasoned else None), "".join(t for kind, t in parts if kind == "text")
+
+
+class ThinkTags:
+    """How a ``<think>`` model's replies are read (``web.chat``; ``web.harmony.Harmony`` for GPT-OSS's)."""
+
+    def __init__(self, opened: bool):
+        self.opened = opened
+
+    def splitter(self) -> ReasoningSplitter:
+        return ReasoningSplitter(self.opened)
+
+    def read(self, text: str) -> tuple[str | None, str, list]:
+        """(the reasoning, the answer, no calls: ``web.tools`` reads those)."""
+        return (*split_reasoning(text, self.opened), [])
 
 
 def answer_text(text: str) -> str:

@@ -84,6 +84,7 @@ from . import _validate as v
 from ._aio import closing
 from .identity import state_hash
 from .openai import drafts_json, function_tool, session_hint, text_parts, tool_arguments
+from .harmony import HARMONY, read_harmony
 from .reasoning import CLOSE, OPEN, split_reasoning
 from .schema import (ChatRequest, ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem,
                      TextDelta, Usage, cancelled, load_json, logprob_json, stream_text)
@@ -442,8 +443,11 @@ def stored_json(state: ResponseState, history: tuple[Message, ...], *, model: st
     its reply, with tool calls parsed out as the model's format has them (new call ids).
     The request and its usage are not stored: ``usage`` is null, echoed fields their defaults."""
     reply = history[state.n - 1].content
-    thought, reply = split_reasoning(reply, opened=CLOSE in reply and OPEN not in reply)
-    text, calls = parse_tool_calls(reply, fmt) if fmt else (reply, [])
+    if HARMONY in reply:  # a GPT-OSS reply
+        thought, text, calls = read_harmony(reply)
+    else:
+        thought, reply = split_reasoning(reply, opened=CLOSE in reply and OPEN not in reply)
+        text, calls = parse_tool_calls(reply, fmt) if fmt else (reply, [])
     result = ChatResult(text, "tool_use" if calls else "stop", Usage(0), tool_calls=tuple(calls), reasoning=thought)
     return _response(state.id, model=model, created=created, status="completed", output=_output(result),
                      usage=None, req=None)
