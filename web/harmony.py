@@ -101,7 +101,7 @@ class HarmonySplitter:
     def _header(self) -> bool:
         """Read a header up to ``<|message|>``; False: it is not all here yet."""
         head = self._buf.lstrip()
-        if self._first and head and not (head.startswith(("<|", "to=")) or "<|".startswith(head)):
+        if self._first and head and not any(head.startswith(m) or m.startswith(head) for m in ("<|", "to=")):
             self._plain = True
             return True
         at = self._buf.find(_MESSAGE)

@@ -27,6 +27,8 @@ REPLIES = [  # (generated text, reasoning, text, calls)
      None, "Let me look.", [("get_weather", {"city": "Paris"})]),  # a preamble is text
     ("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>analysis<|message|>b<|end|>"
      "<|start|>assistant<|channel|>final<|message|>c", "a\n\nb", "c", []),
+    (" to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>" + CALL,  # the recipient first
+     None, "", [("get_weather", {"city": "Paris"})]),
     ("<|channel|>final<|message|>Only an answer.", None, "Only an answer.", []),
     ("A model that does not speak harmony.", None, "A model that does not speak harmony.", []),
     ("<|channel|>commentary to=functions.get_weather json<|message|>{not json", None, "{not json", []),
