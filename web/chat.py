@@ -40,9 +40,9 @@ from runtime.grammar import GrammarError
 from runtime.outcome import TurnResult
 
 from ._aio import closing
+from .harmony import Harmony, speaks_harmony
 from .identity import ConversationIndex, forked_conversation_id, new_conversation_id
 from .metrics import Metrics
-from .harmony import Harmony, speaks_harmony
 from .reasoning import CLOSE, OPEN, ThinkTags
 from .schema import (ChatRequest, ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem,
                      TextDelta, Usage)

@@ -82,9 +82,9 @@ from runtime.sampling import MAX_LOGPROBS
 
 from . import _validate as v
 from ._aio import closing
+from .harmony import HARMONY, read_harmony
 from .identity import state_hash
 from .openai import drafts_json, function_tool, session_hint, text_parts, tool_arguments
-from .harmony import HARMONY, read_harmony
 from .reasoning import CLOSE, OPEN, split_reasoning
 from .schema import (ChatRequest, ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem,
                      TextDelta, Usage, cancelled, load_json, logprob_json, stream_text)
