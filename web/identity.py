@@ -2,8 +2,10 @@
 
 Clients such as Claude Code send the whole conversation every time and name
 no agent. The agent to use is the one whose stored conversation is the
-longest *proper* message-level prefix of the request: the request is that
-conversation plus the reply it got plus something new. Then the agent's
+longest *proper* message-level prefix of the request that ends with a reply:
+the request is that conversation and the reply it got, plus something new
+(an agent with no reply yet -- only its system prompt -- is nobody's
+conversation to continue). Then the agent's
 cache holds everything up to the new part, and the turn prefills only that.
 
 Messages are compared by what a client sends back, not byte for byte: an
@@ -130,14 +132,16 @@ class ConversationIndex:
         self._keys.pop(agent_id, None)
 
     def match(self, messages: Iterable[Message], hint: str | None = None) -> str | None:
-        """The unclaimed agent whose conversation is the longest proper prefix of
-        ``messages``; else, with a ``hint``, the unclaimed agent of that session
-        sharing the most leading messages with it (at least the first)."""
+        """The unclaimed agent whose conversation -- ending with a reply -- is the
+        longest proper prefix of ``messages``; else, with a ``hint``, the
+        unclaimed agent of that session sharing the most leading messages with
+        it (at least the first)."""
         want = self.keys(messages)
         best, best_len = None, 0
         for agent_id, keys in self._keys.items():
             n = len(keys)
-            if best_len < n < len(want) and want[:n] == keys and agent_id not in self._claimed:
+            if (best_len < n < len(want) and keys[-1][0] == "assistant" and want[:n] == keys
+                    and agent_id not in self._claimed):
                 best, best_len = agent_id, n
         if best is not None or hint is None:
             return best

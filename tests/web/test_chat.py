@@ -63,13 +63,15 @@ def test_the_index_finds_the_longest_proper_prefix_and_skips_claimed_agents():
                                                 "function": {"name": "ls", "arguments": {"d": "."}}},))
     request = (sys, u1, sent_back, Message("tool", "a.py", (), "call_9", "ls"))
     assert idx.match(request) == "long"
-    assert idx.match((sys, u1, a1)) == "short"  # never the agent whose conversation *is* the request
+    assert idx.match((sys, u1, a1)) is None  # never the agent whose conversation *is* the request
     idx.claim("long")
-    assert idx.match(request) == "short"
+    assert idx.match(request) is None  # a claimed agent is skipped, and a system prompt alone continues nothing
     idx.release("long")
     assert idx.match(request) == "long"
     idx.forget("long")
     assert idx.match((Message("system", "other"), u1)) is None
+    # An agent with no reply yet (one the agent API created) is no stranger's conversation to continue.
+    assert idx.match((sys, u1)) is None
 
 
 def test_a_session_hint_lets_an_edited_conversation_keep_its_agent_but_never_another_system_prompts():
