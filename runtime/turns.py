@@ -10,6 +10,7 @@ the actor runtime calls ``begin``/``end`` around its own scheduling.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
@@ -30,14 +31,16 @@ def render(tokenizer, messages: list[dict], tools: list[dict] | tuple[dict, ...]
     templates that take them), ending with the assistant's turn opener.
 
     A template that refuses a ``system`` message after the first (Gemma's,
-    Mistral's) gets it folded into the user turn around it instead."""
+    Mistral's) gets it folded into the user turn around it instead; one that
+    writes a call's arguments as text (DeepSeek's: ``name + sep + arguments``)
+    gets them as JSON text."""
     try:
         return _apply_template(tokenizer, messages, tools)
-    except TemplateError:
-        folded = fold_system(messages)
-        if folded == messages:
+    except (TemplateError, TypeError) as e:
+        retry = fold_system(messages) if isinstance(e, TemplateError) else arguments_as_json(messages)
+        if retry == messages:
             raise
-        return _apply_template(tokenizer, folded, tools)
+        return render(tokenizer, retry, tools)
 
 
 def _apply_template(tokenizer, messages: list[dict], tools) -> str:
@@ -58,6 +61,16 @@ def fold_system(messages: list[dict]) -> list[dict]:
         else:
             out.append(m)
     return out
+
+
+def arguments_as_json(messages: list[dict]) -> list[dict]:
+    """``messages`` with each call's arguments (a dict) as JSON text."""
+    def call(c: dict) -> dict:
+        args = c.get("function", {}).get("arguments")
+        return c if isinstance(args, str) else {**c, "function": {**c["function"], "arguments": json.dumps(
+            args, ensure_ascii=False)}}
+
+    return [{**m, "tool_calls": [call(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
 
 
 def system_prefix(tokenizer, messages: list[dict], prompt_text: str) -> str | None:

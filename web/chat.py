@@ -27,7 +27,7 @@ Tools depend on the model's chat template (``web.tools``):
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -41,13 +41,15 @@ from runtime.outcome import TurnResult
 
 from ._aio import closing
 from .harmony import Harmony, speaks_harmony
+from .harmony import call_grammar as harmony_grammar
 from .identity import ConversationIndex, forked_conversation_id, new_conversation_id
 from .metrics import Metrics
 from .reasoning import CLOSE, OPEN, ThinkTags
 from .schema import (ChatRequest, ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem,
                      TextDelta, Usage)
-from .tools import (LibraryFormat, ToolCallFilter, ToolFormat, call_grammar, finish_result, flatten_tool_messages,
-                    library_format, supports_tools, tool_format, tool_prompt)
+from .tools import (DEEPSEEK, LibraryFormat, ToolCallFilter, ToolFormat, added_tokens, call_grammar,
+                    deepseek_tool_prompt, finish_result, flatten_tool_messages, library_format, reply_format,
+                    supports_tools, tool_format, tool_prompt)
 
 __all__ = ["ChatCore", "ChatTurn", "Prepared", "chat_result", "checked_agent_id", "context_first", "prepare",
            "sampling", "turn_error"]
@@ -79,20 +81,30 @@ class ChatTurn:
     created: int
 
 
-def prepare(req: ChatRequest, chat_template: str | None, library: LibraryFormat | None = None) -> Prepared:
+def prepare(req: ChatRequest, chat_template: str | None, library: LibraryFormat | None = None,
+            tokens: Mapping[str, int] | None = None) -> Prepared:
     """The conversation and tools of ``req`` as this model's template can take
-    them (``library``: the call format mlx-lm found for its tokenizer), and
-    the grammar its reply must follow. A forced call (``required``) is held
-    to one call of the tools in the Hermes or Llama 3 format -- for a template
-    without tools, in the Hermes format its system prompt is told of
-    (``tool_prompt``); under ``auto``, tools that ask to be ``strict`` hold
-    the reply to text or valid calls (``call_grammar``). Raises
-    ``RequestError`` (400) for tools whose schemas cannot be enforced."""
+    them (``library``: the call format mlx-lm found for its tokenizer;
+    ``tokens``: its ``added_tokens``), and the grammar its reply must follow.
+
+    A template that takes tools gets them; DeepSeek's, which takes none but
+    writes calls, has them told in the system prompt as DeepSeek lays them
+    out (``deepseek_tool_prompt``); any other template gets the conversation
+    flattened to text, and, when a call is forced, the tools told in the
+    system prompt in the Hermes format (``tool_prompt``). A forced call
+    (``required``) is held to one call of the tools in the model's format,
+    and tools that ask to be ``strict`` hold an ``auto`` reply to text or
+    valid calls (``call_grammar``; GPT-OSS: ``harmony.call_grammar``).
+    Raises ``RequestError`` (400) for tools whose schemas cannot be enforced."""
     conversation = context_first(req.conversation())
     forced = bool(req.tools) and req.tool_choice == "required"
     if supports_tools(chat_template):
         tools = req.tools or None
         fmt = tool_format(chat_template, library) if tools else None
+    elif isinstance(library, LibraryFormat) and library.parser in DEEPSEEK:  # its calls, but no tools in the template
+        tools, fmt = None, library if req.tools else None
+        if req.tools:
+            conversation = with_system(conversation, deepseek_tool_prompt(req.tools, library))
     else:
         if any(m["role"] == "tool" or m.get("tool_calls") for m in conversation):
             conversation = flatten_tool_messages(conversation)
@@ -101,9 +113,12 @@ def prepare(req: ChatRequest, chat_template: str | None, library: LibraryFormat 
             conversation = with_system(conversation, tool_prompt(req.tools))
             fmt = "hermes"
     grammar = req.grammar
-    if (forced or (req.strict_tools and tools)) and fmt in ("hermes", "llama3"):
+    if forced or (req.strict_tools and (tools or fmt)):
         try:
-            grammar = call_grammar(fmt, req.tools, forced)
+            if speaks_harmony(chat_template) and tools:
+                grammar = harmony_grammar(req.tools, forced)
+            elif fmt is not None:
+                grammar = call_grammar(fmt, req.tools, forced, tokens) or grammar
         except GrammarError as e:
             raise RequestError(400, f"tools: this server cannot enforce a call of these tools: {e}", "tools") from None
     messages = tuple(Message(m["role"], m["content"], tuple(m.get("tool_calls") or ()), m.get("tool_call_id"),
@@ -188,11 +203,16 @@ class ChatCore:
         self.metrics = metrics
         self.observer = observer or _NoObserver()  # told when each turn starts and ends (web.dashboard)
         self.heartbeat_s = heartbeat_s
-        self.index = ConversationIndex(tool_format(rt.chat_template))
+        self.index = ConversationIndex()
         self._opens_thinking: dict[str | None, bool] = {}  # model -> its generation prompt opens <think>
 
     async def load_index(self) -> None:
-        """Index every agent on disk (at start-up, so conversations survive restarts)."""
+        """Index every agent on disk (at start-up, so conversations survive
+        restarts), reading the calls in their replies as the loaded model writes them."""
+        try:
+            self.index.fmt = reply_format(await self.rt.tokenizer())
+        except SemanticError:  # no model loaded
+            pass
         for info in await self.rt.agents():
             self.index.record(info.id, info.history)
 
@@ -255,7 +275,8 @@ class ChatCore:
 
     async def _prepare(self, req: ChatRequest, model: str) -> Prepared:
         tokenizer = await self._tokenizer(model)
-        return prepare(req, getattr(tokenizer, "chat_template", None), library_format(tokenizer))
+        return prepare(req, getattr(tokenizer, "chat_template", None), library_format(tokenizer),
+                       added_tokens(tokenizer))
 
     async def _template(self, model: str) -> str | None:
         return getattr(await self._tokenizer(model), "chat_template", None)

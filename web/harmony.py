@@ -23,14 +23,16 @@ follow it) is all text.
 
 from __future__ import annotations
 
+import json
 import re
 
+from runtime import grammar
 from runtime.json_reader import JSONError, read_json
 
 from .schema import ToolCall
 from .tools import new_call_id
 
-__all__ = ["HARMONY", "Harmony", "HarmonySplitter", "read_harmony", "speaks_harmony"]
+__all__ = ["HARMONY", "Harmony", "HarmonySplitter", "call_grammar", "read_harmony", "speaks_harmony"]
 
 HARMONY = "<|channel|>"  # what a harmony template (GPT-OSS's) holds
 _MESSAGE = "<|message|>"
@@ -155,6 +157,21 @@ def read_harmony(text: str) -> tuple[str | None, str, list[ToolCall]]:
         else:
             answer += (_JOIN if answer else "") + arguments
     return (thinking if splitter.reasoned else None), answer, calls
+
+
+def call_grammar(tools, forced: bool = True) -> str:
+    """The grammar of a harmony reply that may reason first (``analysis``),
+    then is one call of one of ``tools`` with arguments its schema accepts,
+    as GPT-OSS writes one (``<|channel|>commentary to=functions.NAME
+    <|constrain|>json<|message|>{...}``, which ends the turn with ``<|call|>``)
+    -- or, not ``forced``, that or an answer (``final``). The markers are
+    GPT-OSS's special tokens. Raises ``GrammarError``."""
+    calls = " | ".join(json.dumps(f"commentary to=functions.{t['function']['name']} ") + ' <|constrain|> "json" '
+                       '<|message|> ' + grammar.json_rule(t["function"].get("parameters") or {"type": "object"})
+                       for t in tools)
+    reply = f"({calls})" if forced else f'("final" <|message|> /(?s:.*)/ | {calls})'
+    return grammar.lark(f'start: think? <|channel|> {reply}\n'
+                        'think: <|channel|> "analysis" <|message|> /(?s:.*)/ <|end|> <|start|> "assistant"')
 
 
 class Harmony:

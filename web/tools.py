@@ -13,23 +13,27 @@ Known formats (``ToolFormat``):
   ``<function=...><parameter=...>``, Mistral's ``[TOOL_CALLS]``, GLM, Kimi,
   MiniMax, Gemma ...), as its tokenizer names them (``library_format``):
   each span from the format's start marker to its end marker is read by
-  mlx-lm's own parser (``mlx_lm.tool_parsers``), given the request's tools.
+  mlx-lm's own parser (``mlx_lm.tool_parsers``), given the request's tools;
+  and DeepSeek's (``<｜tool▁calls▁begin｜>``), read here.
 
 A model whose chat template never mentions ``tools`` is not told about
 tools; ``flatten_tool_messages`` turns a conversation with tool calls and
 results into plain user/assistant text such a template can render, and the
 server answers with text -- unless the request forces a call: then
 ``tool_prompt`` tells the model of the tools in the Hermes format, in the
-system prompt.
+system prompt. DeepSeek's templates take no tools but write calls and
+results: its model is told of the tools as DeepSeek lays them out
+(``deepseek_tool_prompt``), and its tool turns stay as they are.
 
 A forced call (``tool_choice`` required or naming a tool) is enforced while
 decoding: ``call_grammar`` allows exactly one call, in the model's format,
-of one of the tools, with arguments its parameters schema accepts. Under
-``auto``, a request whose tools ask for ``strict`` adherence gets the grammar
-of text or calls: text that never starts a call, or (Hermes) text and then
-one call or more, each valid; without ``strict`` nothing is enforced (a
-grammar costs every step its drafts and its build ahead) and a call that
-does not parse stays text.
+of one of the tools, with arguments its parameters schema accepts (formats
+no grammar here holds to a schema: the call markers around the model's
+text). Under ``auto``, a request whose tools ask for ``strict`` adherence
+gets the grammar of text or calls: text that never starts a call, or text
+and then one call or more, each valid; without ``strict`` nothing is
+enforced (a grammar costs every step its drafts and its build ahead) and a
+call that does not parse stays text.
 """
 
 from __future__ import annotations
@@ -39,26 +43,29 @@ import importlib
 import json
 import re
 import secrets
-from collections.abc import AsyncIterable, AsyncIterator, Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
 from runtime import grammar
 from runtime.json_reader import JSONError, check_depth, read_json
 
-from .schema import ChatResult, StreamItem, TextDelta, ToolCall
+from .schema import ChatResult, ToolCall
 
 __all__ = [
+    "DEEPSEEK",
     "LibraryFormat",
     "ToolCallFilter",
     "ToolFormat",
+    "added_tokens",
     "call_grammar",
+    "deepseek_tool_prompt",
     "finish_result",
     "flatten_tool_messages",
     "library_format",
     "new_call_id",
     "parse_tool_calls",
-    "split_tool_calls",
+    "reply_format",
     "supports_tools",
     "tool_format",
     "tool_prompt",
@@ -67,7 +74,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class LibraryFormat:
-    """A call format read by mlx-lm's parser ``mlx_lm.tool_parsers.<parser>``:
+    """A call format read by mlx-lm's parser ``mlx_lm.tool_parsers.<parser>``
+    (or, for DeepSeek's, which mlx-lm does not read, by ``_parse_deepseek``):
     calls from ``start`` to ``end`` (``end`` empty: to the end of the reply)."""
 
     parser: str
@@ -76,7 +84,10 @@ class LibraryFormat:
 
     def parse(self, span: str, tools) -> list[ToolCall]:
         """The calls in one span (mlx-lm's parser raises on what it cannot read)."""
-        parsed = importlib.import_module(f"mlx_lm.tool_parsers.{self.parser}").parse_tool_call(span, tools)
+        if self.parser in DEEPSEEK:
+            parsed = _parse_deepseek(span, r1=self.parser == "deepseek_r1")
+        else:
+            parsed = importlib.import_module(f"mlx_lm.tool_parsers.{self.parser}").parse_tool_call(span, tools)
         calls = [_call(c, ("arguments",)) for c in (parsed if isinstance(parsed, list) else [parsed])]
         if not calls or None in calls:
             raise ValueError(f"not a call: {span!r}")
@@ -86,6 +97,12 @@ class LibraryFormat:
 ToolFormat = Literal["hermes", "llama3"] | LibraryFormat
 
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_ARGS = "[ARGS]"  # Mistral's marker between a call's name and its arguments
+# DeepSeek's (V3, R1, V3.1): calls, each call, and a call's name from its arguments
+_DS_CALLS, _DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+_DS_CALL, _DS_CALL_END, _DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+DEEPSEEK = ("deepseek_v3_1", "deepseek_r1")  # its formats' names: V3.1's, and V3's and R1's
+_DS_ONE_CALL = re.compile(f"{_DS_CALL}(.*?){_DS_SEP}(.*?){_DS_CALL_END}", re.S)
 _PYTHON_TAG = "<|python_tag|>"
 _LLAMA_ENDS = ("<|eom_id|>", "<|eot_id|>")
 _MARKERS: dict[str, str] = {"hermes": _HERMES_OPEN, "llama3": _PYTHON_TAG}
@@ -107,15 +124,29 @@ def supports_tools(chat_template: str | None) -> bool:
 def library_format(tokenizer) -> LibraryFormat | None:
     """The call format mlx-lm found for ``tokenizer`` (its ``TokenizerWrapper``
     names a parser by the chat template), unless it is Hermes's JSON, which
-    this module reads itself."""
+    this module reads itself; or DeepSeek's, which mlx-lm does not name,
+    by the markers in its template."""
     parser = getattr(tokenizer, "tool_parser", None)
-    if parser is None or not getattr(tokenizer, "tool_call_start", None):
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if parser is None and _DS_CALLS in template:
+        name, start, end = ("deepseek_r1" if "```json" in template else "deepseek_v3_1"), _DS_CALLS, _DS_CALLS_END
+    elif parser is None or not getattr(tokenizer, "tool_call_start", None):
         return None
-    module = getattr(parser, "__module__", "") or ""
-    name = module.rpartition(".")[2]
-    if not module.startswith("mlx_lm.tool_parsers.") or name == "json_tools":
-        return None
-    return LibraryFormat(name, tokenizer.tool_call_start, tokenizer.tool_call_end or "")
+    else:
+        module = getattr(parser, "__module__", "") or ""
+        name = module.rpartition(".")[2]
+        if not module.startswith("mlx_lm.tool_parsers.") or name == "json_tools":
+            return None
+        start, end = tokenizer.tool_call_start, tokenizer.tool_call_end or ""
+    return LibraryFormat(name, start, end)
+
+
+def added_tokens(tokenizer) -> dict[str, int]:
+    """The tokens the tokenizer adds to its vocabulary, by text: its special
+    tokens and such markers as Qwen's ``<tool_call>``. llguidance reads every
+    one as a special token, never as text, so a grammar names them by id."""
+    added = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "added_tokens_decoder", None) or {}
+    return {t.content: i for i, t in added.items()}
 
 
 def tool_format(chat_template: str | None, library: LibraryFormat | None = None) -> ToolFormat | None:
@@ -133,27 +164,141 @@ def tool_format(chat_template: str | None, library: LibraryFormat | None = None)
     return None
 
 
-def call_grammar(fmt: ToolFormat, tools: Collection[dict], forced: bool = True) -> str:
+def reply_format(tokenizer) -> ToolFormat | None:
+    """The format of the calls in the replies of ``tokenizer``'s model: the
+    one its template teaches, or DeepSeek's (a template that takes no tools
+    but writes calls)."""
+    library = library_format(tokenizer)
+    if library is not None and library.parser in DEEPSEEK:
+        return library
+    return tool_format(getattr(tokenizer, "chat_template", None), library)
+
+
+def call_grammar(fmt: ToolFormat, tools: Collection[dict], forced: bool = True,
+                 tokens: Mapping[str, int] | None = None) -> str | None:
     """The grammar of a reply that is one call, in ``fmt``, of one of
     ``tools`` (``{"type": "function", "function": {name, parameters}}``)
     with arguments its parameters schema accepts -- or, not ``forced``, text
-    or calls: text that never starts a call, or (Hermes) text that ends
-    where a call begins, then one call or more. Raises ``GrammarError``."""
-    key = "arguments" if fmt == "hermes" else "parameters"
-    calls = grammar.json_rule({"anyOf": [{
+    or calls: text that never starts a call, or text that ends where a call
+    begins, then one call or more (Llama 3: one). A format whose calls a
+    grammar cannot hold to their schemas (mlx-lm's other parsers) gets, when
+    forced, a reply that is its call markers around the model's text, and
+    under ``auto`` no grammar (None). ``tokens``: the tokenizer's
+    ``added_tokens``, which markers are written as. Raises ``GrammarError``."""
+    tokens = tokens or {}
+
+    def mark(text: str) -> str:
+        return f"<[{tokens[text]}]>" if text in tokens else _literal(text)
+
+    if fmt == "llama3":
+        calls = _json_calls_rule(tools, "parameters")
+        if forced:
+            return grammar.lark(f"start: {calls}")
+        return grammar.lark(f"start: TEXT | {calls}\nTEXT: /(?s:.*)/ & ~/[ \\t\\n]*\\{{(?s:.*)/")
+    more: str | None = '"\\n"'  # between two calls; None: one span holds every call
+    rules = ""  # the call's own rules
+    if fmt == "hermes":
+        fmt = LibraryFormat("hermes", _HERMES_OPEN, _HERMES_CLOSE)
+        call = f'"\\n" {_json_calls_rule(tools, "arguments")} "\\n" {mark(_HERMES_CLOSE)}'
+    elif fmt.parser == "qwen3_coder":  # as its template renders a call
+        functions = " | ".join(_xml_call(t["function"]) for t in tools)
+        call, rules = f'"\\n" ({functions}) "\\n" {mark(fmt.end)}', _XML_TEXT
+    elif fmt.parser == "mistral" and _ARGS in tokens:  # v11 tokenizers on: name[ARGS]{...}
+        call = " | ".join(f'{_literal(t["function"]["name"])} {mark(_ARGS)} {_arguments(t)}' for t in tools)
+        more = ""
+    elif fmt.parser == "mistral":  # older ones: [{"name": ..., "arguments": {...}}, ...]
+        call, more = grammar.json_rule({"type": "array", "minItems": 1, "items": _call_schema(tools, "arguments")}), None
+    elif fmt.parser in DEEPSEEK:  # calls chained with nothing between, closed once
+        def one_call(t: dict) -> str:
+            name = _literal(t["function"]["name"])
+            if fmt.parser == "deepseek_r1":
+                return f'{mark(_DS_CALL)} "function" {mark(_DS_SEP)} {name} "\\n```json\\n" {_arguments(t)} "\\n```" ' \
+                       f'{mark(_DS_CALL_END)}'
+            return f"{mark(_DS_CALL)} {name} {mark(_DS_SEP)} {_arguments(t)} {mark(_DS_CALL_END)}"
+
+        calls = " | ".join(one_call(t) for t in tools)
+        call, more = f'({calls}){"" if forced else "+"} {mark(fmt.end)}', None
+    elif not forced:
+        return None
+    else:  # the model's own text between a call's markers
+        head, end = f"start: {mark(fmt.start)} body\n", mark(fmt.end) if fmt.end else ""
+        if end.startswith('"'):
+            return grammar.lark(head + f"body[stop={end}]: /(?s:.+)/")
+        return grammar.lark(head + f"body: /(?s:.+)/ {end}")
+    start = mark(fmt.start)
+    if forced:
+        return grammar.lark(f"start: {start} call\ncall: {call}{rules}")
+    again = f"({more} {start} call)*" if more is not None else ""
+    if fmt.start in tokens:  # one token, which no text holds: text ends where it comes
+        return grammar.lark(f"start: TEXT? ({start} call {again})?\ncall: {call}\nTEXT: /(?s:.+)/{rules}")
+    return grammar.lark(  # (a lexeme cannot end where the marker begins: ``prose`` stops at it)
+        f"start: TEXT | prose call {again}\nprose[stop={start}]: /(?s:.*)/\ncall: {call}\n"
+        f"TEXT: /(?s:.*)/ & ~/(?s:.*){_regex(fmt.start)}(?s:.*)/{rules}")
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _regex(text: str) -> str:
+    """``text`` matched literally inside a Lark ``/regex/``."""
+    return re.escape(text).replace("/", "\\/")
+
+
+def _arguments(tool: dict) -> str:
+    return grammar.json_rule(tool["function"].get("parameters") or {"type": "object"})
+
+
+def _call_schema(tools: Collection[dict], key: str) -> dict:
+    return {"anyOf": [{
         "type": "object", "additionalProperties": False, "required": ["name", key], "properties": {
             "name": {"const": t["function"]["name"]}, key: t["function"].get("parameters") or {"type": "object"}}}
-        for t in tools]})
-    if fmt == "hermes":
-        call = f'"\\n" {calls} "\\n{_HERMES_CLOSE}"'  # after the opening marker
-        if forced:
-            return grammar.lark(f'start: "{_HERMES_OPEN}" call\ncall: {call}')
-        return grammar.lark(  # (a lexeme cannot end where the marker begins: ``prose`` stops at it)
-            f'start: TEXT | prose call more*\nprose[stop="{_HERMES_OPEN}"]: /(?s:.*)/\ncall: {call}\n'
-            f'more: "\\n{_HERMES_OPEN}" call\nTEXT: /(?s:.*)/ & ~/(?s:.*){_HERMES_OPEN}(?s:.*)/')
-    if forced:
-        return grammar.lark(f"start: {calls}")
-    return grammar.lark(f"start: TEXT | {calls}\nTEXT: /(?s:.*)/ & ~/[ \\t\\n]*\\{{(?s:.*)/")
+        for t in tools]}
+
+
+def _json_calls_rule(tools: Collection[dict], key: str) -> str:
+    return grammar.json_rule(_call_schema(tools, key))
+
+
+# A string parameter's value and what closes it, as Qwen3-Coder's parser reads
+# it back: it ends at the first ``</parameter>`` and its call at the first
+# ``</tool_call>``, and "null" is None (lazy: the lexeme ends where it can).
+_XML_CLOSE = "\\n<\\/parameter>\\n"
+_XML_TEXT = (f"\nxml_text[lazy]: XML_TEXT\nXML_TEXT: /(?s:.*){_XML_CLOSE}/ & "
+             f"~/(?s:.*)<\\/(parameter|tool_call)>(?s:.*){_XML_CLOSE}/ & ~/(?i:null){_XML_CLOSE}/")
+_ANNOTATIONS = {"description", "title", "default", "examples", "$comment"}
+
+
+def _xml_call(function: dict) -> str:
+    """One call of ``function`` as Qwen3-Coder writes it: ``<function=NAME>``,
+    then each parameter (the required ones always) as ``<parameter=KEY>``,
+    its value on its own lines -- a string as it is, any other type as JSON,
+    which is what mlx-lm's parser reads back by the schema's ``type``."""
+    name, schema = function["name"], function.get("parameters") or {}
+    required = set(schema.get("required") or ())
+    parts = [_literal(f"<function={name}>\n")]
+    for key, spec in (schema.get("properties") or {}).items():
+        block = f'{_literal(f"<parameter={key}>")} "\\n" {_xml_value(spec, f"{name}.{key}")}'
+        parts.append(block if key in required else f"({block})?")
+    return "(" + " ".join([*parts, '"</function>"']) + ")"
+
+
+def _xml_value(spec: dict, where: str) -> str:
+    """A parameter's value, then its closing tag."""
+    kind, rest = spec.get("type"), set(spec) - _ANNOTATIONS - {"type"}
+    close = '"\\n</parameter>\\n"'
+    if kind == "boolean" and not rest:  # the template writes Python's True, the parser reads either
+        return f'("true" | "false" | "True" | "False") {close}'
+    if kind in ("integer", "number", "boolean", "object", "array"):
+        return f"{grammar.json_rule(spec)} {close}"
+    if kind in ("string", None) and rest <= {"enum", "const"} and rest:
+        values = spec["enum"] if "enum" in spec else [spec["const"]]
+        if all(isinstance(v, str) and v.lower() != "null" for v in values):
+            return "(" + " | ".join(_literal(v) for v in values) + f") {close}"
+    elif kind == "string" and not rest:
+        return "xml_text"
+    raise grammar.GrammarError(f"{where}: Qwen3-Coder's calls carry a string as it is and other values by their "
+                               f"`type`; this schema cannot be held to that ({json.dumps(spec)[:200]})")
 
 
 def tool_prompt(tools: Collection[dict]) -> str:
@@ -164,6 +309,36 @@ def tool_prompt(tools: Collection[dict]) -> str:
             f"XML tags:\n<tools>\n{listed}\n</tools>\n\nReturn the call as a JSON object with the function's "
             f'name and arguments within {_HERMES_OPEN}{_HERMES_CLOSE} XML tags:\n{_HERMES_OPEN}\n'
             f'{{"name": <function-name>, "arguments": <args-json-object>}}\n{_HERMES_CLOSE}')
+
+
+def _parse_deepseek(span: str, r1: bool) -> list[dict]:
+    """The calls between DeepSeek's markers: ``NAME<sep>{...}`` (V3.1), or
+    ``function<sep>NAME`` and the arguments in a fenced JSON block (V3, R1)."""
+    calls = []
+    for head, body in _DS_ONE_CALL.findall(span):
+        if r1:
+            head, _, body = body.partition("\n")
+            body = body.strip().removeprefix("```json").removesuffix("```")
+        calls.append({"name": head.strip(), "arguments": read_json(body.strip())})
+    if not calls:
+        raise ValueError(f"no call in {span!r}")
+    return calls
+
+
+def deepseek_tool_prompt(tools: Collection[dict], fmt: LibraryFormat) -> str:
+    """How a DeepSeek model is told of ``tools`` (its template takes none):
+    in the system prompt, as DeepSeek-V3.1's model card lays them out, with
+    the call format of ``fmt``."""
+    listed = "".join(f"### {t['function']['name']}\nDescription: {t['function'].get('description', '')}\n\n"
+                     f"Parameters: {json.dumps(t['function'].get('parameters') or {}, ensure_ascii=False)}\n\n"
+                     for t in tools)
+    one = (f"{_DS_CALL}function{_DS_SEP}tool_call_name\n```json\ntool_call_arguments\n```{_DS_CALL_END}"
+           if fmt.parser == "deepseek_r1" else f"{_DS_CALL}tool_call_name{_DS_SEP}tool_call_arguments{_DS_CALL_END}")
+    return (f"## Tools\nYou have access to the following tools:\n\n{listed}IMPORTANT: ALWAYS adhere to this exact "
+            f"format for tool use:\n{_DS_CALLS}{one}{{{{additional_tool_calls}}}}{_DS_CALLS_END}\n\nWhere:\n\n"
+            "- `tool_call_name` must be an exact match to one of the available tools\n"
+            "- `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters Schema\n"
+            "- For multiple tool calls, chain them directly without separators or spaces")
 
 
 def parse_tool_calls(text: str, fmt: ToolFormat | None, tool_names: Collection[str] | None = None,
@@ -335,26 +510,6 @@ def finish_result(result: ChatResult, fmt: ToolFormat | None, tool_names: Collec
     if not calls:
         return result
     return replace(result, text=text, stop_reason="tool_use", tool_calls=tuple(calls))
-
-
-async def split_tool_calls(items: AsyncIterable[StreamItem], fmt: ToolFormat | None,
-                           tool_names: Collection[str] | None = None) -> AsyncIterator[StreamItem]:
-    """The stream ``items`` with tool calls kept out of its text deltas and
-    parsed into its final result (``finish_result``). Cancellation passes
-    through; an exception from ``items`` propagates."""
-    if fmt is None:
-        async for item in items:
-            yield item
-        return
-    hold = ToolCallFilter(fmt)
-    async for item in items:
-        if isinstance(item, TextDelta):
-            if text := hold.feed(item.text):
-                yield TextDelta(text)
-        elif isinstance(item, ChatResult):
-            yield finish_result(item, fmt, tool_names)
-        else:
-            yield item
 
 
 def flatten_tool_messages(messages: list[dict]) -> list[dict]:

@@ -214,3 +214,15 @@ def test_a_template_that_refuses_a_later_system_message_gets_it_folded_into_the_
     assert render(_JinjaTokenizer(STRICT), convo) == "<system>S<user>hi<assistant>yo<user>Be brief.\n\ngo"
     with pytest.raises(Exception, match="System role not supported"):  # nothing to fold: the template's error
         render(_JinjaTokenizer(STRICT.replace("not loop.first", "true")), convo[:2])
+
+
+def test_a_template_that_writes_arguments_as_text_gets_them_as_json():
+    joins = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% for c in m.tool_calls or [] %}"
+             "[{{ c.function.name + ':' + c.function.arguments }}]{% endfor %}{% endfor %}")
+    convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"city": "Zürich"}}}]},
+             {"role": "tool", "content": "ok", "tool_call_id": "c1"}]
+    assert render(_JinjaTokenizer(joins), convo) == '<user>hi<assistant>[f:{"city": "Zürich"}]<tool>ok'
+    assert convo[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Zürich"}  # the caller's, untouched
+    with pytest.raises(TypeError):  # no calls to write as text: the template's own error
+        render(_JinjaTokenizer("{{ messages[0].content + 1 }}"), convo[:1])

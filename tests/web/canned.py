@@ -20,7 +20,7 @@ from starlette.routing import Route
 from web import anthropic, openai
 from web.schema import ChatRequest, ChatResult, RequestError, StreamItem, TextDelta, Usage
 from web.sse import EventStreamResponse
-from web.tools import ToolFormat, finish_result, split_tool_calls
+from web.tools import ToolCallFilter, ToolFormat, finish_result
 
 LIMIT = 4096  # the server's max_tokens limit
 MODEL = "canned-model"
@@ -52,6 +52,20 @@ async def _final(items: AsyncIterator[StreamItem]) -> ChatResult:
         if isinstance(item, ChatResult):
             return item
     raise AssertionError("no result")
+
+
+async def split_tool_calls(items: AsyncIterator[StreamItem], fmt: ToolFormat | None,
+                           tool_names) -> AsyncIterator[StreamItem]:
+    """``items`` with calls held out of the text and parsed into the result (as ``web.chat`` does)."""
+    hold = ToolCallFilter(fmt) if fmt else None
+    async for item in items:
+        if isinstance(item, TextDelta) and hold is not None:
+            if text := hold.feed(item.text):
+                yield TextDelta(text)
+        elif isinstance(item, ChatResult):
+            yield finish_result(item, fmt, tool_names)
+        else:
+            yield item
 
 
 def canned_app(canned: Canned) -> Starlette:

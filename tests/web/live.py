@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -47,12 +48,20 @@ def tiny_loaded(seed: int = 0) -> LoadedModel:
 
 
 @functools.cache
-def tiny_with_template(template: str) -> LoadedModel:
-    """``tiny_loaded()`` with another chat template (its tokenizer copied, the model shared)."""
+def tiny_with_template(template: str, parser: str | None = None) -> LoadedModel:
+    """``tiny_loaded()`` with another chat template (its tokenizer copied, the
+    model shared), whose calls mlx-lm reads with ``parser`` when one is named."""
     loaded = tiny_loaded()
     wrapper = copy.copy(loaded.tokenizer)
     wrapper._tokenizer = copy.copy(loaded.tokenizer._tokenizer)
     wrapper._tokenizer.chat_template = template
+    if parser is not None:
+        from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+        module = importlib.import_module(f"mlx_lm.tool_parsers.{parser}")
+        wrapper = TokenizerWrapper(wrapper._tokenizer, type(loaded.tokenizer._detokenizer),
+                                   eos_token_ids=loaded.tokenizer.eos_token_ids, tool_parser=module.parse_tool_call,
+                                   tool_call_start=module.tool_call_start, tool_call_end=module.tool_call_end)
     return dataclasses.replace(loaded, tokenizer=wrapper)
 
 

@@ -141,3 +141,28 @@ def test_the_detokenizer_gives_special_tokens_as_text():
         detokenizer.add_token(token)
     detokenizer.finalize()
     assert detokenizer.text == "<|im_start|>assistant hi<|im_end|>"
+
+
+HARMONY_TOKENS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|constrain|>", "<|call|>", "<|return|>")
+
+
+def test_a_forced_call_is_one_gpt_oss_writes_with_its_special_tokens_and_reads_back_valid():
+    from web.harmony import call_grammar
+
+    from .test_tools import NOOP_FN, WEATHER_FN, takes, with_tokens
+
+    tok = with_tokens(None, *HARMONY_TOKENS)
+    thought = "<|channel|>analysis<|message|>Need a tool.<|end|><|start|>assistant"
+    call = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo", "days": 3}'
+    answer = "<|channel|>final<|message|>Sunny."
+    forced, auto = call_grammar([WEATHER_FN, NOOP_FN]), call_grammar([WEATHER_FN, NOOP_FN], forced=False)
+    for text in (call, thought + call):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert {tok.convert_tokens_to_ids(t) for t in HARMONY_TOKENS[:5]} & set(ids)  # written as special tokens
+        assert takes(forced, ids, tok) and takes(auto, ids, tok)
+        assert [(c.name, c.arguments) for c in read_harmony(tok.decode(ids))[2]] == [
+            ("get_weather", {"city": "Oslo", "days": 3})]
+    for bad in (answer, thought + answer, call.replace("Oslo", "Rome"), call.replace("get_weather", "get_wether")):
+        assert not takes(forced, tok.encode(bad, add_special_tokens=False), tok), bad
+    assert takes(auto, tok.encode(thought + answer, add_special_tokens=False), tok)
+    assert not takes(forced, tok.encode("Sunny.", add_special_tokens=False), tok)  # text is no harmony reply

@@ -15,7 +15,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from .live import client, live_server, tiny_with_template
-from .test_tools import HERMES, NOOP_FN, WEATHER_FN
+from .test_tools import DEEPSEEK_R1, DEEPSEEK_V31, HERMES, NOOP_FN, QWEN3_CODER, WEATHER_FN
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -135,9 +135,13 @@ def valid_call(name: str, arguments: dict) -> None:
         assert arguments == {}
 
 
-@pytest.mark.parametrize("template", [None, HERMES], ids=["no tools in the template", "hermes"])
-async def test_a_forced_call_is_one_valid_call_on_every_route(tmp_path, template):
-    model = tiny_with_template(template) if template else None
+TEMPLATES = [(HERMES, None), (QWEN3_CODER, "qwen3_coder"), (DEEPSEEK_V31, None), (DEEPSEEK_R1, None)]
+TEMPLATE_IDS = ["hermes", "qwen3-coder", "deepseek-v3.1", "deepseek-r1"]
+
+
+@pytest.mark.parametrize("template, parser", [(None, None), *TEMPLATES], ids=["no tools in the template", *TEMPLATE_IDS])
+async def test_a_forced_call_is_one_valid_call_on_every_route(tmp_path, template, parser):
+    model = tiny_with_template(template, parser) if template else None
 
     def ask(url):
         with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as gpt, \
@@ -172,6 +176,23 @@ async def test_a_forced_call_is_one_valid_call_on_every_route(tmp_path, template
     valid_call(uses[0].name, uses[0].input)
 
 
+@pytest.mark.parametrize("template, parser", TEMPLATES, ids=TEMPLATE_IDS)
+async def test_a_conversation_with_a_call_continues_on_its_agent(tmp_path, template, parser):
+    """The client sends the call back as ``tool_calls``, with its result: the
+    server reads the stored reply's calls in the model's format, so the
+    conversation is the same agent's, and only the result is new to it."""
+    async with live_server(tmp_path, model=tiny_with_template(template, parser)) as url, client(url) as http:
+        first = await http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": ASK, "max_tokens": 200, "tools": OPENAI_TOOLS, "tool_choice": "required"})
+        call = first.json()["choices"][0]["message"]["tool_calls"][0]
+        history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": call["id"], "content": "18C and sunny"}]
+        second = await http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": history, "max_tokens": 3, "tools": OPENAI_TOOLS})
+    assert first.json()["choices"][0]["finish_reason"] == "tool_calls" and second.status_code == 200
+    assert second.headers["x-agent-id"] == first.headers["x-agent-id"]
+
+
 async def test_tools_whose_schema_cannot_be_enforced_are_a_400_when_a_call_is_forced(tmp_path):
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}
     async with live_server(tmp_path) as url, client(url) as http:
@@ -184,7 +205,8 @@ async def test_tools_whose_schema_cannot_be_enforced_are_a_400_when_a_call_is_fo
     assert free.status_code == 200  # nothing to enforce: the model is not told of tools
 
 
-async def test_auto_with_strict_tools_is_text_or_valid_calls(tmp_path):
+@pytest.mark.parametrize("template, parser", [(HERMES, None), (QWEN3_CODER, "qwen3_coder")], ids=["hermes", "qwen3-coder"])
+async def test_auto_with_strict_tools_is_text_or_valid_calls(tmp_path, template, parser):
     """Under ``tool_choice: auto`` with ``strict`` tools, a tool-capable model
     may answer either way (``test_tools``: the grammar takes both); whichever
     it takes, a reply that ends is plain text or calls that validate."""
@@ -195,7 +217,7 @@ async def test_auto_with_strict_tools_is_text_or_valid_calls(tmp_path):
             return [gpt.chat.completions.create(model="tiny", messages=ASK, max_tokens=200, tools=strict,
                                                 temperature=1.0, seed=seed) for seed in range(6)]
 
-    async with live_server(tmp_path, model=tiny_with_template(HERMES)) as url:
+    async with live_server(tmp_path, model=tiny_with_template(template, parser)) as url:
         replies = await in_thread(url, ask)
     for reply in replies:
         choice = reply.choices[0]

@@ -8,9 +8,10 @@ import random
 import pytest
 
 from runtime.grammar import GrammarError
-from web.schema import ChatResult, TextDelta, ToolCall, Usage
-from web.tools import (LibraryFormat, ToolCallFilter, call_grammar, finish_result, flatten_tool_messages,
-                       library_format, parse_tool_calls, split_tool_calls, supports_tools, tool_format, tool_prompt)
+from web.schema import ChatResult, ToolCall, Usage
+from web.tools import (LibraryFormat, ToolCallFilter, added_tokens, call_grammar, deepseek_tool_prompt, finish_result,
+                       flatten_tool_messages, library_format, parse_tool_calls, reply_format, supports_tools,
+                       tool_format, tool_prompt)
 
 # SmolLM2-Instruct's template (the embedded model): no tools.
 SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -183,33 +184,6 @@ def test_finish_result(reason, fmt, expect_calls):
         assert done == result
 
 
-@pytest.mark.anyio
-async def test_split_tool_calls_holds_back_calls_and_parses_the_result():
-    text = 'Sure.\n<tool_call>{"name": "a", "arguments": {"k": 1}}</tool_call>'
-
-    async def items():
-        for piece in [text[i:i + 4] for i in range(0, len(text), 4)]:
-            yield TextDelta(piece)
-        yield ChatResult(text, "stop", U)
-
-    out = [item async for item in split_tool_calls(items(), "hermes", {"a"})]
-    assert "".join(i.text for i in out[:-1]) == "Sure."
-    result = out[-1]
-    assert (result.text, result.stop_reason, result.tool_calls[0].name, result.tool_calls[0].arguments) == \
-           ("Sure.", "tool_use", "a", {"k": 1})
-
-
-@pytest.mark.anyio
-async def test_split_tool_calls_without_a_format_passes_everything_through():
-    sent = [TextDelta("<tool_call>"), ChatResult("<tool_call>", "stop", U)]
-
-    async def items():
-        for item in sent:
-            yield item
-
-    assert [item async for item in split_tool_calls(items(), None)] == sent
-
-
 TOOL_TURNS = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Paris and Rome?"},
@@ -268,18 +242,20 @@ NOOP_FN = {"type": "function", "function": {"name": "noop", "parameters": {
     "type": "object", "properties": {}, "additionalProperties": False}}}
 
 
-def takes(g: str, text: str) -> bool:
-    """Whether the embedded tokenizer's tokens of ``text`` are a whole reply grammar ``g`` allows."""
+def takes(g: str, reply: str | list[int], tokenizer=None) -> bool:
+    """Whether ``reply`` (text, as the tokenizer encodes it, or token ids) is a
+    whole reply grammar ``g`` allows, for ``tokenizer`` (the embedded one)."""
     from runtime.grammar import Grammars
     from tests.tiny import embedded_tokenizer
 
-    tok = embedded_tokenizer()
+    tok = tokenizer or embedded_tokenizer()
+    size = len(getattr(tok, "_tokenizer", tok))
     constraint = Grammars(tok, tok.eos_token_ids).constraint(g)
-    for t in tok.encode(text, add_special_tokens=False):
-        if not constraint.allowed(len(tok.get_vocab())).tolist()[t]:
+    for t in tok.encode(reply, add_special_tokens=False) if isinstance(reply, str) else reply:
+        if not constraint.allowed(size).tolist()[t]:
             return False
         constraint.advance(t)
-    return constraint.allowed(len(tok.get_vocab())).tolist()[min(tok.eos_token_ids)]  # it may end here
+    return constraint.allowed(size).tolist()[min(tok.eos_token_ids)]  # it may end here
 
 
 @pytest.mark.parametrize("fmt, reply", [
@@ -425,15 +401,233 @@ def test_mistral_calls_parse_in_both_of_its_forms(reply):
     assert [(c.name, c.arguments) for c in found] == [("get_weather", {"city": "Lima", "days": 2})]
 
 
-def test_a_library_format_turn_ends_in_tool_use_and_a_forced_call_gets_no_grammar():
+def test_a_library_format_turn_ends_in_tool_use():
     fmt = library_format(wrapper("qwen3_coder"))
     text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
     result = finish_result(ChatResult(text, "stop", Usage(1, 0, 1)), fmt, {"get_weather"}, [WEATHER_FN])
     assert result.stop_reason == "tool_use" and result.tool_calls[0].arguments == {"city": "Oslo"}
+
+
+# The grammars of mlx-lm's formats: each takes the call its template renders
+# (or its model writes), which the format's own parser reads back as a call
+# whose arguments validate; and nothing that is not one.
+DIARY_FN = {"type": "function", "function": {"name": "write", "parameters": {
+    "type": "object", "required": ["text"], "properties": {
+        "text": {"type": "string", "description": "what to write"}, "tags": {"type": "array", "items": {"type": "string"}},
+        "pinned": {"type": "boolean"}}}}}
+
+
+def render_call(template: str, calls: list[tuple[str, dict]]) -> str:
+    """The assistant reply ``template`` renders for ``calls`` (nothing before them)."""
+    render = pytest.importorskip("transformers.utils.chat_template_utils").render_jinja_template
+    message = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": name, "arguments": args}} for name, args in calls]}
+    text = render(conversations=[[message]], tools=[WEATHER_FN, NOOP_FN, DIARY_FN], chat_template=template)[0][0]
+    return text.removeprefix("<|im_start|>assistant\n").split("<|im_end|>")[0].lstrip("\n")
+
+
+def with_tokens(parser: str | None, *tokens: str, special: bool = True):
+    """``wrapper(parser)`` over a copy of the embedded tokenizer that adds
+    ``tokens`` to its vocabulary, as special tokens (or, not ``special``,
+    as plain ones, like Qwen's ``<tool_call>``)."""
+    import copy
+
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    hf = copy.deepcopy(wrapper(None)._tokenizer)
+    if special:
+        hf.add_special_tokens({"additional_special_tokens": list(tokens)})
+    else:
+        hf.add_tokens(list(tokens))
+    base = wrapper(parser)
+    return TokenizerWrapper(hf, tool_parser=base.tool_parser, tool_call_start=base.tool_call_start,
+                            tool_call_end=base.tool_call_end, eos_token_ids=base.eos_token_ids)
+
+
+def read_back(text: str, fmt) -> list[tuple[str, dict]]:
+    rest, calls = parse_tool_calls(text, fmt, {"get_weather", "noop", "write"}, [WEATHER_FN, NOOP_FN, DIARY_FN])
+    assert rest == ""
+    return [(c.name, c.arguments) for c in calls]
+
+
+QWEN3_CODER_CALLS = [("get_weather", {"city": "Oslo", "days": 3}),
+                     ("write", {"text": "Dear diary,\n<b>rain</b> & {wind}", "tags": ["a"], "pinned": True}),
+                     ("write", {"text": ""}), ("noop", {})]
+
+
+@pytest.mark.parametrize("call", QWEN3_CODER_CALLS, ids=lambda c: c[0])
+def test_a_forced_qwen3_coder_call_is_one_its_parser_reads_back_valid(call):
+    fmt = library_format(wrapper("qwen3_coder"))
+    g = call_grammar(fmt, [WEATHER_FN, NOOP_FN, DIARY_FN])
+    reply = render_call(QWEN3_CODER, [call])
+    assert takes(g, reply) and read_back(reply, fmt) == [call]
+
+
+def test_a_qwen3_coder_grammar_takes_nothing_else():
+    fmt = library_format(wrapper("qwen3_coder"))
+    g = call_grammar(fmt, [WEATHER_FN, NOOP_FN, DIARY_FN])
+    weather = render_call(QWEN3_CODER, [QWEN3_CODER_CALLS[0]])
+    for bad in (weather.replace("Oslo", "Rome"),  # not in the schema
+                weather.replace("3", "3.5"),  # an integer's
+                weather.replace("<parameter=days>\n3\n</parameter>\n", ""),  # a required one left out
+                render_call(QWEN3_CODER, [("write", {"text": "x</parameter>y"})]),  # the parser would cut it
+                render_call(QWEN3_CODER, [("write", {"text": "null"})]),  # the parser reads None
+                "It rains.", weather + "\nMore."):
+        assert not takes(g, bad), bad
+    assert not takes(g, render_call(QWEN3_CODER, QWEN3_CODER_CALLS[:2]))  # forced: one call
+    auto = call_grammar(fmt, [WEATHER_FN, NOOP_FN, DIARY_FN], forced=False)
+    for reply, calls in (("It rains.", []), (weather, QWEN3_CODER_CALLS[:1]),
+                         (render_call(QWEN3_CODER, QWEN3_CODER_CALLS[:2]), QWEN3_CODER_CALLS[:2])):
+        assert takes(auto, reply) and (read_back(reply, fmt) if calls else []) == calls
+    assert takes(auto, "Let me look.\n" + weather)
+    assert not takes(auto, "Let me look.\n" + weather.replace("Oslo", "Rome"))
+    with pytest.raises(GrammarError, match="write.text"):
+        call_grammar(fmt, [{"type": "function", "function": {"name": "write", "parameters": {
+            "type": "object", "properties": {"text": {"type": "string", "pattern": "^a+$"}}}}}])
+
+
+MISTRAL_V11 = ("{%- for m in messages %}{%- for c in m.tool_calls %}[TOOL_CALLS]{{ c.function.name }}[ARGS]"
+               "{{ c.function.arguments | tojson }}{%- endfor %}{%- endfor %}{# tools #}")
+MISTRAL_V3 = ("{%- for m in messages %}[TOOL_CALLS][{%- for c in m.tool_calls %}{{ {'name': c.function.name, "
+              "'arguments': c.function.arguments} | tojson }}{{ ', ' if not loop.last }}{%- endfor %}]"
+              "{%- endfor %}{# tools #}")
+
+
+@pytest.mark.parametrize("template, specials", [(MISTRAL_V11, ("[TOOL_CALLS]", "[ARGS]")),
+                                               (MISTRAL_V3, ("[TOOL_CALLS]",))], ids=["name[ARGS]{...}", "[{...}]"])
+def test_mistral_calls_in_the_form_its_tokenizer_has(template, specials):
+    tok = with_tokens("mistral", *specials)
+    fmt, tokens = library_format(tok), added_tokens(tok)
+    g = call_grammar(fmt, [WEATHER_FN, NOOP_FN], tokens=tokens)
+    one, two = QWEN3_CODER_CALLS[:1], [QWEN3_CODER_CALLS[0], ("noop", {})]
+    reply = render_call(template, one)
+    ids = tok.encode(reply, add_special_tokens=False)
+    assert all(tokens[t] in ids for t in specials)  # as the model writes them: special tokens
+    assert takes(g, ids, tok) and read_back(tok.decode(ids), fmt) == one
+    assert not takes(g, render_call(template, [("get_weather", {"city": "Rome", "days": 3})]), tok)
+    auto = call_grammar(fmt, [WEATHER_FN, NOOP_FN], forced=False, tokens=tokens)
+    for text in ("It rains.", reply, render_call(template, two), "Sure. " + reply):
+        assert takes(auto, text, tok), text
+    assert read_back(render_call(template, two), fmt) == two
+    assert not takes(auto, "Sure. " + render_call(template, [("get_weather", {"city": "Rome", "days": 3})]), tok)
+
+
+def test_other_library_formats_get_their_markers_when_forced_and_nothing_under_auto():
+    fmt = library_format(wrapper("minimax_m2"))
+    g = call_grammar(fmt, [WEATHER_FN])
+    assert takes(g, f'{fmt.start}<invoke name="get_weather">...</invoke>{fmt.end}')
+    assert not takes(g, "It rains.") and not takes(g, f"{fmt.start}x{fmt.end} and more")
+    assert call_grammar(fmt, [WEATHER_FN], forced=False) is None
+
+
+def test_a_forced_call_gets_its_format_grammar():
     from web.chat import prepare
+    from web.harmony import call_grammar as harmony_grammar
     from web.schema import ChatRequest
 
     req = ChatRequest(messages=({"role": "user", "content": "Weather?"},), max_tokens=50, tools=(WEATHER_FN,),
                       tool_choice="required")
+    fmt = library_format(wrapper("qwen3_coder"))
     prepared = prepare(req, QWEN3_CODER, fmt)
-    assert prepared.fmt == fmt and prepared.grammar is None and prepared.tools == (WEATHER_FN,)
+    assert (prepared.fmt, prepared.grammar, prepared.tools) == (fmt, call_grammar(fmt, [WEATHER_FN]), (WEATHER_FN,))
+    harmony = prepare(req, "{# tools #}<|channel|>", None)
+    assert harmony.grammar == harmony_grammar([WEATHER_FN]) and harmony.tools == (WEATHER_FN,)
+    strict = ChatRequest(**{**req.__dict__, "tool_choice": "auto", "strict_tools": True})
+    assert prepare(strict, QWEN3_CODER, fmt).grammar == call_grammar(fmt, [WEATHER_FN], forced=False)
+    assert prepare(strict, "{# tools #}<|channel|>", None).grammar == harmony_grammar([WEATHER_FN], forced=False)
+
+
+# DeepSeek's templates (V3.1; V3 and R1 fence the arguments) take no tools
+# but write calls -- arguments concatenated as text -- and their results, in
+# these conventions (written for these tests).
+DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+DEEPSEEK_V31 = ("{{ bos_token }}{%- for m in messages %}{%- if m.role == 'system' %}{{ m.content }}"
+                "{%- elif m.role == 'user' %}<｜User｜>{{ m.content }}"
+                "{%- elif m.role == 'assistant' %}<｜Assistant｜></think>{{ m.content }}{%- if m.tool_calls %}"
+                "<｜tool▁calls▁begin｜>{%- for c in m.tool_calls %}{{ '<｜tool▁call▁begin｜>' + c.function.name + "
+                "'<｜tool▁sep｜>' + c.function.arguments + '<｜tool▁call▁end｜>' }}{%- endfor %}<｜tool▁calls▁end｜>"
+                "{%- endif %}<｜end▁of▁sentence｜>{%- elif m.role == 'tool' %}<｜tool▁output▁begin｜>{{ m.content }}"
+                "<｜tool▁output▁end｜>{%- endif %}{%- endfor %}{%- if add_generation_prompt %}<｜Assistant｜></think>"
+                "{%- endif %}")
+DEEPSEEK_R1 = DEEPSEEK_V31.replace(
+    "c.function.name + '<｜tool▁sep｜>' + c.function.arguments",
+    "c.type + '<｜tool▁sep｜>' + c.function.name + '\\n```json\\n' + c.function.arguments + '\\n```'")
+
+
+DS_MARKERS = (DS_BEGIN, DS_END, DS_CALL, DS_SEP, DS_CALL_END)
+
+
+def deepseek(template: str, special: bool = False):
+    """The embedded tokenizer with a DeepSeek template, whose markers are tokens (special ones, or not)."""
+    tok = with_tokens(None, *DS_MARKERS, special=special)
+    tok._tokenizer.chat_template = template
+    return tok
+
+
+def render_deepseek(template: str, calls: list[tuple[str, dict]], text: str = "") -> str:
+    """The reply a DeepSeek template renders for ``calls`` after ``text``."""
+    from runtime.turns import arguments_as_json
+
+    render = pytest.importorskip("transformers.utils.chat_template_utils").render_jinja_template
+    message = {"role": "assistant", "content": text, "tool_calls": [
+        {"type": "function", "function": {"name": name, "arguments": args}} for name, args in calls]}
+    rendered = render(conversations=[arguments_as_json([message])], chat_template=template, bos_token="")[0][0]
+    return rendered.removeprefix("<｜Assistant｜></think>").removesuffix("<｜end▁of▁sentence｜>")
+
+
+@pytest.mark.parametrize("template, parser", [(DEEPSEEK_V31, "deepseek_v3_1"), (DEEPSEEK_R1, "deepseek_r1")])
+@pytest.mark.parametrize("special", [False, True], ids=["plain marker tokens", "special marker tokens"])
+def test_deepseek_calls_read_back_and_a_grammar_holds_them(template, parser, special):
+    tok = deepseek(template, special)
+    fmt = library_format(tok)
+    tokens = added_tokens(tok)
+    assert (fmt.parser, fmt.start, fmt.end) == (parser, DS_BEGIN, DS_END) and set(DS_MARKERS) <= set(tokens)
+    assert reply_format(tok) == fmt and tool_format(template, fmt) is None  # its template takes no tools
+    one, two = [("get_weather", {"city": "Oslo", "days": 3})], [("get_weather", {"city": "Oslo", "days": 3}),
+                                                                 ("noop", {})]
+    reply = render_deepseek(template, one)
+    rest, found = parse_tool_calls("Let me look." + render_deepseek(template, two), fmt)
+    assert rest == "Let me look." and [(c.name, c.arguments) for c in found] == two
+    forced = call_grammar(fmt, [WEATHER_FN, NOOP_FN], tokens=tokens)
+    ids = tok.encode(reply, add_special_tokens=False)
+    assert takes(forced, ids, tok) and read_back(tok.decode(ids), fmt) == one
+    for bad in (render_deepseek(template, [("get_weather", {"city": "Rome", "days": 3})]),
+                render_deepseek(template, two), "It rains."):
+        assert not takes(forced, bad, tok), bad
+    auto = call_grammar(fmt, [WEATHER_FN, NOOP_FN], forced=False, tokens=tokens)
+    for text in ("It rains.", reply, render_deepseek(template, two), render_deepseek(template, one, "Let me look.")):
+        assert takes(auto, text, tok), text
+    assert not takes(auto, render_deepseek(template, [("get_wether", {})], "Let me look."), tok)
+
+
+def test_a_deepseek_model_is_told_of_the_tools_and_keeps_its_tool_turns():
+    from runtime.turns import render
+    from web.chat import prepare
+    from web.schema import ChatRequest
+
+    tok = deepseek(DEEPSEEK_V31)
+    fmt, tokens = library_format(tok), added_tokens(tok)
+    req = ChatRequest(messages=tuple(TOOL_TURNS), max_tokens=50, tools=(WEATHER_FN,), tool_choice="required")
+    prepared = prepare(req, DEEPSEEK_V31, fmt, tokens)
+    assert (prepared.tools, prepared.fmt, prepared.grammar) == (None, fmt, call_grammar(fmt, [WEATHER_FN], tokens=tokens))
+    assert prepared.messages[0].content == "Be brief.\n\n" + deepseek_tool_prompt([WEATHER_FN], fmt)
+    assert [m.role for m in prepared.messages] == [m["role"] for m in TOOL_TURNS]  # not flattened
+    prompt = render(tok, [m.as_dict() for m in prepared.messages])
+    assert DS_CALL + 'get_weather' + DS_SEP + '{"city": "Paris"}' + DS_CALL_END in prompt
+    assert "<｜tool▁output▁begin｜>18C<｜tool▁output▁end｜>" in prompt
+    free = prepare(ChatRequest(messages=tuple(TOOL_TURNS), max_tokens=50), DEEPSEEK_V31, fmt)
+    assert (free.fmt, free.grammar, free.messages[0].content) == (None, None, "Be brief.")
+
+
+def test_a_marker_the_tokenizer_adds_is_written_as_its_token():
+    """Qwen's ``<tool_call>`` is a token of its own (not a special one), which
+    llguidance reads as special: the grammar names it by id, or the model
+    could only spell the marker out, which it never learned to."""
+    tok = with_tokens(None, "<tool_call>", "</tool_call>", special=False)
+    reply = "Let me look.\n" + HERMES_CALL
+    ids = tok.encode(reply, add_special_tokens=False)
+    assert added_tokens(tok)["<tool_call>"] in ids
+    for forced, text in ((True, HERMES_CALL), (False, reply), (False, "It rains.")):
+        assert takes(call_grammar("hermes", [WEATHER_FN, NOOP_FN], forced, added_tokens(tok)), text, tok)
+    assert not takes(call_grammar("hermes", [WEATHER_FN, NOOP_FN], False), ids, tok)  # by its text: refused
