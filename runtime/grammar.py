@@ -3,7 +3,8 @@ and matched by llguidance (the library llama.cpp and vLLM use).
 
 A grammar is llguidance's text (its JSON form, or Lark): ``json_schema``
 makes one from a JSON schema, ``JSON_OBJECT`` allows any JSON object, and
-``lark`` one from llguidance's Lark, where ``json_rule`` embeds a schema.
+``lark`` one from llguidance's Lark, where ``json_rule`` embeds a schema;
+``within`` puts a grammar inside another (after a model's reasoning).
 ``check`` refuses what llguidance cannot compile, naming it (unsupported
 schema keywords, bad types), without a tokenizer, so a request is refused
 before it queues.
@@ -30,7 +31,7 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
 __all__ = ["CACHED", "Constraint", "GrammarError", "Grammars", "JSON_OBJECT", "check", "json_rule", "json_schema",
-           "lark"]
+           "lark", "within"]
 
 CACHED = 32  # compiled grammars kept per engine (a compile can take 0.1-1 s for a large schema)
 _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -74,6 +75,18 @@ def lark(text: str) -> str:
     grammar = LLMatcher.grammar_from_lark(text)
     check(grammar)
     return grammar
+
+
+def within(text: str, grammar: str) -> str:
+    """``grammar`` inside the Lark ``text``, which names it ``@answer`` (a
+    reasoning model's thoughts, then its constrained answer); raises ``GrammarError``."""
+    try:
+        inner = json.loads(grammar)["grammars"]  # llguidance's JSON form
+    except (ValueError, KeyError, TypeError):
+        inner = [{"lark_grammar": grammar}]
+    whole = json.dumps({"grammars": [{"lark_grammar": text}, {**inner[0], "name": "answer"}, *inner[1:]]})
+    check(whole)
+    return whole
 
 
 class Constraint:

@@ -82,10 +82,11 @@ class ChatTurn:
 
 
 def prepare(req: ChatRequest, chat_template: str | None, library: LibraryFormat | None = None,
-            tokens: Mapping[str, int] | None = None) -> Prepared:
+            tokens: Mapping[str, int] | None = None, reasoning: ThinkTags | Harmony | None = None) -> Prepared:
     """The conversation and tools of ``req`` as this model's template can take
     them (``library``: the call format mlx-lm found for its tokenizer;
-    ``tokens``: its ``added_tokens``), and the grammar its reply must follow.
+    ``tokens``: its ``added_tokens``; ``reasoning``: how its replies reason),
+    and the grammar its reply must follow.
 
     A template that takes tools gets them; DeepSeek's, which takes none but
     writes calls, has them told in the system prompt as DeepSeek lays them
@@ -94,7 +95,8 @@ def prepare(req: ChatRequest, chat_template: str | None, library: LibraryFormat 
     system prompt in the Hermes format (``tool_prompt``). A forced call
     (``required``) is held to one call of the tools in the model's format,
     and tools that ask to be ``strict`` hold an ``auto`` reply to text or
-    valid calls (``call_grammar``; GPT-OSS: ``harmony.call_grammar``).
+    valid calls (``call_grammar``; GPT-OSS: ``harmony.call_grammar``). A
+    model that reasons may think before the reply the grammar holds.
     Raises ``RequestError`` (400) for tools whose schemas cannot be enforced."""
     conversation = context_first(req.conversation())
     forced = bool(req.tools) and req.tool_choice == "required"
@@ -116,11 +118,13 @@ def prepare(req: ChatRequest, chat_template: str | None, library: LibraryFormat 
     if forced or (req.strict_tools and (tools or fmt)):
         try:
             if speaks_harmony(chat_template) and tools:
-                grammar = harmony_grammar(req.tools, forced)
+                grammar, reasoning = harmony_grammar(req.tools, forced), None  # (its own thoughts first)
             elif fmt is not None:
                 grammar = call_grammar(fmt, req.tools, forced, tokens) or grammar
         except GrammarError as e:
             raise RequestError(400, f"tools: this server cannot enforce a call of these tools: {e}", "tools") from None
+    if grammar is not None and reasoning is not None:
+        grammar = reasoning.constrain(grammar, tokens or {})
     messages = tuple(Message(m["role"], m["content"], tuple(m.get("tool_calls") or ()), m.get("tool_call_id"),
                              m.get("name")) for m in conversation)
     return Prepared(messages, tools, fmt, req.tool_names if fmt else frozenset(), grammar)
@@ -204,7 +208,8 @@ class ChatCore:
         self.observer = observer or _NoObserver()  # told when each turn starts and ends (web.dashboard)
         self.heartbeat_s = heartbeat_s
         self.index = ConversationIndex()
-        self._opens_thinking: dict[str | None, bool] = {}  # model -> its generation prompt opens <think>
+        # model -> its generation prompt opens <think> (None: closes it, as DeepSeek-V3.1's does: no reasoning)
+        self._opens_thinking: dict[str | None, bool | None] = {}
 
     async def load_index(self) -> None:
         """Index every agent on disk (at start-up, so conversations survive
@@ -275,8 +280,12 @@ class ChatCore:
 
     async def _prepare(self, req: ChatRequest, model: str) -> Prepared:
         tokenizer = await self._tokenizer(model)
+        try:
+            reasoning = await self._reasoning(model)
+        except SemanticError as e:
+            raise turn_error(e) from None
         return prepare(req, getattr(tokenizer, "chat_template", None), library_format(tokenizer),
-                       added_tokens(tokenizer))
+                       added_tokens(tokenizer), reasoning)
 
     async def _template(self, model: str) -> str | None:
         return getattr(await self._tokenizer(model), "chat_template", None)
@@ -290,7 +299,8 @@ class ChatCore:
     async def _reasoning(self, model: str) -> ThinkTags | Harmony | None:
         """How ``model``'s replies keep reasoning apart: GPT-OSS's harmony
         channels, or ``<think>`` tags (opened by its generation prompt, or
-        not); None when its template has neither."""
+        not); None when its template has neither, or its generation prompt
+        closes the tag (DeepSeek-V3.1 out of thinking mode)."""
         template = await self._template(model)
         if speaks_harmony(template):
             return Harmony()
@@ -298,8 +308,9 @@ class ChatCore:
             return None
         if model not in self._opens_thinking:
             text, _ = await self.rt.prompt((Message("user", "hi"),), model=model)
-            self._opens_thinking[model] = text.rstrip().endswith(OPEN)
-        return ThinkTags(self._opens_thinking[model])
+            self._opens_thinking[model] = None if text.rstrip().endswith(CLOSE) else text.rstrip().endswith(OPEN)
+        opened = self._opens_thinking[model]
+        return None if opened is None else ThinkTags(opened)
 
     async def _open(self, agent_id: str) -> Agent:
         try:

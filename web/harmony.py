@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 
 from runtime import grammar
 from runtime.json_reader import JSONError, read_json
@@ -170,8 +171,10 @@ def call_grammar(tools, forced: bool = True) -> str:
                        '<|message|> ' + grammar.json_rule(t["function"].get("parameters") or {"type": "object"})
                        for t in tools)
     reply = f"({calls})" if forced else f'("final" <|message|> /(?s:.*)/ | {calls})'
-    return grammar.lark(f'start: think? <|channel|> {reply}\n'
-                        'think: <|channel|> "analysis" <|message|> /(?s:.*)/ <|end|> <|start|> "assistant"')
+    return grammar.lark(f"start: think? <|channel|> {reply}\n{_THINK}")
+
+
+_THINK = 'think: <|channel|> "analysis" <|message|> /(?s:.*)/ <|end|> <|start|> "assistant"'  # a harmony thought
 
 
 class Harmony:
@@ -182,6 +185,12 @@ class Harmony:
 
     def read(self, text: str) -> tuple[str | None, str, list[ToolCall]]:
         return read_harmony(text)
+
+    def constrain(self, answer: str, tokens: Mapping[str, int]) -> str:
+        """The grammar of a reply that may reason first, then answers on the
+        ``final`` channel as the grammar ``answer`` says (the markers are
+        GPT-OSS's special tokens, named)."""
+        return grammar.within(f'start: think? <|channel|> "final" <|message|> @answer\n{_THINK}', answer)
 
 
 def _partial_tail(text: str, tag: str) -> int:

@@ -10,6 +10,10 @@ thinking-2507's), until its first ``</think>``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from runtime import grammar
+
 __all__ = ["OPEN", "CLOSE", "ReasoningSplitter", "ThinkTags", "answer_text", "split_reasoning"]
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -35,6 +39,19 @@ class ThinkTags:
     def read(self, text: str) -> tuple[str | None, str, list]:
         """(the reasoning, the answer, no calls: ``web.tools`` reads those)."""
         return (*split_reasoning(text, self.opened), [])
+
+    def constrain(self, answer: str, tokens: Mapping[str, int]) -> str:
+        """The grammar of a reply that may reason first (must, when the prompt
+        opened the tag: then it closes it) and whose answer follows the grammar
+        ``answer``. ``tokens``: the tokenizer's added tokens (Qwen3's tags are
+        tokens of their own, which llguidance reads as special, never as text)."""
+        if CLOSE in tokens:  # no text holds the token: the thought ends where it comes
+            thought = f"thought: /(?s:.*)/ <[{tokens[CLOSE]}]>"
+        else:
+            thought = f'thought[stop="{CLOSE}"]: /(?s:.*)/'
+        opening = f"<[{tokens[OPEN]}]>" if OPEN in tokens else f'"{OPEN}"'
+        head = "thought /[ \\t\\n]*/" if self.opened else f"({opening} thought /[ \\t\\n]*/)?"
+        return grammar.within(f"start: {head} @answer\n{thought}", answer)
 
 
 def answer_text(text: str) -> str:

@@ -4,6 +4,7 @@ the tag in its generation prompt (as DeepSeek-R1's does), on every route."""
 
 from __future__ import annotations
 
+import json
 
 import pytest
 
@@ -87,3 +88,85 @@ async def test_reasoning_is_a_reasoning_item_in_responses(tmp_path):
     assert kinds == ["reasoning", "message"] and plain.output[0].content[0].text
     assert events.index("response.reasoning_text.delta") < events.index("response.reasoning_text.done")
     assert events.index("response.reasoning_text.done") < events.index("response.content_part.added")
+
+
+SHIRT = {"type": "object", "properties": {"size": {"enum": ["S", "M"]}}, "required": ["size"],
+         "additionalProperties": False}
+
+
+@pytest.mark.parametrize("tags_are_tokens", [False, True], ids=["tags as text", "tags as tokens (Qwen3)"])
+def test_a_reasoning_model_thinks_then_answers_as_the_grammar_says(tags_are_tokens):
+    """Under a grammar (structured output, a forced call) a model that reasons
+    still thinks first: its answer -- what a client parses -- is what the
+    grammar holds, never its thoughts. A prompt that opened the tag holds the
+    reply to closing it."""
+    from runtime.grammar import json_schema
+    from web.reasoning import ThinkTags
+    from web.tools import added_tokens
+
+    from .test_tools import takes, with_tokens
+
+    tok = with_tokens(None, "<think>", "</think>", special=False) if tags_are_tokens else with_tokens(None)
+    answer = '{"size": "M"}'
+    for opened, reply, taken in ((False, answer, True), (False, "<think>\nSmall or medium?\n</think>\n\n" + answer, True),
+                                 (True, "Small or medium?\n</think>\n\n" + answer, True), (True, answer, False),
+                                 (False, "Well, " + answer, False), (True, "Hm.</think>" + answer + " ok", False)):
+        g = ThinkTags(opened).constrain(json_schema(SHIRT), added_tokens(tok))
+        assert takes(g, reply, tok) is taken, (opened, reply)
+        if taken:
+            assert split_reasoning(reply, opened)[1] == answer
+
+
+def test_a_gpt_oss_reply_thinks_then_answers_on_the_final_channel():
+    from runtime.grammar import json_schema
+    from web.harmony import Harmony, read_harmony
+
+    from .test_harmony import HARMONY_TOKENS
+    from .test_tools import takes, with_tokens
+
+    tok = with_tokens(None, *HARMONY_TOKENS)
+    g = Harmony().constrain(json_schema(SHIRT), {})
+    for reply, taken in (('<|channel|>final<|message|>{"size": "S"}', True),
+                         ('<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>final<|message|>'
+                          '{"size": "S"}', True), ('{"size": "S"}', False), ('<|channel|>final<|message|>S', False)):
+        assert takes(g, tok.encode(reply, add_special_tokens=False), tok) is taken, reply
+        if taken:
+            assert read_harmony(reply)[1] == '{"size": "S"}'
+
+
+def test_prepare_lets_a_reasoning_model_think_before_its_constrained_reply():
+    from runtime.grammar import json_schema
+    from web.chat import prepare
+    from web.harmony import Harmony
+    from web.harmony import call_grammar as harmony_grammar
+    from web.reasoning import ThinkTags
+    from web.schema import ChatRequest
+
+    from .test_tools import HERMES, WEATHER_FN, call_grammar
+
+    ask = dict(messages=({"role": "user", "content": "Shirt?"},), max_tokens=50)
+    structured = ChatRequest(**ask, grammar=json_schema(SHIRT))
+    assert prepare(structured, HERMES).grammar == json_schema(SHIRT)  # a model that does not reason
+    assert prepare(structured, HERMES, reasoning=ThinkTags(True)).grammar == \
+        ThinkTags(True).constrain(json_schema(SHIRT), {})
+    forced = ChatRequest(**ask, tools=(WEATHER_FN,), tool_choice="required")
+    assert prepare(forced, HERMES, reasoning=ThinkTags(False)).grammar == \
+        ThinkTags(False).constrain(call_grammar("hermes", [WEATHER_FN]), {})
+    gpt_oss = "{# tools #}<|channel|>"
+    assert prepare(forced, gpt_oss, reasoning=Harmony()).grammar == harmony_grammar([WEATHER_FN])  # its own thoughts
+    assert prepare(structured, gpt_oss, reasoning=Harmony()).grammar == Harmony().constrain(json_schema(SHIRT), {})
+
+
+@pytest.mark.anyio
+async def test_a_prompt_that_closes_the_tag_gets_no_reasoning_and_its_answer_held(tmp_path):
+    """DeepSeek-V3.1 out of thinking mode (Qwen3 with thinking off alike) closes the tag in its
+    generation prompt: the reply is all answer, and a grammar holds it from its first token."""
+    template = tiny_loaded().tokenizer.chat_template
+    closed = tiny_with_template(template.replace("'<|im_start|>assistant\n'",
+                                                 "'<|im_start|>assistant\n<think>\n\n</think>\n\n'"))
+    ask = {"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "Shirt size?"}],
+           "response_format": {"type": "json_schema", "json_schema": {"name": "shirt", "schema": SHIRT}}}
+    async with live_server(tmp_path, closed) as url, client(url) as http:
+        reply = (await http.post("/v1/chat/completions", json=ask)).json()["choices"][0]
+    assert reply["finish_reason"] == "stop" and not reply["message"].get("reasoning_content")
+    assert json.loads(reply["message"]["content"])["size"] in ("S", "M")
