@@ -44,13 +44,13 @@ from .errors import RuntimeClosed
 from .gpu_thread import Exited, GpuThread, Ready
 from .lockstep import Lockstep, watch
 from .messages import (
-    BeginTurn, CancelTurn, DropCache, Failed, FlushCaches, ForkCache, GpuCommand, GpuDown, StopGpu, SwapModel,
+    BeginTurn, CacheBlocks, CancelTurn, DropCache, Failed, FlushCaches, ForkCache, GpuCommand, GpuDown, StopGpu, SwapModel,
     TurnFailed,
 )
 from .registry import ModelRegistry
 from .snapshots import BatchSnapshot, HotSnapshot, SequenceInfo
 
-__all__ = ["BatchSnapshot", "GpuActor", "HotSnapshot", "SequenceInfo"]
+__all__ = ["BatchSnapshot", "GpuActor", "HotSnapshot", "SequenceInfo", "follow"]
 
 log = logging.getLogger("semantic.actors")
 
@@ -268,3 +268,29 @@ def _send_final(sink, item) -> None:
     except (anyio.BrokenResourceError, anyio.ClosedResourceError):
         pass
     sink.close()
+
+
+class _Follower:
+    """What a follower's ``GpuThread`` takes for its actor: no inbox, no event loop."""
+
+    inbox = None
+    hot = batch = None
+
+    def __init__(self, store: CacheStore):
+        self.store = store
+
+    def post(self, sink, item, final: bool = False) -> None:
+        if isinstance(item, CacheBlocks):  # this rank's shard: written now, in order
+            try:
+                self.store.write(item.update)
+            except (OSError, SemanticError, ValueError) as e:  # the agent then starts cold on every rank
+                log.warning("could not write this rank's shard of %s's cache: %s", item.agent_id, e)
+
+
+def follow(group: mx.distributed.Group, model, catalogue: dict, store: CacheStore, budget_bytes: int | None,
+           engine_options: dict) -> None:
+    """(Ranks other than 0) Serve rank 0's GPU inputs until it stops; raises when
+    this rank cannot keep up with rank 0 (its process should then end)."""
+    registry = ModelRegistry(store, budget_bytes, engine_options, catalogue, group=group)
+    GpuThread(_Follower(store), model, registry, persistence=None, eviction=None, model_idle_s=None,
+              lockstep=Lockstep(group)).follow()

@@ -35,7 +35,6 @@ from runtime.errors import SemanticError
 
 from .cache_commands import CacheCommands
 from .errors import RuntimeClosed, RuntimeUnhealthy, TurnError
-from .lockstep import IDLE, PROGRESS, STEP, Failure
 from .messages import (
     BeginTurn, CacheRead, CacheWritten, CancelTurn, Demote, Done, DropCache, Failed, FlushCaches, ForkCache, GpuDown,
     KeepRowCounts, StopGpu, SwapModel,
@@ -44,9 +43,18 @@ from .scheduler import Scheduler
 from .snapshots import Publisher
 from .write_behind import WriteBehind
 
-__all__ = ["Exited", "GpuThread", "Ready"]
+__all__ = ["IDLE", "PROGRESS", "STEP", "Exited", "Failure", "GpuThread", "Ready"]
 
 log = logging.getLogger("semantic.actors")
+
+PROGRESS, STEP, IDLE = "progress", "step", "idle"  # the thread's own ticks (see ``GpuThread._apply``)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Rank 0's engine failed: every rank drops its batch (``GpuThread._fatal``)."""
+
+    error: str
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,10 @@ parallel), every rank's GPU thread acting in lockstep.
 
 Rank 0 runs the whole runtime (actors, HTTP).  Its GPU thread is a state
 machine driven by inputs: the commands it takes from its inbox and the ticks
-of its own loop (``PROGRESS``, ``STEP``, ``IDLE``, ``Failure``).  Before it
-acts on one, rank 0 broadcasts it over the group (``Lockstep.send``); every
-other rank runs only a GPU thread (``follow``) that acts on the same inputs
-in the same order.  So each rank's engine runs the same forwards (the
+of its own loop (``actors.gpu_thread``: ``PROGRESS``, ``STEP``, ``IDLE``,
+``Failure``).  Before it acts on one, rank 0 broadcasts it over the group
+(``Lockstep.send``); every other rank runs only a GPU thread
+(``actors.gpu.follow``) that acts on the same inputs in the same order.  So each rank's engine runs the same forwards (the
 sharded layers meet in their all-reduces), and its hot caches, budget and
 writes follow rank 0's, for its own shard of every agent's KV cache (its KV
 heads), kept in its own files (``cache_model_id`` names the rank).
@@ -43,25 +43,16 @@ import numpy as np
 from anyio.streams.memory import MemoryObjectSendStream
 
 from runtime.agent_cache import shard_suffix
-from runtime.cache_file import CacheStore, HostCache
-from runtime.errors import SemanticError
+from runtime.cache_file import HostCache
 
 from .errors import RuntimeUnhealthy
-from .messages import BeginTurn, CacheBlocks, CacheRead, GpuDown
+from .messages import BeginTurn, CacheRead, GpuDown
 
-__all__ = ["IDLE", "PROGRESS", "STEP", "Failure", "Lockstep", "follow", "watch"]
+__all__ = ["Lockstep", "watch"]
 
 log = logging.getLogger("semantic.actors")
 
-PROGRESS, STEP, IDLE = "progress", "step", "idle"  # the GPU thread's own ticks (see ``GpuThread._apply``)
 _FRAME = 4096  # bytes of the first all-reduce of a broadcast: most inputs fit in one
-
-
-@dataclass(frozen=True)
-class Failure:
-    """Rank 0's engine failed: every rank drops its batch (``GpuThread._fatal``)."""
-
-    error: str
 
 
 @dataclass(frozen=True)
@@ -181,32 +172,3 @@ def _dumps(event) -> bytes:
     out = io.BytesIO()
     _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(event)
     return out.getvalue()
-
-
-class _Follower:
-    """What a follower's ``GpuThread`` takes for its actor: no inbox, no event loop."""
-
-    inbox = None
-    hot = batch = None
-
-    def __init__(self, store: CacheStore):
-        self.store = store
-
-    def post(self, sink, item, final: bool = False) -> None:
-        if isinstance(item, CacheBlocks):  # this rank's shard: written now, in order
-            try:
-                self.store.write(item.update)
-            except (OSError, SemanticError, ValueError) as e:  # the agent then starts cold on every rank
-                log.warning("could not write this rank's shard of %s's cache: %s", item.agent_id, e)
-
-
-def follow(group: mx.distributed.Group, model, catalogue: dict, store: CacheStore, budget_bytes: int | None,
-           engine_options: dict) -> None:
-    """(Ranks other than 0) Serve rank 0's GPU inputs until it stops; raises when
-    this rank cannot keep up with rank 0 (its process should then end)."""
-    from .gpu_thread import GpuThread
-    from .registry import ModelRegistry
-
-    registry = ModelRegistry(store, budget_bytes, engine_options, catalogue, group=group)
-    GpuThread(_Follower(store), model, registry, persistence=None, eviction=None, model_idle_s=None,
-              lockstep=Lockstep(group)).follow()

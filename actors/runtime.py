@@ -51,7 +51,7 @@ from runtime.turns import render
 from .agent import AgentActor, AgentContext, AgentSlot, request
 from .errors import AgentExists, AgentGone, RuntimeClosed, TurnCancelled, UnknownModel
 from .eviction import EvictionActor
-from .gpu import BatchSnapshot, GpuActor, HotSnapshot
+from .gpu import BatchSnapshot, GpuActor, HotSnapshot, follow
 from .history import encode_history, read_history
 from .messages import (
     Delete,
@@ -73,7 +73,6 @@ from .messages import (
     TurnEnded,
     TurnEvent,
 )
-from .lockstep import follow
 from .persistence import PersistenceActor
 
 if TYPE_CHECKING:

@@ -123,7 +123,7 @@ def create_app(config: ServerConfig, on_ready: Callable[[Runtime], None] | None 
                 tg.cancel_scope.cancel()
 
     s = server
-    app = Starlette(lifespan=lifespan, routes=[
+    app = Starlette(lifespan=lifespan, exception_handlers={RequestError: _request_error}, routes=[
         Route("/v1/messages", s.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", s.count_tokens, methods=["POST"]),
         Route("/v1/chat/completions", s.completions, methods=["POST"]),
@@ -164,6 +164,11 @@ def error_shape(path: str) -> Callable[[RequestError], dict]:
 
 def _error(path: str, err: RequestError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error_shape(path)(err), status_code=err.status, headers=headers)
+
+
+async def _request_error(request: Request, err: RequestError) -> JSONResponse:
+    """What every route answers a ``RequestError`` with: its status, in the route's error shape."""
+    return _error(request.url.path, err)
 
 
 def _headers(request: Request) -> dict[str, str]:
@@ -227,11 +232,8 @@ class _Server:
     async def _chat(self, request: Request, protocol, route: str) -> Response:
         """A turn of a stateless chat protocol: ``protocol`` parses the body and
         answers the turn (``response_json``, or ``events`` when streaming)."""
-        try:
-            req = protocol.parse_request(await request.body(), _headers(request), max_tokens_cap=self.max_tokens_cap)
-            turn = await self.core.start(req, self.model_for(req.model), route=route)
-        except RequestError as err:
-            return _error(request.url.path, err)
+        req = protocol.parse_request(await request.body(), _headers(request), max_tokens_cap=self.max_tokens_cap)
+        turn = await self.core.start(req, self.model_for(req.model), route=route)
         return await _answer(request, turn, req.stream, protocol)
 
     # -- the Responses API: response ids name agent states (web.responses) ------------
@@ -250,31 +252,25 @@ class _Server:
     async def create_response(self, request: Request) -> Response:
         """A turn; with ``previous_response_id``, on that response's agent when it
         is still at that state, else on a fork of it from there."""
-        try:
-            req = responses.parse_request(await request.body(), _headers(request), max_tokens_cap=self.max_tokens_cap)
-            model = self.model_for(req.model)
-            if req.previous_response_id is None:
-                turn = await self.core.start(req, model, route="responses")
-            else:
-                state = responses.parse_response_id(req.previous_response_id, "previous_response_id")
-                info = await self._history(state, "previous_response_id")
-                req = responses.continued(req, info.history[:state.n])
-                # a turn running on the agent will move it on: a fork keeps both
-                at_state = len(info.history) == state.n and not self.core.index.busy(state.agent_id)
-                turn = await self.core.start(req, model, agent_id=state.agent_id if at_state else None,
-                                             fork_from=None if at_state else state.agent_id, route="responses")
-        except RequestError as err:
-            return _error(request.url.path, err)
+        req = responses.parse_request(await request.body(), _headers(request), max_tokens_cap=self.max_tokens_cap)
+        model = self.model_for(req.model)
+        if req.previous_response_id is None:
+            turn = await self.core.start(req, model, route="responses")
+        else:
+            state = responses.parse_response_id(req.previous_response_id, "previous_response_id")
+            info = await self._history(state, "previous_response_id")
+            req = responses.continued(req, info.history[:state.n])
+            # a turn running on the agent will move it on: a fork keeps both
+            at_state = len(info.history) == state.n and not self.core.index.busy(state.agent_id)
+            turn = await self.core.start(req, model, agent_id=state.agent_id if at_state else None,
+                                         fork_from=None if at_state else state.agent_id, route="responses")
         return await _answer(request, turn, req.stream, responses)
 
     async def get_response(self, request: Request) -> Response:
         """The response rebuilt from its agent's history (usage unknown: null)."""
         response = request.path_params["response_id"]
-        try:
-            state = responses.parse_response_id(response)
-            info = await self._history(state)
-        except RequestError as err:
-            return _error(request.url.path, err)
+        state = responses.parse_response_id(response)
+        info = await self._history(state)
         body = responses.stored_json(state, info.history, model=self.model, created=int(info.last_use or 0),
                                      fmt=self.core.index.fmt)
         return JSONResponse(body, headers={"x-agent-id": state.agent_id})
@@ -282,20 +278,14 @@ class _Server:
     async def delete_response(self, request: Request) -> Response:
         """Deletes the response's agent -- the whole conversation, every response of it and its cache."""
         response = request.path_params["response_id"]
-        try:
-            state = responses.parse_response_id(response)
-            await self._history(state)
-            await self._delete(await self.rt.agent(state.agent_id))
-        except RequestError as err:
-            return _error(request.url.path, err)
+        state = responses.parse_response_id(response)
+        await self._history(state)
+        await self._delete(await self.rt.agent(state.agent_id))
         return JSONResponse(responses.deleted_json(response))
 
     async def count_tokens(self, request: Request) -> Response:
-        try:
-            req = anthropic.parse_count_tokens(await request.body())
-            return JSONResponse({"input_tokens": await self.core.count_tokens(req, self.model_for(req.model))})
-        except RequestError as err:
-            return _error(request.url.path, err)
+        req = anthropic.parse_count_tokens(await request.body())
+        return JSONResponse({"input_tokens": await self.core.count_tokens(req, self.model_for(req.model))})
 
     # -- the agent API --------------------------------------------------------------
 
@@ -310,40 +300,31 @@ class _Server:
             raise RequestError(404, str(e)) from None
 
     async def create_agent(self, request: Request) -> Response:
+        new = agents.parse_new_agent(await request.body())
+        agent_id = checked_agent_id(new.id, "id")
+        if new.model is not None:
+            self.model_for(new.model, strict=True)  # 404 for one this server does not run
+        existed = bool(await self.rt.agents(only=agent_id))
         try:
-            new = agents.parse_new_agent(await request.body())
-            agent_id = checked_agent_id(new.id, "id")
-            if new.model is not None:
-                self.model_for(new.model, strict=True)  # 404 for one this server does not run
-            existed = bool(await self.rt.agents(only=agent_id))
-            try:
-                agent = await self.rt.agent(agent_id, system=new.system)
-            except AgentExists as e:
-                raise RequestError(409, str(e)) from None
-            [info] = await self.rt.agents(only=agent.id)
-            self.core.index.record(agent.id, agent.history)
-            self.dashboard.changed(agent.id)
-            return JSONResponse(agents.agent_json(info), status_code=200 if existed else 201)
-        except RequestError as err:
-            return _error(request.url.path, err)
+            agent = await self.rt.agent(agent_id, system=new.system)
+        except AgentExists as e:
+            raise RequestError(409, str(e)) from None
+        [info] = await self.rt.agents(only=agent.id)
+        self.core.index.record(agent.id, agent.history)
+        self.dashboard.changed(agent.id)
+        return JSONResponse(agents.agent_json(info), status_code=200 if existed else 201)
 
     async def list_agents(self, request: Request) -> Response:
         return JSONResponse({"agents": [agents.agent_json(i) for i in await self.rt.agents()]})
 
     async def get_agent(self, request: Request) -> Response:
-        try:
-            agent = await self._known(request.path_params["agent_id"])
-            [info] = await self.rt.agents(only=agent.id)
-            return JSONResponse(agents.agent_json(info, history=True))
-        except RequestError as err:
-            return _error(request.url.path, err)
+        agent = await self._known(request.path_params["agent_id"])
+        [info] = await self.rt.agents(only=agent.id)
+        return JSONResponse(agents.agent_json(info, history=True))
 
     async def delete_agent(self, request: Request) -> Response:
-        try:
-            agent = await self._known(request.path_params["agent_id"])
-            await self._delete(agent)
-        except RequestError as err:
-            return _error(request.url.path, err)
+        agent = await self._known(request.path_params["agent_id"])
+        await self._delete(agent)
         return JSONResponse({"id": agent.id, "deleted": True})
 
     async def _delete(self, agent: Agent) -> None:
@@ -356,33 +337,27 @@ class _Server:
         self.dashboard.deleted(agent.id)
 
     async def fork_agent(self, request: Request) -> Response:
+        source = await self._known(request.path_params["agent_id"])
+        target = checked_agent_id(agents.parse_fork(await request.body()), "id")
         try:
-            source = await self._known(request.path_params["agent_id"])
-            target = checked_agent_id(agents.parse_fork(await request.body()), "id")
-            try:
-                forked = await source.fork(target)
-            except AgentExists as e:
-                raise RequestError(409, str(e)) from None
-            except (TurnError, SemanticError) as e:
-                raise turn_error(e) from None
-            [info] = await self.rt.agents(only=forked.id)
-            self.core.index.record(forked.id, forked.history)
-            self.dashboard.changed(forked.id)
-            return JSONResponse({**agents.agent_json(info), "forked_from": source.id}, status_code=201)
-        except RequestError as err:
-            return _error(request.url.path, err)
+            forked = await source.fork(target)
+        except AgentExists as e:
+            raise RequestError(409, str(e)) from None
+        except (TurnError, SemanticError) as e:
+            raise turn_error(e) from None
+        [info] = await self.rt.agents(only=forked.id)
+        self.core.index.record(forked.id, forked.history)
+        self.dashboard.changed(forked.id)
+        return JSONResponse({**agents.agent_json(info), "forked_from": source.id}, status_code=201)
 
     async def demote_agent(self, request: Request) -> Response:
         """Move the agent's cache to disk (written first); 202: the tier changes once
         the GPU actor served it (a ``tier`` event on ``/v1/events``)."""
+        agent = await self._known(request.path_params["agent_id"])
         try:
-            agent = await self._known(request.path_params["agent_id"])
-            try:
-                await self.rt.demote(agent.id)
-            except SemanticError as e:
-                raise turn_error(e) from None
-        except RequestError as err:
-            return _error(request.url.path, err)
+            await self.rt.demote(agent.id)
+        except SemanticError as e:
+            raise turn_error(e) from None
         self.dashboard.changed(agent.id)
         return JSONResponse({"id": agent.id, "demote": "requested"}, status_code=202)
 
@@ -392,25 +367,22 @@ class _Server:
         put in place by the persistence actor (checked whole first, within the
         disk budget); then indexed, so stateless clients find its conversation
         at once. Never replaces an agent."""
+        agent_id = checked_agent_id(request.path_params["agent_id"], "agent id")
+        await self._check_new(agent_id)  # before the upload: no need to wait for it to say no
+        upload = await self._receive_archive(request)
         try:
-            agent_id = checked_agent_id(request.path_params["agent_id"], "agent id")
-            await self._check_new(agent_id)  # before the upload: no need to wait for it to say no
-            upload = await self._receive_archive(request)
-            try:
-                async with self.importing:
-                    await self._check_new(agent_id)
-                    summary = await self.rt.import_archive(upload, agent_id)
-            except archive.ArchiveError as e:
-                raise RequestError(400, str(e)) from None
-            except AgentExists as e:
-                raise RequestError(409, str(e)) from None
-            except OSError as e:
-                raise _disk_error(e) from None
-            finally:
-                upload.unlink(missing_ok=True)
-            [info] = await self.rt.agents(only=agent_id)
-        except RequestError as err:
-            return _error(request.url.path, err)
+            async with self.importing:
+                await self._check_new(agent_id)
+                summary = await self.rt.import_archive(upload, agent_id)
+        except archive.ArchiveError as e:
+            raise RequestError(400, str(e)) from None
+        except AgentExists as e:
+            raise RequestError(409, str(e)) from None
+        except OSError as e:
+            raise _disk_error(e) from None
+        finally:
+            upload.unlink(missing_ok=True)
+        [info] = await self.rt.agents(only=agent_id)
         self.core.index.record(agent_id, info.history)
         self.dashboard.changed(agent_id)
         caches = [{"model": model, "tokens": tokens} for model, tokens in summary.caches]
@@ -465,13 +437,10 @@ class _Server:
             raise
 
     async def agent_turn(self, request: Request) -> Response:
-        try:
-            agent = await self._known(request.path_params["agent_id"])
-            turn_req = agents.parse_turn(await request.body(), max_tokens_cap=self.max_tokens_cap)
-            turn = await self.core.send(agent, turn_req.content, model=self.model_for(turn_req.model, strict=True),
-                                        use_cache=turn_req.use_cache, sampling=turn_req.sampling, route="agent")
-        except RequestError as err:
-            return _error(request.url.path, err)
+        agent = await self._known(request.path_params["agent_id"])
+        turn_req = agents.parse_turn(await request.body(), max_tokens_cap=self.max_tokens_cap)
+        turn = await self.core.send(agent, turn_req.content, model=self.model_for(turn_req.model, strict=True),
+                                    use_cache=turn_req.use_cache, sampling=turn_req.sampling, route="agent")
         return await _answer(request, turn, turn_req.stream, agents)
 
     # -- operations -------------------------------------------------------------------

@@ -7,7 +7,8 @@ import anyio
 import mlx.core as mx
 import numpy as np
 
-from actors.lockstep import STEP, Lockstep, _dumps
+from actors.gpu_thread import STEP
+from actors.lockstep import Lockstep, _dumps
 from actors.messages import BeginTurn, CacheRead, Message
 from runtime.cache_file import CacheRecord, HostCache
 from runtime.engine import SamplingParams
