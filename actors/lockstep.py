@@ -6,10 +6,11 @@ machine driven by inputs: the commands it takes from its inbox and the ticks
 of its own loop (``actors.gpu_thread``: ``PROGRESS``, ``STEP``, ``IDLE``,
 ``Failure``).  Before it acts on one, rank 0 broadcasts it over the group
 (``Lockstep.send``); every other rank runs only a GPU thread
-(``actors.gpu.follow``) that acts on the same inputs in the same order.  So each rank's engine runs the same forwards (the
-sharded layers meet in their all-reduces), and its hot caches, budget and
-writes follow rank 0's, for its own shard of every agent's KV cache (its KV
-heads), kept in its own files (``cache_model_id`` names the rank).
+(``actors.gpu.follow``) that acts on the same inputs in the same order.  So
+each rank's engine runs the same forwards (the sharded layers meet in their
+all-reduces), and its hot caches, budget and writes follow rank 0's, for its
+own shard of every agent's KV cache (its KV heads), kept in its own files
+(``cache_model_id`` names the rank).
 
 What would differ between ranks is made the same on the wire:
 
@@ -43,7 +44,7 @@ import numpy as np
 from anyio.streams.memory import MemoryObjectSendStream
 
 from runtime.agent_cache import shard_suffix
-from runtime.cache_file import HostCache
+from runtime.cache_codec import HostCache
 
 from .errors import RuntimeUnhealthy
 from .messages import BeginTurn, CacheRead, GpuDown

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
     from anyio.streams.memory import MemoryObjectSendStream as Sink
 
-    from runtime.cache_file import BlockUpdate, HostCache
+    from runtime.cache_codec import HostCache
+    from runtime.cache_records import BlockUpdate
     from runtime.models import LoadedModel
     from runtime.row_counts import RowCounts
 
@@ -275,7 +276,7 @@ AgentCommand = Union[Open, Send, Fork, Delete]
 
 @dataclass(frozen=True)
 class CacheBlocks:
-    """A version of an agent's cache as bytes (``runtime.cache_file.snapshot``):
+    """A version of an agent's cache as bytes (``runtime.cache_codec.snapshot``):
     the blocks from ``update.first`` on.  A newer version of the same agent
     replaces a pending older one, taking over the blocks only the older one
     carried."""

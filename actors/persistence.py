@@ -71,7 +71,8 @@ from pathlib import Path
 import anyio
 
 from runtime import disk, row_counts
-from runtime.cache_file import CacheStore, StaleBlocks, merged, tree_bytes, write_atomic
+from runtime.cache_file import CacheStore, tree_bytes, write_atomic
+from runtime.cache_records import StaleBlocks, merged
 from runtime.disk import NoRoom, history_path
 from runtime.errors import SemanticError
 

@@ -17,7 +17,8 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from runtime.agent_cache import AgentCaches, AgentMemory, open_caches
-from runtime.cache_file import CacheStore, HostCache
+from runtime.cache_codec import HostCache
+from runtime.cache_file import CacheStore
 from runtime.engine import Engine
 from runtime.models import LoadedModel, load
 from runtime.row_counts import RowCounts, key

@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING
 import anyio
 
 from runtime import disk, row_counts
-from runtime.cache_file import CacheStore, validate_agent_id
+from runtime.cache_file import CacheStore
+from runtime.cache_records import validate_agent_id
 from runtime.engine import DECODE_ROWS, SamplingParams
 from runtime.errors import SemanticError
 from runtime.models import LoadedModel, load_tokenizer

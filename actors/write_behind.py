@@ -1,7 +1,7 @@
 """(GPU thread) Hot caches leave for disk as bytes, behind the turns.
 
 When a turn ends, the blocks of its cache that are not on disk yet are copied
-out (``runtime.cache_file.snapshot``: the blocks from the first one whose
+out (``runtime.cache_codec.snapshot``: the blocks from the first one whose
 tokens differ from what was last handed over for the same cache, plus the
 sliding-window rings; no hashing, no file I/O here) and posted to the
 persistence actor (``CacheBlocks``).  The cache is *dirty* until that exact
@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime.agent_cache import AgentMemory
-from runtime.cache_file import BLOCK_TOKENS, CacheRecord, snapshot
+from runtime.cache_codec import snapshot
+from runtime.cache_records import BLOCK_TOKENS, CacheRecord
 
 from .messages import CacheBlocks, CacheWritten
 

@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from runtime import disk
-from runtime.cache_file import CacheStore, validate_agent_id
+from runtime.cache_file import CacheStore
+from runtime.cache_records import validate_agent_id
 from runtime.disk import human_bytes as _size
 from runtime.errors import SemanticError
 from runtime.paths import agents_dir, usable_dir

@@ -23,7 +23,9 @@ from pathlib import Path
 
 from .batch_cache import copy_cache, trimmable_tokens
 from .block_pool import KVBudget, default_budget
-from .cache_file import FORMAT_VERSION, CacheRecord, CacheStore, HostCache, model_key
+from .cache_codec import HostCache
+from .cache_file import CacheStore, model_key
+from .cache_records import FORMAT_VERSION, CacheRecord
 from .errors import SemanticError
 from .model_spec import ModelCacheSpec
 

@@ -28,6 +28,7 @@ import operator
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
+from .cache_records import BLOCK_TOKENS
 from .errors import SemanticError
 from .model_spec import (  # LayerKind: docstring example
     FULL, RECURRENT, SLIDING, STATE_CHECKPOINTS, WINDOW_SPARE, LayerKind, ModelCacheSpec, kv_bytes_per_token,
@@ -128,7 +129,7 @@ class LayerGroup:
 def layer_groups(
     spec: ModelCacheSpec,
     *,
-    block_tokens: int = 256,
+    block_tokens: int = BLOCK_TOKENS,
     bits: int = 4,
     group_size: int = 64,
     sliding_dtype_bytes: int = 2,
@@ -272,7 +273,7 @@ class KVBudget:
         spec: ModelCacheSpec,
         budget_bytes: int,
         *,
-        block_tokens: int = 256,
+        block_tokens: int = BLOCK_TOKENS,
         bits: int = 4,
         group_size: int = 64,
         sliding_dtype_bytes: int = 2,
@@ -393,7 +394,7 @@ def default_budget(
     device_memory_bytes: int,
     headroom: int | None = None,
     *,
-    block_tokens: int = 256,
+    block_tokens: int = BLOCK_TOKENS,
     bits: int = 4,
     group_size: int = 64,
     sliding_dtype_bytes: int = 2,

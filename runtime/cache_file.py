@@ -19,18 +19,18 @@ and a save writes only what the previous manifest lacks -- the blocks a turn
 added or changed, the ring, the new text, the manifest. Loading checks every
 file against its name.
 
-Writing is split across threads: ``snapshot`` (the thread that owns MLX)
-copies out the bytes of the blocks from a given one on; ``CacheStore.write``
+Writing is split across threads: ``snapshot`` (``runtime.cache_codec``, on
+the thread that owns MLX) copies out the bytes of the blocks from a given one
+on; ``CacheStore.write``
 (any thread) hashes and writes them, taking the blocks before it from the
 manifest on disk. Version 1 files (one safetensors file per agent,
 ``runtime.cache_v1``) still load and are replaced by blocks on their agent's
-next write.
+next write. What the files hold -- records, layer kinds, errors, the
+agent-id rule -- is ``runtime.cache_records``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import hashlib
 import json
 import logging
@@ -41,283 +41,57 @@ import secrets
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
-import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import QuantizedKVCache
 
-from .batch_cache import DequantizingKVCache, SequenceQuantizedKVCache, StateCache, WindowKVCache
-from .errors import SemanticError
+from . import cache_v1
+from .cache_codec import HostCache, snapshot
+from .cache_records import (AGENT_DIR_SUFFIX, BLOCK_TOKENS, DEQUANTIZING, DTYPES, FLOATS, FORMAT, FORMAT_VERSION,
+                            MANIFEST, MAX_TEXT_PIECES, PARTS, QNAMES, QUANTIZED, ROTATING, STATE, WINDOW, BlockUpdate,
+                            CacheFileError, CacheRecord, InvalidAgentId, StaleBlocks, open_checked, ring_names,
+                            validate_agent_id)
 from .json_reader import JSONError, read_json
 
-__all__ = [
-    "BLOCK_TOKENS",
-    "FORMAT_VERSION",
-    "AGENT_DIR_SUFFIX",
-    "MANIFEST",
-    "BlockUpdate",
-    "CacheFileError",
-    "CacheRecord",
-    "CacheStore",
-    "InvalidAgentId",
-    "StaleBlocks",
-    "merged",
-    "model_key",
-    "snapshot",
-    "validate_agent_id",
-    "write_atomic",
-]
+__all__ = ["CacheStore", "fsync_dir", "load", "model_key", "pid_alive", "read", "read_manifest", "remove_tree",
+           "tree_bytes", "write_atomic"]
 
 log = logging.getLogger("semantic.cache")
 
-FORMAT = "semantic-kv-cache"
-FORMAT_VERSION = 2
-BLOCK_TOKENS = 256  # the KV budget's block size
-AGENT_DIR_SUFFIX = ".kv"  # never ".safetensors": an agent's directory and a version 1 file never share a name
-MANIFEST = "manifest.json"
-MAX_AGENT_ID = 128
-_AGENT_CHARS = re.compile(r"[A-Za-z0-9._:@-]+")
 _TMP = ".tmp-"  # temp files start with '.', which no agent id may: never taken for a cache
 _STALE_TMP_S = 3600.0  # no save takes an hour: an older temp file (or unnamed block) is stale
 _MAX_MANIFEST = 64 << 20
-_MAX_TEXT_PIECES = 32  # past this many, a save writes the text as one piece again
 _NAME = re.compile(r"[0-9a-f]{64}\.(block|ring|text)")
 
-QUANTIZED, DEQUANTIZING, WINDOW, STATE = "quantized", "dequantizing", "window", "state"
-ROTATING = "rotating"  # an mlx-lm ring, written before ``WindowKVCache``: read as one
-_PARTS = ("weights", "scales", "biases")
-_QNAMES = tuple(f"{kv}_{p}" for kv in ("k", "v") for p in _PARTS)  # a quantized layer's tensors, in file order
-
-# safetensors dtype name -> (MLX dtype, numpy dtype of the raw bytes); bfloat16 travels as uint16.
-_DTYPES = {
-    "U32": (mx.uint32, np.dtype("<u4")),
-    "F16": (mx.float16, np.dtype("<f2")),
-    "BF16": (mx.bfloat16, np.dtype("<u2")),
-    "F32": (mx.float32, np.dtype("<f4")),
-}
-_NAMES = {mx_dt: name for name, (mx_dt, _) in _DTYPES.items()}
-_FLOATS = ("F16", "BF16", "F32")
-
-assert sys.byteorder == "little", "tensors are written as they lie in memory, little-endian"
 
 
-class InvalidAgentId(SemanticError, ValueError):
-    """An agent id that cannot name a cache file; the message names the broken rule."""
 
 
-class CacheFileError(SemanticError):
-    """A cache that cannot be used. ``reason`` is one of: ``missing``, ``missing
-    block``, ``unreadable``, ``truncated``, ``unparsable``, ``old format``, ``newer
-    format``, ``other model``, ``other spec``, ``other agent``, ``bad layout``,
-    ``bad checksum``."""
-
-    def __init__(self, path: os.PathLike | str, reason: str, detail: str):
-        super().__init__(f"cache file {os.fspath(path)} is unusable ({reason}): {detail}")
-        self.path = Path(path)
-        self.reason = reason
-        self.detail = detail
 
 
-def validate_agent_id(agent_id: str) -> str:
-    """Return ``agent_id`` if it may name a cache file, else raise ``InvalidAgentId``.
-
-    Allowed: 1 to 128 ASCII characters from ``A-Z a-z 0-9 . _ : @ -``, not
-    starting with '.' (so not '.' or '..', and never a hidden or temp file).
-    Ids are case-sensitive; on a case-insensitive file system (macOS by
-    default) two ids that differ only in case share one file: ``CacheStore.load``
-    sees the other agent's id in it, quarantines it and starts cold, so neither
-    ever gets the other's cache.
-    """
-    if not isinstance(agent_id, str):
-        raise InvalidAgentId(f"agent id must be a string, not {type(agent_id).__name__}")
-    if not agent_id:
-        raise InvalidAgentId("agent id may not be empty")
-    if len(agent_id) > MAX_AGENT_ID:
-        raise InvalidAgentId(f"agent id may be at most {MAX_AGENT_ID} characters, not {len(agent_id)}")
-    if "\x00" in agent_id:
-        raise InvalidAgentId("agent id may not contain NUL")
-    if any(ord(c) < 32 or ord(c) == 127 for c in agent_id):
-        raise InvalidAgentId("agent id may not contain control characters")
-    for sep in ("/", "\\"):
-        if sep in agent_id:
-            raise InvalidAgentId(f"agent id may not contain {sep!r}")
-    if agent_id in (".", ".."):
-        raise InvalidAgentId("agent id may not be '.' or '..'")
-    if agent_id.startswith("."):
-        raise InvalidAgentId("agent id may not start with '.'")
-    if not _AGENT_CHARS.fullmatch(agent_id):
-        bad = next(c for c in agent_id if not _AGENT_CHARS.fullmatch(c))
-        raise InvalidAgentId(f"agent id may contain only A-Z a-z 0-9 . _ : @ -, not {bad!r}")
-    return agent_id
 
 
-@dataclass
-class CacheRecord:
-    """An agent's cache and what it covers: ``cache[L].offset == len(tokens)`` for every layer."""
-
-    agent_id: str
-    model_id: str
-    spec_hash: str  # ModelCacheSpec.hash of the model the cache was computed with
-    tokens: list[int]  # exactly the token ids whose K/V the cache holds
-    text: str  # the prompt text those tokens came from
-    created: float  # unix time
-    updated: float  # unix time
-    cache: list  # per layer: SequenceQuantizedKVCache, DequantizingKVCache or WindowKVCache
-    format_version: int = FORMAT_VERSION  # of the files it was loaded from
 
 
-@dataclass(eq=False)
-class HostCache:
-    """A cache read from its files into host memory and checked, before any MLX
-    array exists: what the reader (any thread) hands to the thread that owns
-    MLX, which ``build``s the caches from it (a copy; no file I/O)."""
-
-    record: CacheRecord  # everything but the cache (``cache`` is empty)
-    layers: list[dict]  # the manifest's layer entries
-    arrays: dict[str, np.ndarray]  # "layer_{i}_{name}" -> its data
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.record.tokens
-
-    def build(self) -> CacheRecord:
-        """The ``CacheRecord`` with its caches, as the engine would hold them after the same tokens."""
-        arrays, cache = self.arrays, []
-        for i, e in enumerate(self.layers):  # each layer's host buffers go as its arrays are made
-            names = [k for k in arrays if k.startswith(f"layer_{i}_")]
-            cache.append(_rebuild(i, e, {k: _to_mx(arrays.pop(k)) for k in names}))
-        return dataclasses.replace(self.record, cache=cache)
 
 
-class StaleBlocks(Exception):
-    """An update leaves out blocks that the manifest on disk does not hold: the
-    writer needs the whole cache (``snapshot(record)``)."""
 
 
-@dataclass(eq=False)
-class BlockUpdate:
-    """A version of an agent's cache as bytes, from block ``first`` on: what the
-    thread that owns MLX hands to the writer. Blocks before ``first`` are the
-    ones the manifest on disk already holds for the same tokens."""
-
-    agent_id: str
-    model_id: str
-    spec_hash: str
-    tokens: list[int]
-    text: str
-    created: float
-    updated: float
-    layers: list[dict]  # the manifest's layer entries
-    first: int  # index of blocks[0]
-    blocks: list[bytearray]  # block files' bytes, blocks first, first + 1, ... up to the last
-    ring: bytearray  # the sliding-window layers' file (empty: none)
-
-    @functools.cached_property
-    def nbytes(self) -> int:
-        """Bytes the directory holds more while this is written, at most: its
-        blocks, ring and text, and its manifest (the new one is written beside
-        the old, then replaces it)."""
-        files = sum(len(b) for b in self.blocks) + len(self.ring) + len(self.text.encode())
-        blocks = -(-len(self.tokens) // BLOCK_TOKENS)
-        manifest = len(json.dumps(self.layers, separators=(",", ":"))) + 200 * blocks + 100 * (_MAX_TEXT_PIECES + 1)
-        return files + manifest + 1024  # + the fields, checksum and digest
 
 
-def merged(older: BlockUpdate, newer: BlockUpdate) -> BlockUpdate:
-    """``newer``, also carrying the blocks before its ``first`` that only ``older``
-    carried: both were pending, only the newer is written."""
-    n = newer.first * BLOCK_TOKENS
-    if newer.first <= older.first or older.first + len(older.blocks) < newer.first \
-            or older.tokens[:n] != newer.tokens[:n]:
-        return newer  # nothing to take over (or not the same tokens: the writer finds them stale)
-    taken = older.blocks[: newer.first - older.first]
-    return dataclasses.replace(newer, first=older.first, blocks=[*taken, *newer.blocks])
+
+
 
 
 # -- the MLX side: copy out the bytes ---------------------------------------
 
 
-def snapshot(record: CacheRecord, first: int = 0) -> BlockUpdate:
-    """The bytes of ``record``'s blocks from block ``first`` on, and of its rings
-    (copies: the cache may change after this returns). Call on the thread that
-    owns MLX; no hashing, no file I/O. Raises ``InvalidAgentId``, ``ValueError``
-    (a cache that does not match its tokens, or unsupported layers)."""
-    validate_agent_id(record.agent_id)
-    n = len(record.tokens)
-    layers, quantized, rings = _describe(record)
-    if any(not 0 <= t < 2**32 for t in record.tokens):
-        raise ValueError("token ids must fit in 32 bits")
-    count = -(-n // BLOCK_TOKENS)
-    first = max(0, min(first, count))
-    start = first * BLOCK_TOKENS
-    new = [_host(x[..., start:n, :]) for x in quantized]  # one copy per tensor of what is new, then cut in blocks
-    blocks = []
-    for b in range(first, count):
-        lo, hi = b * BLOCK_TOKENS, min(n, (b + 1) * BLOCK_TOKENS)
-        data = bytearray(np.asarray(record.tokens[lo:hi], dtype="<u4").tobytes())
-        for x in new:
-            data += x[..., lo - start:hi - start, :].tobytes()
-        blocks.append(data)
-    ring = bytearray()
-    for x in rings:
-        ring += _host(x).tobytes()
-    return BlockUpdate(record.agent_id, record.model_id, record.spec_hash, list(record.tokens), record.text,
-                       float(record.created), float(record.updated), layers, first, blocks, ring)
 
 
-def _describe(record: CacheRecord) -> tuple[list[dict], list[mx.array], list[mx.array]]:
-    """(manifest layer entries; quantized tensors in block order, full length; ring tensors, live slots)."""
-    n = len(record.tokens)
-    layers, quantized, rings, quant = [], [], [], set()
-    for i, c in enumerate(record.cache):
-        if isinstance(c, (DequantizingKVCache, QuantizedKVCache)):
-            q = c.quantized if isinstance(c, DequantizingKVCache) else c
-            _check_offset(i, q.offset, n)
-            entry = {"kind": DEQUANTIZING if isinstance(c, DequantizingKVCache) else QUANTIZED,
-                     "offset": q.offset, "bits": q.bits, "group_size": q.group_size, "tensors": {}}
-            quant.add((q.bits, q.group_size))
-            if q.offset:
-                for name, x in zip(_QNAMES, (*q.keys, *q.values)):
-                    entry["tensors"][name] = [_dtype_name(i, x), x.shape[1], x.shape[3]]
-                    quantized.append(x)
-            layers.append(entry)
-        elif isinstance(c, StateCache):
-            _check_offset(i, c.offset, n)
-            entry = {"kind": STATE, "offset": c.offset, "size": len(c.cache),
-                     "checkpoints": [at for at, _ in c.checkpoints], "tensors": {}}
-            held = [c.cache, *(state for _, state in c.checkpoints)]
-            for name, x in zip(_ring_names(entry), (x for state in held for x in state)):
-                if x is not None:
-                    entry["tensors"][name] = [_dtype_name(i, x), *x.shape[1:]]
-                    rings.append(x)
-            layers.append(entry)
-        elif isinstance(c, WindowKVCache):
-            _check_offset(i, c.offset, n)
-            entry = {"kind": WINDOW, "offset": c.offset, "window": c.window, "tensors": {}}
-            if c.held:
-                for name, x in zip("kv", c.state):
-                    entry["tensors"][name] = [_dtype_name(i, x), *x.shape[1:]]
-                    rings.append(x)
-            layers.append(entry)
-        else:
-            raise ValueError(f"layer {i}: cannot save a {type(c).__name__}")
-    if len(quant) > 1:
-        raise ValueError(f"quantized layers disagree on (bits, group size): {sorted(quant)}")
-    return layers, quantized, rings
 
 
-def _dtype_name(layer: int, x: mx.array) -> str:
-    if x.dtype not in _NAMES or x.shape[0] != 1:
-        raise ValueError(f"layer {layer}: cannot save a {x.dtype} tensor of shape {x.shape}")
-    return _NAMES[x.dtype]
 
 
-def _check_offset(layer: int, offset: int, n: int) -> None:
-    if offset != n:
-        raise ValueError(f"layer {layer} holds {offset} tokens but the record lists {n} token ids")
 
 
 # -- files -----------------------------------------------------------------
@@ -346,31 +120,11 @@ def _write_atomic(path: Path, data, sync_dir: bool = True) -> None:
         fsync_dir(path.parent)  # makes the rename itself durable
 
 
-class _open:
-    """``open(path, 'rb')`` unbuffered, with OS errors turned into ``CacheFileError``."""
-
-    def __init__(self, path, missing: str = "missing"):
-        self.path = path
-        self.missing = missing
-
-    def __enter__(self) -> BinaryIO:
-        try:
-            self.f = open(self.path, "rb", buffering=0)
-        except FileNotFoundError:
-            raise CacheFileError(self.path, self.missing, "no such file") from None
-        except OSError as e:
-            raise CacheFileError(self.path, "unreadable", e.strerror or str(e)) from None
-        return self.f
-
-    def __exit__(self, kind, e, tb):
-        self.f.close()
-        if isinstance(e, OSError):
-            raise CacheFileError(self.path, "unreadable", e.strerror or str(e)) from e
 
 
 def _read_named(path: Path, size: int) -> bytes:
     """A content-named file's bytes, checked: ``size`` long, sha256 equal to its name."""
-    with _open(path, missing="missing block") as f:
+    with open_checked(path, missing="missing block") as f:
         have = os.fstat(f.fileno()).st_size
         if have != size:
             raise CacheFileError(path, "truncated" if have < size else "bad layout", f"{have} bytes, expected {size}")
@@ -410,7 +164,7 @@ def read_manifest(directory: os.PathLike | str) -> dict:
     """An agent directory's manifest, parsed and checked against itself (not its
     files). Raises ``CacheFileError``: ``missing`` when there is none."""
     path = Path(directory) / MANIFEST
-    with _open(path) as f:
+    with open_checked(path) as f:
         raw = f.read(_MAX_MANIFEST + 1)
     if len(raw) > _MAX_MANIFEST:
         raise CacheFileError(path, "unparsable", "manifest too large")
@@ -470,7 +224,7 @@ def _check_layer(path: Path, i: int, e: dict, n: int) -> None:
 
     tensors = e.get("tensors")
     if not isinstance(tensors, dict) or not all(
-        isinstance(t, list) and t and t[0] in _DTYPES and all(type(d) is int and d > 0 for d in t[1:])
+        isinstance(t, list) and t and t[0] in DTYPES and all(type(d) is int and d > 0 for d in t[1:])
         for t in tensors.values()
     ):
         raise bad("bad tensor entries")
@@ -479,11 +233,11 @@ def _check_layer(path: Path, i: int, e: dict, n: int) -> None:
         bits, group = e.get("bits"), e.get("group_size")
         if bits not in (4, 8) or group not in (32, 64, 128):
             raise bad(f"unsupported bits {bits!r} / group size {group!r}")
-        if set(tensors) != (set(_QNAMES) if n else set()):
+        if set(tensors) != (set(QNAMES) if n else set()):
             raise bad("missing or extra tensors")
         for kv in ("k", "v") if n else ():
-            w, s, b = (tensors[f"{kv}_{p}"] for p in _PARTS)
-            if not (len(w) == len(s) == 3 and w[0] == "U32" and s[0] in _FLOATS and s == b
+            w, s, b = (tensors[f"{kv}_{p}"] for p in PARTS)
+            if not (len(w) == len(s) == 3 and w[0] == "U32" and s[0] in FLOATS and s == b
                     and w[1] == s[1] == tensors["k_weights"][1] and w[2] * 32 // bits == s[2] * group):
                 raise bad(f"{kv} triple {w} {s} {b} does not fit")
     elif kind == WINDOW:
@@ -492,7 +246,7 @@ def _check_layer(path: Path, i: int, e: dict, n: int) -> None:
             raise bad("bad window")
         if n:
             k, v = tensors.get("k"), tensors.get("v")
-            if set(tensors) != {"k", "v"} or len(k) != 4 or len(v) != 4 or k[0] not in _FLOATS or v[0] != k[0]:
+            if set(tensors) != {"k", "v"} or len(k) != 4 or len(v) != 4 or k[0] not in FLOATS or v[0] != k[0]:
                 raise bad("missing or bad window tensors")
             # It holds all n tokens, or at least the window's (window - 1 and the newest).
             if k[1:3] != v[1:3] or not (k[2] == n or window - 1 <= k[2] <= n):
@@ -503,9 +257,9 @@ def _check_layer(path: Path, i: int, e: dict, n: int) -> None:
         size, marks = e.get("size"), e.get("checkpoints")
         if not (type(size) is int and 0 < size <= 16 and isinstance(marks, list) and len(marks) <= 16
                 and all(type(at) is int and 0 < at <= n for at in marks) and marks == sorted(set(marks))
-                and set(tensors) <= set(_ring_names(e))):
+                and set(tensors) <= set(ring_names(e))):
             raise bad("bad state entries")
-        if any(t[0] not in _FLOATS for t in tensors.values()) or bool(tensors) != bool(n):
+        if any(t[0] not in FLOATS for t in tensors.values()) or bool(tensors) != bool(n):
             raise bad("missing or bad state tensors")
     elif kind == ROTATING:
         size, keep, idx = e.get("max_size"), e.get("keep"), e.get("idx")
@@ -513,7 +267,7 @@ def _check_layer(path: Path, i: int, e: dict, n: int) -> None:
             raise bad("bad ring metadata")
         if n:
             k, v = tensors.get("k"), tensors.get("v")
-            if set(tensors) != {"k", "v"} or len(k) != 4 or len(v) != 4 or k[0] not in _FLOATS or v[0] != k[0]:
+            if set(tensors) != {"k", "v"} or len(k) != 4 or len(v) != 4 or k[0] not in FLOATS or v[0] != k[0]:
                 raise bad("missing or bad ring tensors")
             live = k[2]
             # A ring holds all n tokens, or is full (max_size, or more just after a multi-token chunk).
@@ -529,29 +283,23 @@ def _block_layout(layers: list[dict]) -> list[tuple[int, str, str, tuple[int, in
     """(layer, tensor name, dtype, (heads, width)) of every quantized tensor, in block order."""
     return [(i, name, e["tensors"][name][0], tuple(e["tensors"][name][1:]))
             for i, e in enumerate(layers) if e["kind"] in (QUANTIZED, DEQUANTIZING)
-            for name in _QNAMES if name in e["tensors"]]
+            for name in QNAMES if name in e["tensors"]]
 
 
 def _ring_layout(layers: list[dict]) -> list[tuple[int, str, str, tuple[int, ...]]]:
     return [(i, name, e["tensors"][name][0], tuple(e["tensors"][name][1:]))
             for i, e in enumerate(layers) if e["kind"] in (WINDOW, ROTATING, STATE)
-            for name in _ring_names(e) if name in e["tensors"]]
+            for name in ring_names(e) if name in e["tensors"]]
 
 
-def _ring_names(e: dict) -> list[str]:
-    """Tensor names of a ring-file layer in file order: a state's arrays, then its checkpoints'."""
-    if e["kind"] == STATE:
-        n = range(e["size"])
-        return [*map(str, n), *(f"c{k}.{j}" for k in range(len(e["checkpoints"])) for j in n)]
-    return ["k", "v"]
 
 
 def _block_size(layers: list[dict], tokens: int) -> int:
-    return 4 * tokens + sum(h * tokens * w * _DTYPES[dt][1].itemsize for _, _, dt, (h, w) in _block_layout(layers))
+    return 4 * tokens + sum(h * tokens * w * DTYPES[dt][1].itemsize for _, _, dt, (h, w) in _block_layout(layers))
 
 
 def _ring_size(layers: list[dict]) -> int:
-    return sum(math.prod(shape) * _DTYPES[dt][1].itemsize for _, _, dt, shape in _ring_layout(layers))
+    return sum(math.prod(shape) * DTYPES[dt][1].itemsize for _, _, dt, shape in _ring_layout(layers))
 
 
 # -- reading -------------------------------------------------------------------
@@ -582,7 +330,7 @@ def read(directory: os.PathLike | str, *, model_id: str | None, spec_hash: str |
             raise CacheFileError(directory, reason, f"cache is for {have!r}, wanted {want!r}")
     layers, n = m["layers"], m["token_count"]
     layout = _block_layout(layers)
-    arrays = {f"layer_{i}_{name}": np.empty((1, h, n, w), _DTYPES[dt][1]) for i, name, dt, (h, w) in layout} \
+    arrays = {f"layer_{i}_{name}": np.empty((1, h, n, w), DTYPES[dt][1]) for i, name, dt, (h, w) in layout} \
         if keep else {}
     tokens, chains = [], []
     for b, e in enumerate(m["blocks"]):
@@ -592,10 +340,10 @@ def read(directory: os.PathLike | str, *, model_id: str | None, spec_hash: str |
         chains.append(e.get("chain"))
         at, lo = 4 * t, b * BLOCK_TOKENS
         for i, name, dt, (h, w) in layout:
-            size = h * t * w * _DTYPES[dt][1].itemsize
+            size = h * t * w * DTYPES[dt][1].itemsize
             if keep:
                 arrays[f"layer_{i}_{name}"][:, :, lo:lo + t, :] = \
-                    np.frombuffer(data, _DTYPES[dt][1], h * t * w, at).reshape(1, h, t, w)
+                    np.frombuffer(data, DTYPES[dt][1], h * t * w, at).reshape(1, h, t, w)
             at += size
     if chains != _chains(tokens):
         raise CacheFileError(directory, "bad layout", "the blocks do not hold the tokens the manifest lists")
@@ -607,8 +355,8 @@ def read(directory: os.PathLike | str, *, model_id: str | None, spec_hash: str |
         for i, name, dt, shape in rings:
             count = math.prod(shape)
             if keep:
-                arrays[f"layer_{i}_{name}"] = np.frombuffer(data, _DTYPES[dt][1], count, at).reshape(1, *shape)
-            at += count * _DTYPES[dt][1].itemsize
+                arrays[f"layer_{i}_{name}"] = np.frombuffer(data, DTYPES[dt][1], count, at).reshape(1, *shape)
+            at += count * DTYPES[dt][1].itemsize
     try:
         text = "".join(_read_named(directory / e["file"], e["bytes"]).decode() for e in m["text"])
     except UnicodeDecodeError:  # a piece cut inside a character: not one we wrote
@@ -621,50 +369,12 @@ def read(directory: os.PathLike | str, *, model_id: str | None, spec_hash: str |
     return HostCache(record, layers, arrays)
 
 
-def _to_mx(x: np.ndarray) -> mx.array:
-    a = mx.array(x)
-    return a.view(mx.bfloat16) if x.dtype == np.dtype("<u2") else a
 
 
-def _rebuild(i: int, m: dict, arrays: dict[str, mx.array]):
-    """One layer's cache object, as the engine would hold it after the same tokens."""
-    if m["kind"] == STATE:
-        c = StateCache(m["size"])
-        get = lambda name: arrays.get(f"layer_{i}_{name}")  # noqa: E731
-        c.cache = [get(str(j)) for j in range(m["size"])]
-        c.offset = m["offset"]
-        c.checkpoints = [(at, [get(f"c{k}.{j}") for j in range(m["size"])]) for k, at in enumerate(m["checkpoints"])]
-        return c
-    if m["kind"] in (WINDOW, ROTATING):
-        c = WindowKVCache(m.get("window") or m["max_size"])
-        if m["offset"]:
-            k, v = arrays[f"layer_{i}_k"], arrays[f"layer_{i}_v"]
-            if m["kind"] == ROTATING:  # unroll the ring: oldest first
-                k, v = (_unrolled(x, m["idx"], m["offset"]) for x in (k, v))
-            c.keys, c.values, c.live, c.offset = k, v, k.shape[2], m["offset"]
-        return c
-    q = SequenceQuantizedKVCache(m["group_size"], m["bits"])
-    if m["offset"]:
-        q.keys = tuple(arrays[f"layer_{i}_k_{p}"] for p in _PARTS)
-        q.values = tuple(arrays[f"layer_{i}_v_{p}"] for p in _PARTS)
-        q.offset = m["offset"]
-    return DequantizingKVCache(quantized=q) if m["kind"] == DEQUANTIZING else q
 
 
-def _unrolled(ring: mx.array, idx: int, offset: int) -> mx.array:
-    """An mlx-lm ring's tokens in temporal order (its ``_temporal_order``, keep 0)."""
-    if idx == ring.shape[2]:
-        return ring
-    if idx < offset:
-        return mx.concatenate([ring[..., idx:, :], ring[..., :idx, :]], axis=2)
-    return ring[..., :idx, :]
 
 
-def _host(a: mx.array) -> np.ndarray:
-    """The array in host memory (a view where MLX allows); bfloat16 as uint16."""
-    a = mx.contiguous(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
-    mx.eval(a)
-    return np.asarray(memoryview(a))
 
 
 def _fsync(fd: int) -> None:
@@ -891,7 +601,7 @@ class CacheStore:
                     break
                 pieces.append(e)
                 at = end
-        if len(pieces) >= _MAX_TEXT_PIECES:
+        if len(pieces) >= MAX_TEXT_PIECES:
             pieces, at = [], 0
         if at < len(text):
             data = text[at:].encode()
@@ -1031,6 +741,3 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # someone else's process
         return True
     return True
-
-
-from . import cache_v1  # noqa: E402  (last: it builds on this module)

@@ -25,9 +25,9 @@ from typing import BinaryIO
 
 import numpy as np
 
-from .cache_file import (
-    _DTYPES, _FLOATS, _PARTS, DEQUANTIZING, FORMAT, QUANTIZED, ROTATING, CacheFileError, CacheRecord, HostCache, _open,
-)
+from .cache_codec import HostCache
+from .cache_records import (DEQUANTIZING, DTYPES, FLOATS, FORMAT, PARTS, QUANTIZED, ROTATING, CacheFileError,
+                            CacheRecord, open_checked)
 from .json_reader import JSONError, read_json
 
 __all__ = ["SUFFIX", "VERSION", "read", "read_meta", "verify"]
@@ -67,7 +67,7 @@ def read_meta(path: os.PathLike | str) -> dict:
     ``CacheFileError`` if the file is missing, unreadable, truncated, not a
     cache file or of another format version.
     """
-    with _open(path) as f:
+    with open_checked(path) as f:
         return _parse(path, _read_header(path, f))
 
 
@@ -81,7 +81,7 @@ def verify(
     """Check a whole cache file (header, layout and checksum, streamed in 1 MiB
     chunks) and, where given, that it is for this model, spec and agent.
     Returns ``read_meta``'s dict; raises ``CacheFileError``."""
-    with _open(path) as f:
+    with open_checked(path) as f:
         header, info = _checked_header(path, f, model_id, spec_hash, agent_id)
         _read_tensors(path, f, header, info["checksum"], keep=False)
     return info
@@ -102,7 +102,7 @@ def read(
     they arrive, so memory peaks at the cache plus one tensor. Raises
     ``CacheFileError`` with a ``reason`` on any failure, never anything else.
     """
-    with _open(path) as f:
+    with open_checked(path) as f:
         header, info = _checked_header(path, f, model_id, spec_hash, agent_id)
         arrays = _read_tensors(path, f, header, info["checksum"], keep=True)
     record = CacheRecord(
@@ -155,14 +155,14 @@ def _read_header(path, f: BinaryIO) -> _Header:
             continue
         try:
             dtype, shape, (start, end) = t["dtype"], tuple(t["shape"]), t["data_offsets"]
-            assert dtype in _DTYPES and all(type(d) is int and d >= 0 for d in (*shape, start, end))
+            assert dtype in DTYPES and all(type(d) is int and d >= 0 for d in (*shape, start, end))
         except (AssertionError, KeyError, TypeError, ValueError):
             raise CacheFileError(path, "unparsable", f"bad entry for tensor {name!r}") from None
         tensors.append(_Tensor(name, dtype, shape, start, end))
     tensors.sort(key=lambda t: t.start)
     at = 0
     for t in tensors:  # contiguous, in order, each exactly as long as its shape says
-        if t.start != at or t.end - t.start != math.prod(t.shape) * _DTYPES[t.dtype][1].itemsize:
+        if t.start != at or t.end - t.start != math.prod(t.shape) * DTYPES[t.dtype][1].itemsize:
             raise CacheFileError(path, "bad layout", f"tensor {t.name!r} has the wrong byte range")
         at = t.end
     if size < 8 + n + at:
@@ -245,11 +245,11 @@ def _check_layout(path, info: dict, tensors: dict[str, _Tensor]) -> None:
                 raise bad(f"layer {i}: unsupported bits {bits!r} / group size {group!r}")
             heads = set()
             for kv in ("k", "v") if n else ():
-                w, s, b = (tensors.get(f"layer_{i}_{kv}_{p}") for p in _PARTS)
+                w, s, b = (tensors.get(f"layer_{i}_{kv}_{p}") for p in PARTS)
                 if not (w and s and b):
                     raise bad(f"layer {i}: missing {kv} triple")
                 ok = (
-                    w.dtype == "U32" and s.dtype in _FLOATS and b.dtype == s.dtype
+                    w.dtype == "U32" and s.dtype in FLOATS and b.dtype == s.dtype
                     and len(w.shape) == 4 and w.shape[:3] == (1, w.shape[1], n) and s.shape == b.shape
                     and s.shape[:3] == w.shape[:3] and w.shape[3] * 32 // bits == s.shape[3] * group
                 )
@@ -265,7 +265,7 @@ def _check_layout(path, info: dict, tensors: dict[str, _Tensor]) -> None:
                 raise bad(f"layer {i}: bad ring metadata")
             k, v = tensors.get(f"layer_{i}_k"), tensors.get(f"layer_{i}_v")
             if n:
-                if not (k and v and k.dtype in _FLOATS and v.dtype == k.dtype and len(k.shape) == len(v.shape) == 4):
+                if not (k and v and k.dtype in FLOATS and v.dtype == k.dtype and len(k.shape) == len(v.shape) == 4):
                     raise bad(f"layer {i}: missing or bad ring tensors")
                 live = k.shape[2]
                 # A ring holds all n tokens, or is full (max_size, or more just after a multi-token chunk).
@@ -299,7 +299,7 @@ def _read_tensors(path, f: BinaryIO, header: _Header, checksum: str, *, keep: bo
             digest.update(view[:k])
             got += k
         if keep:
-            arrays[t.name] = buf.view(_DTYPES[t.dtype][1]).reshape(t.shape)
+            arrays[t.name] = buf.view(DTYPES[t.dtype][1]).reshape(t.shape)
     if "sha256:" + digest.hexdigest() != checksum:
         raise CacheFileError(path, "bad checksum", "the bytes are not the ones written")
     return arrays

@@ -39,8 +39,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cache_file import AGENT_DIR_SUFFIX, MANIFEST, CacheStore, InvalidAgentId, remove_tree, tree_bytes, \
-    validate_agent_id
+from .cache_file import CacheStore, remove_tree, tree_bytes
+from .cache_records import AGENT_DIR_SUFFIX, MANIFEST, InvalidAgentId, validate_agent_id
 from .cache_v1 import SUFFIX
 
 __all__ = [

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from runtime.cache_file import MANIFEST, model_key
+from runtime.cache_file import model_key
+from runtime.cache_records import MANIFEST
 from tests.tiny import tiny_config
 
 
@@ -130,7 +131,8 @@ def test_generate_streams_the_models_greedy_reply(smollm2):
 
 def real_caches(root, agents):
     """A store under ``root`` with a real cache file (41 tokens, model 'tiny') for each agent."""
-    from runtime.cache_file import CacheRecord, CacheStore
+    from runtime.cache_file import CacheStore
+    from runtime.cache_records import CacheRecord
     from runtime.engine import Engine, SamplingParams
     from runtime.model_spec import ModelCacheSpec
     from tests.runtime.test_engine import ByteTokenizer, drain

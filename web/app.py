@@ -40,7 +40,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from actors import Agent, AgentExists, AgentGone, Runtime, TurnError, UnknownModel
 from actors import archive
-from runtime.cache_file import InvalidAgentId
+from runtime.cache_records import InvalidAgentId
 from runtime.disk import NoRoom, check_room, human_bytes
 from runtime.models import catalogue
 from runtime.errors import SemanticError

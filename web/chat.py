@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from actors import (Agent, AgentExists, AgentGone, ContextTooLong, Message, Reply, Runtime, RuntimeClosed,
                     RuntimeUnhealthy, TurnCancelled, UnknownModel)
 from runtime.agent_cache import OutOfMemory
-from runtime.cache_file import InvalidAgentId, validate_agent_id
+from runtime.cache_records import InvalidAgentId, validate_agent_id
 from runtime.errors import ModelError, SemanticError
 from runtime.grammar import GrammarError
 from runtime.outcome import TurnResult

@@ -33,7 +33,7 @@ import anyio
 
 from actors import AgentInfo, Runtime
 from actors.gpu import BatchSnapshot
-from runtime.cache_file import InvalidAgentId
+from runtime.cache_records import InvalidAgentId
 from runtime.outcome import TurnResult
 
 from .events import EventHub

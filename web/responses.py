@@ -78,6 +78,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from actors import Message
+from runtime.cache_records import AGENT_CHARS
 from runtime.sampling import MAX_LOGPROBS
 
 from . import _validate as v
@@ -100,7 +101,7 @@ __all__ = ["ResponseState", "ResponsesRequest", "continued", "deleted_json", "er
 log = logging.getLogger("semantic.web")
 
 _JOIN = "\n\n"  # between the text parts of one message, and between leading system messages
-_ID = re.compile(r"resp_([A-Za-z0-9._:@-]+)_([1-9][0-9]{0,8})_([0-9a-f]{12})")
+_ID = re.compile(rf"resp_({AGENT_CHARS.pattern})_([1-9][0-9]{{0,8}})_([0-9a-f]{{12}})")  # the agent-id rule's characters
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _IGNORED_ITEMS = ("reasoning",)

@@ -20,7 +20,8 @@ from actors import Message
 from actors.archive import INDEX, ArchiveError, agent_files, export_agent, import_agent
 from actors.errors import AgentExists
 from actors.history import encode_history
-from runtime.cache_file import CacheRecord, CacheStore, InvalidAgentId, model_key
+from runtime.cache_file import CacheStore, model_key
+from runtime.cache_records import CacheRecord, InvalidAgentId
 from runtime.model_spec import ModelCacheSpec
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,8 @@ import logging
 import pytest
 
 from actors import Runtime
-from runtime.cache_file import MANIFEST, CacheStore
+from runtime.cache_file import CacheStore
+from runtime.cache_records import MANIFEST
 from tests.web.live import tiny_loaded
 
 pytestmark = pytest.mark.anyio

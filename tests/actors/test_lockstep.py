@@ -10,7 +10,8 @@ import numpy as np
 from actors.gpu_thread import STEP
 from actors.lockstep import Lockstep, _dumps
 from actors.messages import BeginTurn, CacheRead, Message
-from runtime.cache_file import CacheRecord, HostCache
+from runtime.cache_codec import HostCache
+from runtime.cache_records import CacheRecord
 from runtime.engine import SamplingParams
 
 

@@ -23,7 +23,9 @@ from actors.messages import (
 )
 from actors.persistence import PersistenceActor, history_path
 from runtime import cache_file, disk
-from runtime.cache_file import CacheStore, snapshot
+from runtime.cache_codec import snapshot
+from runtime.cache_file import CacheStore
+from runtime.cache_records import MANIFEST
 from tests.runtime import cache_writer
 
 pytestmark = pytest.mark.anyio
@@ -134,7 +136,7 @@ async def test_a_read_of_an_unusable_cache_quarantines_it_and_says_none(tmp_path
     actor.mailbox.send_nowait(blocks("a", 1))
     actor.mailbox.send_nowait(Stop())
     await actor.run()
-    (actor.store.agent_dir("a", "m") / cache_file.MANIFEST).write_text("{not json")
+    (actor.store.agent_dir("a", "m") / MANIFEST).write_text("{not json")
     actor = actor_in(tmp_path)
     actor.mailbox.send_nowait(ReadCache("a", "m", cache_writer.SPEC))
     actor.mailbox.send_nowait(Stop())

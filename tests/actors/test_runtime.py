@@ -424,7 +424,7 @@ async def test_a_follow_up_hands_over_and_writes_only_its_new_blocks(open_runtim
     from pathlib import Path
 
     from actors import write_behind
-    from runtime.cache_file import BLOCK_TOKENS
+    from runtime.cache_records import BLOCK_TOKENS
 
     handed = []  # (tokens, first block copied out) per hand-over
     real = write_behind.snapshot
@@ -497,7 +497,8 @@ async def test_8_bit_caches_batch_persist_and_live_apart_from_4_bit_ones(tmp_pat
     next turn from the 8-bit files, and a 4-bit runtime does not take them."""
     import json
 
-    from runtime.cache_file import MANIFEST, CacheStore
+    from runtime.cache_file import CacheStore
+    from runtime.cache_records import MANIFEST
     from tests.web.live import tiny_loaded
 
     loaded = tiny_loaded()

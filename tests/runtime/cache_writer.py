@@ -19,7 +19,8 @@ import sys
 
 import mlx.core as mx
 from runtime.batch_cache import SequenceQuantizedKVCache, WindowKVCache
-from runtime.cache_file import CacheRecord, CacheStore
+from runtime.cache_file import CacheStore
+from runtime.cache_records import CacheRecord
 
 AGENTS = ("a0", "a1", "a2", "a3")
 TOKENS = (16, 500, 1500, 3000)  # per agent, first version; later ones append blocks, then trim back

@@ -25,22 +25,10 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from runtime import cache_file
 from runtime.batch_cache import DequantizingKVCache, StateCache, WindowKVCache, attention_view, copy_cache
-from runtime.cache_file import (
-    BLOCK_TOKENS,
-    MANIFEST,
-    CacheFileError,
-    CacheRecord,
-    CacheStore,
-    InvalidAgentId,
-    StaleBlocks,
-    load,
-    merged,
-    model_key,
-    read_manifest,
-    snapshot,
-    validate_agent_id,
-    write_atomic,
-)
+from runtime.cache_codec import snapshot
+from runtime.cache_file import CacheStore, load, model_key, read_manifest, write_atomic
+from runtime.cache_records import (BLOCK_TOKENS, MANIFEST, CacheFileError, CacheRecord, InvalidAgentId, StaleBlocks,
+                                   merged, validate_agent_id)
 from runtime.engine import Engine, SamplingParams
 from runtime.model_spec import ModelCacheSpec
 from tests.runtime import cache_writer as writer

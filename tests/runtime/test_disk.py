@@ -12,7 +12,8 @@ from collections import namedtuple
 import pytest
 
 from runtime import disk
-from runtime.cache_file import MANIFEST, CacheStore, model_key
+from runtime.cache_file import CacheStore, model_key
+from runtime.cache_records import MANIFEST
 
 DAY = 86400.0
 NOW = time.time()

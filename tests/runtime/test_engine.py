@@ -387,6 +387,7 @@ def test_a_preempted_sequence_goes_on_as_if_it_never_left(arch, via, tmp_path):
     file and read back) and resumed later beside others: the same greedy tokens
     as never interrupted, and its neighbours' too."""
     from runtime import cache_file
+    from runtime.cache_records import CacheRecord
 
     model, tok = tiny_model(arch), ByteTokenizer()
     greedy = SamplingParams(max_tokens=20)
@@ -405,7 +406,7 @@ def test_a_preempted_sequence_goes_on_as_if_it_never_left(arch, via, tmp_path):
             f = out["preempted"]
             cache = f.cache
             if via == "file":
-                record = cache_file.CacheRecord("a", "tiny", "hash", list(f.cache_tokens), "", 0.0, 0.0, f.cache)
+                record = CacheRecord("a", "tiny", "hash", list(f.cache_tokens), "", 0.0, 0.0, f.cache)
                 saved = cache_file.CacheStore(tmp_path).save(record)
                 cache = cache_file.load(saved, model_id="tiny", spec_hash="hash").cache
             engine.resume(ids[0], cache, len(f.cache_tokens))

@@ -16,7 +16,8 @@ import pytest
 
 from runtime.agent_cache import AgentCaches
 from runtime.block_pool import KVBudget
-from runtime.cache_file import CacheRecord, CacheStore
+from runtime.cache_file import CacheStore
+from runtime.cache_records import CacheRecord
 from runtime.engine import Engine, SamplingParams
 from runtime.model_spec import ModelCacheSpec
 from runtime.prefix import encode

@@ -135,7 +135,8 @@ def test_a_ring_from_an_older_file_loads_as_a_window_in_time_order():
     the same keys as the ring would give it."""
     import numpy as np
 
-    from runtime.cache_file import CacheRecord, HostCache
+    from runtime.cache_codec import HostCache
+    from runtime.cache_records import CacheRecord
 
     ring = RotatingKVCache(16)
     position = mx.arange(60, dtype=mx.float32).reshape(1, 1, 60, 1) * mx.ones((1, 1, 1, 64))
