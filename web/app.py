@@ -47,7 +47,7 @@ from runtime.errors import SemanticError
 
 from . import agents, anthropic, openai, responses
 from ._aio import closing
-from .chat import HEARTBEAT_S, ChatCore, ChatTurn, checked_agent_id, turn_error
+from .chat import HEARTBEAT_S, Answers, ChatCore, ChatProtocol, ChatTurn, checked_agent_id, turn_error
 from .dashboard import Dashboard, memory_and_disk
 from .events import EventHub
 from .metrics import CONTENT_TYPE_LATEST, Metrics
@@ -229,7 +229,7 @@ class _Server:
     async def completions(self, request: Request) -> Response:
         return await self._chat(request, openai, "openai")
 
-    async def _chat(self, request: Request, protocol, route: str) -> Response:
+    async def _chat(self, request: Request, protocol: ChatProtocol, route: str) -> Response:
         """A turn of a stateless chat protocol: ``protocol`` parses the body and
         answers the turn (``response_json``, or ``events`` when streaming)."""
         req = protocol.parse_request(await request.body(), _headers(request), max_tokens_cap=self.max_tokens_cap)
@@ -495,7 +495,7 @@ def _disk_error(e: OSError) -> RequestError:
     return RequestError(500, f"the archive could not be written here: {e}")
 
 
-async def _answer(request: Request, turn: ChatTurn, stream: bool, protocol) -> Response:
+async def _answer(request: Request, turn: ChatTurn, stream: bool, protocol: Answers) -> Response:
     """The turn's answer in ``protocol``'s shape: its events, or its JSON once the turn ended."""
     headers = {"x-agent-id": turn.agent_id}
     if stream:

@@ -27,9 +27,10 @@ Tools depend on the model's chat template (``web.tools``):
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Protocol, runtime_checkable
 
 from actors import (Agent, AgentExists, AgentGone, ContextTooLong, Message, Reply, Runtime, RuntimeClosed,
                     RuntimeUnhealthy, TurnCancelled, UnknownModel)
@@ -51,7 +52,7 @@ from .tools import (DEEPSEEK, LibraryFormat, ToolCallFilter, ToolFormat, added_t
                     deepseek_tool_prompt, finish_result, flatten_tool_messages, library_format, reply_format,
                     supports_tools, tool_format, tool_prompt)
 
-__all__ = ["ChatCore", "ChatTurn", "Prepared", "chat_result", "checked_agent_id", "context_first", "prepare",
+__all__ = ["Answers", "ChatCore", "ChatProtocol", "ChatTurn", "Prepared", "chat_result", "checked_agent_id", "context_first", "prepare",
            "sampling", "turn_error"]
 
 HEARTBEAT_S = 2.0  # a stream with nothing new for this long sends its keep-alive
@@ -79,6 +80,26 @@ class ChatTurn:
     messages: tuple[Message, ...]  # the conversation the reply answers
     items: AsyncIterator[StreamItem]
     created: int
+
+
+@runtime_checkable
+class Answers(Protocol):
+    """How a protocol module answers a turn (``web.anthropic``, ``web.openai``,
+    ``web.responses``, ``web.agents``): its JSON, its events, its errors."""
+
+    def response_json(self, turn: ChatTurn, result: ChatResult) -> dict: ...
+
+    def events(self, turn: ChatTurn, items: AsyncIterable[StreamItem]) -> AsyncIterator[bytes]: ...
+
+    def error_json(self, err: RequestError) -> dict: ...
+
+
+@runtime_checkable
+class ChatProtocol(Answers, Protocol):
+    """A stateless chat API's module, which also reads its requests."""
+
+    def parse_request(self, body: bytes, headers: Mapping[str, str] | None = None, *,
+                      max_tokens_cap: int) -> ChatRequest: ...
 
 
 def prepare(req: ChatRequest, chat_template: str | None, library: LibraryFormat | None = None,

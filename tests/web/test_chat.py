@@ -117,3 +117,11 @@ def test_a_system_message_after_a_user_message_is_rendered_before_it():
     # what a later turn sends extends what an earlier one rendered: the cache stays a prefix
     assert context_first(convo[:3]) == context_first(convo)[:3]
     assert [m["content"] for m in context_first(convo[1:3])] == ["env", "q1"]
+
+
+def test_every_protocol_module_has_the_shape_the_routes_use():
+    from web import agents, anthropic, openai, responses
+    from web.chat import Answers, ChatProtocol
+
+    assert all(isinstance(m, ChatProtocol) for m in (anthropic, openai, responses))
+    assert isinstance(agents, Answers) and not isinstance(agents, ChatProtocol)  # its routes read their own bodies
