@@ -35,6 +35,7 @@ One owner: the app, on the event loop.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import re
@@ -102,8 +103,27 @@ def message_key(m: Message, fmt: ToolFormat | None) -> tuple:
             text, parsed = parse_tool_calls(content, fmt) if fmt else (content, [])
         calls = [(c.name, c.arguments) for c in parsed] + [
             (c["function"]["name"], c["function"]["arguments"]) for c in m.tool_calls]
-        return ("assistant", text.strip(), tuple((name, json.dumps(args, sort_keys=True)) for name, args in calls))
+        return ("assistant", text.strip(), tuple((name, _arguments_key(args)) for name, args in calls))
     return (m.role, m.content, m.name)
+
+
+def _arguments_key(args: dict) -> str:
+    """A call's arguments, read as a client sends them back: some formats'
+    parsers give every value as the text the model wrote (Qwen3-Coder's
+    without the tools' types: ``"3"``, ``"True"``), where the client has the
+    typed value, so a value that reads as a literal counts as that literal."""
+    return json.dumps({k: _literal(v) for k, v in args.items()} if isinstance(args, dict) else args, sort_keys=True)
+
+
+def _literal(value):
+    if not isinstance(value, str) or len(value) > 4096:
+        return value
+    for read in (json.loads, ast.literal_eval):
+        try:
+            return read(value)
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            pass
+    return value
 
 
 class ConversationIndex:

@@ -125,3 +125,22 @@ def test_every_protocol_module_has_the_shape_the_routes_use():
 
     assert all(isinstance(m, ChatProtocol) for m in (anthropic, openai, responses))
     assert isinstance(agents, Answers) and not isinstance(agents, ChatProtocol)  # its routes read their own bodies
+
+
+def test_a_stored_call_matches_the_typed_call_a_client_sends_back():
+    """Qwen3-Coder's parser, without the tools' types (a stored reply is read
+    without them), gives every value as written: ``"3"``, ``"True"``, JSON text."""
+    from web.identity import message_key
+
+    from .test_tools import library_format, wrapper
+
+    fmt = library_format(wrapper("qwen3_coder"))
+    stored = Message("assistant", "<tool_call>\n<function=w>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>"
+                                  "\n3\n</parameter>\n<parameter=ok>\nTrue\n</parameter>\n<parameter=o>\n"
+                                  '{"a": [1, 2]}\n</parameter>\n</function>\n</tool_call>')
+    args = {"city": "Oslo", "days": 3, "ok": True, "o": {"a": [1, 2]}}
+    sent = Message("assistant", "", ({"id": "c", "type": "function", "function": {"name": "w", "arguments": args}},))
+    assert message_key(stored, fmt) == message_key(sent, fmt)
+    other = Message("assistant", "", ({"id": "c", "type": "function", "function": {
+        "name": "w", "arguments": {**args, "days": 4}}},))
+    assert message_key(stored, fmt) != message_key(other, fmt)

@@ -182,13 +182,13 @@ async def test_a_conversation_with_a_call_continues_on_its_agent(tmp_path, templ
     server reads the stored reply's calls in the model's format, so the
     conversation is the same agent's, and only the result is new to it."""
     async with live_server(tmp_path, model=tiny_with_template(template, parser)) as url, client(url) as http:
-        first = await http.post("/v1/chat/completions", json={
-            "model": "tiny", "messages": ASK, "max_tokens": 200, "tools": OPENAI_TOOLS, "tool_choice": "required"})
+        first = await http.post("/v1/chat/completions", json={  # a call with typed arguments: an integer
+            "model": "tiny", "messages": ASK, "max_tokens": 200, "tools": [WEATHER_FN], "tool_choice": "required"})
         call = first.json()["choices"][0]["message"]["tool_calls"][0]
         history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
                    {"role": "tool", "tool_call_id": call["id"], "content": "18C and sunny"}]
         second = await http.post("/v1/chat/completions", json={
-            "model": "tiny", "messages": history, "max_tokens": 3, "tools": OPENAI_TOOLS})
+            "model": "tiny", "messages": history, "max_tokens": 3, "tools": [WEATHER_FN]})
     assert first.json()["choices"][0]["finish_reason"] == "tool_calls" and second.status_code == 200
     assert second.headers["x-agent-id"] == first.headers["x-agent-id"]
 
