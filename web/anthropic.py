@@ -103,7 +103,7 @@ def parse_count_tokens(body: bytes) -> ChatRequest:
 def _request(data: dict, headers: Mapping[str, str], max_tokens: int) -> ChatRequest:
     messages = tuple(_messages(data))
     system = _system(data)
-    tools, tool_choice = _tools(data)
+    tools, tool_choice, tool_name = _tools(data)
     metadata = v.obj(data, "metadata")
     grammar = _output_format(data)
     v.no_tools_with(grammar, tools, "output_config.format")
@@ -121,6 +121,7 @@ def _request(data: dict, headers: Mapping[str, str], max_tokens: int) -> ChatReq
         hint=headers.get("x-claude-code-session-id") or _metadata_session(metadata),
         tools=tools,
         tool_choice=tool_choice,
+        tool_name=tool_name,
         strict_tools=v.strict_tools(data),
         metadata=metadata,
         grammar=grammar,
@@ -293,10 +294,10 @@ def _assistant_blocks(blocks: list, where: str, names: dict[str, str]) -> dict:
     return msg
 
 
-def _tools(data: dict) -> tuple[tuple[dict, ...] | None, str]:
+def _tools(data: dict) -> tuple[tuple[dict, ...] | None, str, str | None]:
     tools = v.seq(data, "tools")
     if tools is None or not tools:
-        return None, "auto"
+        return None, "auto", None
     out, seen = [], set()
     for i, tool in enumerate(tools):
         at = f"tools[{i}]"
@@ -317,19 +318,19 @@ def _tools(data: dict) -> tuple[tuple[dict, ...] | None, str]:
         out.append({"type": "function", "function": function})
     choice = v.obj(data, "tool_choice")
     if choice is None:
-        return tuple(out), "auto"
+        return tuple(out), "auto", None
     kind = v.string(choice, "type", "tool_choice.", required=True)
     if kind == "auto":
-        return tuple(out), "auto"
+        return tuple(out), "auto", None
     if kind == "any":
-        return tuple(out), "required"
+        return tuple(out), "required", None
     if kind == "none":
-        return None, "auto"
+        return None, "auto", None
     if kind == "tool":
         name = v.string(choice, "name", "tool_choice.", required=True)
         if name not in seen:
             raise v.bad("tool_choice.name", f"names no tool in 'tools': {name!r}")
-        return tuple(t for t in out if t["function"]["name"] == name), "required"
+        return tuple(out), "required", name
     raise v.bad("tool_choice.type", f"must be 'auto', 'any', 'tool' or 'none', not {kind!r}")
 
 

@@ -139,9 +139,9 @@ def prepare(req: ChatRequest, chat_template: str | None, library: LibraryFormat 
     if forced or (req.strict_tools and (tools or fmt)):
         try:
             if speaks_harmony(chat_template) and tools:
-                grammar, reasoning = harmony_grammar(req.tools, forced), None  # (its own thoughts first)
+                grammar, reasoning = harmony_grammar(req.callable_tools, forced), None  # (its own thoughts first)
             elif fmt is not None:
-                grammar = call_grammar(fmt, req.tools, forced, tokens) or grammar
+                grammar = call_grammar(fmt, req.callable_tools, forced, tokens) or grammar
         except GrammarError as e:
             raise RequestError(400, f"tools: this server cannot enforce a call of these tools: {e}", "tools") from None
     if grammar is not None and reasoning is not None:

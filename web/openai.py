@@ -104,7 +104,7 @@ def parse_request(body: bytes, headers: Mapping[str, str] | None = None, *, max_
         raise v.bad("session_id", f"names agent {session!r} but the X-Agent-Id header names {agent_id!r}")
     stream = v.boolean(data, "stream")
     options = v.obj(data, "stream_options") or {}
-    tools, tool_choice = _tools(data)
+    tools, tool_choice, tool_name = _tools(data)
     grammar = v.output_format(data, "response_format", schema_in="json_schema")
     top = v.integer(data, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
     if top is not None and not v.boolean(data, "logprobs"):
@@ -126,6 +126,7 @@ def parse_request(body: bytes, headers: Mapping[str, str] | None = None, *, max_
         hint=session_hint(data),
         tools=tools,
         tool_choice=tool_choice,
+        tool_name=tool_name,
         strict_tools=v.strict_tools(data, "function"),
         metadata=v.obj(data, "metadata"),
         grammar=grammar,
@@ -222,10 +223,10 @@ def _assistant(msg: dict, at: str, names: dict[str, str]) -> dict:
     return out
 
 
-def _tools(data: dict) -> tuple[tuple[dict, ...] | None, str]:
+def _tools(data: dict) -> tuple[tuple[dict, ...] | None, str, str | None]:
     tools = v.seq(data, "tools")
     if not tools:
-        return None, "auto"
+        return None, "auto", None
     out, seen = [], set()
     for i, tool in enumerate(tools):
         at = f"tools[{i}]"
@@ -236,17 +237,17 @@ def _tools(data: dict) -> tuple[tuple[dict, ...] | None, str]:
         out.append(function_tool(v.obj(tool, "function", at + ".", required=True), at + ".function.", seen))
     choice = data.get("tool_choice")
     if choice is None or choice == "auto":
-        return tuple(out), "auto"
+        return tuple(out), "auto", None
     if choice == "none":
-        return None, "auto"
+        return None, "auto", None
     if choice == "required":
-        return tuple(out), "required"
+        return tuple(out), "required", None
     if isinstance(choice, dict) and choice.get("type") == "function":
         name = v.string(v.obj(choice, "function", "tool_choice.", required=True), "name",
                         "tool_choice.function.", required=True)
         if name not in seen:
             raise v.bad("tool_choice.function.name", f"names no tool in 'tools': {name!r}")
-        return tuple(t for t in out if t["function"]["name"] == name), "required"
+        return tuple(out), "required", name
     raise v.bad("tool_choice", "must be 'none', 'auto', 'required' or "
                                "{'type': 'function', 'function': {'name': ...}}")
 

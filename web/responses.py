@@ -207,6 +207,7 @@ def parse_request(body: bytes, headers: Mapping[str, str] | None = None, *, max_
         hint=session_hint(data),
         tools=chat_tools,
         tool_choice=choice,
+        tool_name=echo_choice["name"] if isinstance(echo_choice, dict) else None,
         strict_tools=v.strict_tools(data),
         metadata=v.obj(data, "metadata"),
         previous_response_id=previous,
@@ -336,8 +337,7 @@ def _tools(data: dict) -> tuple[tuple[dict, ...], tuple[dict, ...] | None, str, 
         name = v.string(choice, "name", "tool_choice.", required=True)
         if name not in seen:
             raise v.bad("tool_choice.name", f"names no function tool in 'tools': {name!r}")
-        return (tuple(echo), tuple(t for t in chat if t["function"]["name"] == name), "required",
-                {"type": "function", "name": name})
+        return tuple(echo), tuple(chat), "required", {"type": "function", "name": name}
     if isinstance(choice, dict):  # a hosted tool, allowed_tools, ...: the function tools as with "auto"
         return tuple(echo), tuple(chat) or None, "auto", "auto"
     raise v.bad("tool_choice", "must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}")

@@ -109,7 +109,8 @@ class ChatRequest:
     agent_id: str | None = None  # None: find the agent by the conversation's text
     hint: str | None = None  # a client's session key: conversations of one session may take over each other's agent
     tools: tuple[dict, ...] | None = None  # {"type": "function", "function": {name, description, parameters}}
-    tool_choice: Literal["auto", "required"] = "auto"  # a forced tool arrives as tools=(that tool,)
+    tool_choice: Literal["auto", "required"] = "auto"
+    tool_name: str | None = None  # the one of ``tools`` a forced call must be of (None: any)
     strict_tools: bool = False  # a tool asked for strict adherence: "auto" holds calls to the tools too
     metadata: Mapping | None = None
     grammar: str | None = None  # structured output: the reply follows it (``runtime.grammar``)
@@ -134,6 +135,11 @@ class ChatRequest:
     @property
     def tool_names(self) -> frozenset[str]:
         return frozenset(t["function"]["name"] for t in self.tools or ())
+
+    @property
+    def callable_tools(self) -> tuple[dict, ...]:
+        """The tools a forced call may be of: the one named, or all."""
+        return tuple(t for t in self.tools or () if self.tool_name in (None, t["function"]["name"]))
 
 
 @dataclass(frozen=True)

@@ -288,15 +288,16 @@ def test_count_tokens_needs_no_max_tokens():
         anthropic.parse_count_tokens(b'{"model": "m"}')
 
 
-@pytest.mark.parametrize("choice, names, mode", [
-    ({"type": "auto"}, {"Bash", "Read"}, "auto"),
-    ({"type": "any"}, {"Bash", "Read"}, "required"),
-    ({"type": "tool", "name": "Read"}, {"Read"}, "required"),
-    ({"type": "none"}, set(), "auto"),
+@pytest.mark.parametrize("choice, names, mode, callable_names", [
+    ({"type": "auto"}, {"Bash", "Read"}, "auto", {"Bash", "Read"}),
+    ({"type": "any"}, {"Bash", "Read"}, "required", {"Bash", "Read"}),
+    ({"type": "tool", "name": "Read"}, {"Bash", "Read"}, "required", {"Read"}),
+    ({"type": "none"}, set(), "auto", set()),
 ])
-def test_tool_choice(choice, names, mode):
+def test_tool_choice(choice, names, mode, callable_names):
     req = parse({**CLAUDE_CODE, "tool_choice": choice})
     assert (req.tool_names, req.tool_choice) == (names, mode)
+    assert {t["function"]["name"] for t in req.callable_tools} == callable_names
     assert (req.tools is None) == (not names)
 
 

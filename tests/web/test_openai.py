@@ -187,16 +187,18 @@ def test_tool_turns_become_template_messages():
     assert req.tools == (TOOL,) and req.tool_choice == "auto"
 
 
-@pytest.mark.parametrize("choice, names, mode", [
-    ("auto", {"get_weather", "get_time"}, "auto"),
-    ("required", {"get_weather", "get_time"}, "required"),
-    ("none", set(), "auto"),
-    ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}, "required"),
+@pytest.mark.parametrize("choice, names, mode, callable_names", [
+    ("auto", {"get_weather", "get_time"}, "auto", {"get_weather", "get_time"}),
+    ("required", {"get_weather", "get_time"}, "required", {"get_weather", "get_time"}),
+    ("none", set(), "auto", set()),
+    ({"type": "function", "function": {"name": "get_time"}}, {"get_weather", "get_time"}, "required", {"get_time"}),
 ])
-def test_tool_choice(choice, names, mode):
+def test_tool_choice(choice, names, mode, callable_names):
+    """A named tool is the one a call must be of; the model still sees every tool (the prompt stays the same)."""
     time_tool = {"type": "function", "function": {"name": "get_time"}}
     req = parse(ok(tools=[TOOL, time_tool], tool_choice=choice))
     assert (req.tool_names, req.tool_choice) == (names, mode)
+    assert {t["function"]["name"] for t in req.callable_tools} == callable_names
 
 
 # --- responses ----------------------------------------------------------------

@@ -150,7 +150,8 @@ def test_hosted_tools_are_ignored_and_tool_choice_maps():
     assert parse({"input": "hi", "tools": hosted}).tools is None
     assert parse({"input": "hi", "tools": [WEATHER], "tool_choice": "none"}).tools is None
     forced = parse({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}})
-    assert forced.tool_choice == "required" and forced.tool_names == {"get_weather"}
+    assert forced.tool_choice == "required" and forced.tool_name == "get_weather"
+    assert forced.tool_names == {"get_weather"} and forced.callable_tools == forced.tools
 
 
 def test_previous_response_ids_name_agent_states():

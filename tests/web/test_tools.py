@@ -631,3 +631,20 @@ def test_a_marker_the_tokenizer_adds_is_written_as_its_token():
     for forced, text in ((True, HERMES_CALL), (False, reply), (False, "It rains.")):
         assert takes(call_grammar("hermes", [WEATHER_FN, NOOP_FN], forced, added_tokens(tok)), text, tok)
     assert not takes(call_grammar("hermes", [WEATHER_FN, NOOP_FN], False), ids, tok)  # by its text: refused
+
+
+def test_a_named_tool_is_the_one_called_and_every_tool_is_still_shown():
+    """The prompt does not change with ``tool_choice`` (so neither does the
+    cache, nor the conversation a told-tools system prompt belongs to)."""
+    from web.chat import prepare
+    from web.schema import ChatRequest
+
+    ask = dict(messages=({"role": "user", "content": "Weather?"},), max_tokens=50, tools=(WEATHER_FN, NOOP_FN))
+    named = ChatRequest(**ask, tool_choice="required", tool_name="noop")
+    hermes = prepare(named, HERMES)
+    assert hermes.tools == (WEATHER_FN, NOOP_FN) and hermes.grammar == call_grammar("hermes", [NOOP_FN])
+    fmt = library_format(deepseek(DEEPSEEK_V31))
+    told = prepare(named, DEEPSEEK_V31, fmt)
+    assert told.messages[0].content == deepseek_tool_prompt([WEATHER_FN, NOOP_FN], fmt)
+    assert told.messages[0] == prepare(ChatRequest(**ask), DEEPSEEK_V31, fmt).messages[0]
+    assert told.grammar == call_grammar(fmt, [NOOP_FN])
