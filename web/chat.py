@@ -231,6 +231,7 @@ class ChatCore:
         self.index = ConversationIndex()
         # model -> its generation prompt opens <think> (None: closes it, as DeepSeek-V3.1's does: no reasoning)
         self._opens_thinking: dict[str | None, bool | None] = {}
+        self._added_tokens: dict[str, dict[str, int]] = {}  # model -> its tokenizer's (read once: thousands in some)
 
     async def load_index(self) -> None:
         """Index every agent on disk (at start-up, so conversations survive
@@ -305,8 +306,10 @@ class ChatCore:
             reasoning = await self._reasoning(model)
         except SemanticError as e:
             raise turn_error(e) from None
+        if model not in self._added_tokens:
+            self._added_tokens[model] = added_tokens(tokenizer)
         return prepare(req, getattr(tokenizer, "chat_template", None), library_format(tokenizer),
-                       added_tokens(tokenizer), reasoning)
+                       self._added_tokens[model], reasoning)
 
     async def _template(self, model: str) -> str | None:
         return getattr(await self._tokenizer(model), "chat_template", None)

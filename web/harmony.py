@@ -31,7 +31,7 @@ from runtime import grammar
 from runtime.json_reader import JSONError, read_json
 
 from .schema import ToolCall
-from .tools import new_call_id
+from .tools import arguments_rule, new_call_id
 
 __all__ = ["HARMONY", "Harmony", "HarmonySplitter", "call_grammar", "read_harmony", "speaks_harmony"]
 
@@ -168,8 +168,7 @@ def call_grammar(tools, forced: bool = True) -> str:
     -- or, not ``forced``, that or an answer (``final``). The markers are
     GPT-OSS's special tokens. Raises ``GrammarError``."""
     calls = " | ".join(json.dumps(f"commentary to=functions.{t['function']['name']} ") + ' <|constrain|> "json" '
-                       '<|message|> ' + grammar.json_rule(t["function"].get("parameters") or {"type": "object"})
-                       for t in tools)
+                       '<|message|> ' + arguments_rule(t) for t in tools)
     reply = f"({calls})" if forced else f'("final" <|message|> /(?s:.*)/ | {calls})'
     return grammar.lark(f"start: think? <|channel|> {reply}\n{_THINK}")
 

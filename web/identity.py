@@ -35,7 +35,6 @@ One owner: the app, on the event loop.
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 import re
@@ -115,15 +114,18 @@ def _arguments_key(args: dict) -> str:
     return json.dumps({k: _literal(v) for k, v in args.items()} if isinstance(args, dict) else args, sort_keys=True)
 
 
+_PYTHON = {"True": True, "False": False, "None": None}  # how a template's ``| string`` writes these
+
+
 def _literal(value):
     if not isinstance(value, str) or len(value) > 4096:
         return value
-    for read in (json.loads, ast.literal_eval):
-        try:
-            return read(value)
-        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
-            pass
-    return value
+    if value in _PYTHON:
+        return _PYTHON[value]
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError):
+        return value
 
 
 class ConversationIndex:

@@ -58,6 +58,7 @@ __all__ = [
     "ToolCallFilter",
     "ToolFormat",
     "added_tokens",
+    "arguments_rule",
     "call_grammar",
     "deepseek_tool_prompt",
     "finish_result",
@@ -204,7 +205,7 @@ def call_grammar(fmt: ToolFormat, tools: Collection[dict], forced: bool = True,
         functions = " | ".join(_xml_call(t["function"]) for t in tools)
         call, rules = f'"\\n" ({functions}) "\\n" {mark(fmt.end)}', _XML_TEXT
     elif fmt.parser == "mistral" and _ARGS in tokens:  # v11 tokenizers on: name[ARGS]{...}
-        call = " | ".join(f'{_literal(t["function"]["name"])} {mark(_ARGS)} {_arguments(t)}' for t in tools)
+        call = " | ".join(f'{_literal(t["function"]["name"])} {mark(_ARGS)} {arguments_rule(t)}' for t in tools)
         more = ""
     elif fmt.parser == "mistral":  # older ones: [{"name": ..., "arguments": {...}}, ...]
         call, more = grammar.json_rule({"type": "array", "minItems": 1, "items": _call_schema(tools, "arguments")}), None
@@ -212,9 +213,9 @@ def call_grammar(fmt: ToolFormat, tools: Collection[dict], forced: bool = True,
         def one_call(t: dict) -> str:
             name = _literal(t["function"]["name"])
             if fmt.parser == "deepseek_r1":
-                return f'{mark(_DS_CALL)} "function" {mark(_DS_SEP)} {name} "\\n```json\\n" {_arguments(t)} "\\n```" ' \
+                return f'{mark(_DS_CALL)} "function" {mark(_DS_SEP)} {name} "\\n```json\\n" {arguments_rule(t)} "\\n```" ' \
                        f'{mark(_DS_CALL_END)}'
-            return f"{mark(_DS_CALL)} {name} {mark(_DS_SEP)} {_arguments(t)} {mark(_DS_CALL_END)}"
+            return f"{mark(_DS_CALL)} {name} {mark(_DS_SEP)} {arguments_rule(t)} {mark(_DS_CALL_END)}"
 
         calls = " | ".join(one_call(t) for t in tools)
         call, more = f'({calls}){"" if forced else "+"} {mark(fmt.end)}', None
@@ -245,7 +246,8 @@ def _regex(text: str) -> str:
     return re.escape(text).replace("/", "\\/")
 
 
-def _arguments(tool: dict) -> str:
+def arguments_rule(tool: dict) -> str:
+    """A Lark rule's body matching the arguments ``tool``'s parameters schema accepts."""
     return grammar.json_rule(tool["function"].get("parameters") or {"type": "object"})
 
 

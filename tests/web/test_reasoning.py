@@ -170,3 +170,27 @@ async def test_a_prompt_that_closes_the_tag_gets_no_reasoning_and_its_answer_hel
         reply = (await http.post("/v1/chat/completions", json=ask)).json()["choices"][0]
     assert reply["finish_reason"] == "stop" and not reply["message"].get("reasoning_content")
     assert json.loads(reply["message"]["content"])["size"] in ("S", "M")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("prompt_ends, reads", [("<|im_start|>assistant\n", "may think"),
+                                                ("<|im_start|>assistant\n<think>\n", "opened"),
+                                                ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "no reasoning")])
+async def test_how_a_reply_reasons_follows_what_the_generation_prompt_did_with_the_tag(prompt_ends, reads):
+    from types import SimpleNamespace
+
+    from web.chat import ChatCore
+    from web.metrics import Metrics
+    from web.reasoning import ThinkTags
+
+    class Runtime:  # what ChatCore asks of the runtime here: the tokenizer, a rendered prompt
+        async def tokenizer(self, model=None):
+            return SimpleNamespace(chat_template="{% if thinking %}<think></think>{% endif %}")
+
+        async def prompt(self, messages, tools=None, model=None):
+            return "<|im_start|>user\nhi<|im_end|>\n" + prompt_ends, 9
+
+    reasoning = await ChatCore(Runtime(), Metrics())._reasoning("m")
+    assert {"may think": isinstance(reasoning, ThinkTags) and not reasoning.opened,
+            "opened": isinstance(reasoning, ThinkTags) and reasoning.opened,
+            "no reasoning": reasoning is None}[reads]
