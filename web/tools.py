@@ -213,8 +213,8 @@ def call_grammar(fmt: ToolFormat, tools: Collection[dict], forced: bool = True,
         def one_call(t: dict) -> str:
             name = _literal(t["function"]["name"])
             if fmt.parser == "deepseek_r1":
-                return f'{mark(_DS_CALL)} "function" {mark(_DS_SEP)} {name} "\\n```json\\n" {arguments_rule(t)} "\\n```" ' \
-                       f'{mark(_DS_CALL_END)}'
+                fenced = f'"\\n```json\\n" {arguments_rule(t)} "\\n```"'
+                return f'{mark(_DS_CALL)} "function" {mark(_DS_SEP)} {name} {fenced} {mark(_DS_CALL_END)}'
             return f"{mark(_DS_CALL)} {name} {mark(_DS_SEP)} {arguments_rule(t)} {mark(_DS_CALL_END)}"
 
         calls = " | ".join(one_call(t) for t in tools)
