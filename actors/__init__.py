@@ -21,8 +21,18 @@ Layout (each module one job; only this file's names are public):
 See ``docs/architecture.md`` ("The actor runtime") for who owns what.
 """
 
-from runtime.outcome import TurnResult  # what Reply.result holds
+# The runtime's names its users need (web imports nothing else of actors or runtime:
+# pyproject.toml's import contracts)
+from semantic.runtime import grammar  # Agent.send's grammar=: grammar.json_schema(schema), ...
+from semantic.runtime.agent_cache import OutOfMemory
+from semantic.runtime.cache_records import AGENT_CHARS, InvalidAgentId, validate_agent_id
+from semantic.runtime.disk import NoRoom
+from semantic.runtime.errors import ModelError, SemanticError
+from semantic.runtime.grammar import GrammarError
+from semantic.runtime.outcome import TurnResult  # what Reply.result holds
+from semantic.runtime.sampling import MAX_LOGPROBS, TokenLogprob
 
+from .archive import ArchiveError
 from .errors import (
     AgentExists,
     AgentGone,
@@ -33,24 +43,38 @@ from .errors import (
     TurnError,
     UnknownModel,
 )
+from .gpu import BatchSnapshot
 from .messages import Delta, Message
 from .runtime import MAX_CHOICES, Agent, AgentInfo, Reply, Runtime
 
 __all__ = [
+    "AGENT_CHARS",
     "Agent",
     "AgentExists",
     "AgentInfo",
     "AgentGone",
+    "ArchiveError",
+    "BatchSnapshot",
     "ContextTooLong",
     "Delta",
+    "GrammarError",
+    "InvalidAgentId",
     "MAX_CHOICES",
+    "MAX_LOGPROBS",
     "Message",
+    "ModelError",
+    "NoRoom",
+    "OutOfMemory",
     "Reply",
     "Runtime",
     "RuntimeClosed",
     "RuntimeUnhealthy",
+    "SemanticError",
+    "TokenLogprob",
     "TurnCancelled",
     "TurnError",
     "TurnResult",
     "UnknownModel",
+    "grammar",
+    "validate_agent_id",
 ]

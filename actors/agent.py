@@ -46,8 +46,8 @@ from pathlib import Path
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from runtime.errors import SemanticError
-from runtime.outcome import TurnResult
+from semantic.runtime.errors import SemanticError
+from semantic.runtime.outcome import TurnResult
 
 from .errors import AgentExists, AgentGone, RuntimeClosed, TurnError
 from .history import encode_history

@@ -41,12 +41,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime import cache_file, cache_v1
-from runtime.cache_file import fsync_dir, model_key, pid_alive, remove_tree
-from runtime.cache_records import AGENT_DIR_SUFFIX, MANIFEST, CacheFileError, InvalidAgentId, validate_agent_id
-from runtime.disk import check_room, history_path, human_bytes
-from runtime.errors import SemanticError
-from runtime.json_reader import JSONError, read_json
+from semantic.runtime import cache_file, cache_v1
+from semantic.runtime.cache_file import fsync_dir, model_key, pid_alive, remove_tree
+from semantic.runtime.cache_records import AGENT_DIR_SUFFIX, MANIFEST, CacheFileError, InvalidAgentId, validate_agent_id
+from semantic.runtime.disk import check_room, history_path, human_bytes
+from semantic.runtime.errors import SemanticError
+from semantic.runtime.json_reader import JSONError, read_json
 
 from .errors import AgentExists
 from .history import parse_history

@@ -3,8 +3,8 @@ drop (the agent is deleted) and demote (the eviction actor's choice)."""
 
 from __future__ import annotations
 
-from runtime.agent_cache import AgentMemory
-from runtime.batch_cache import copy_cache
+from semantic.runtime.agent_cache import AgentMemory
+from semantic.runtime.batch_cache import copy_cache
 
 from .messages import ForkCache
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.errors import ContextTooLong, SemanticError  # ContextTooLong: raised by runtime.turns
+from semantic.runtime.errors import ContextTooLong, SemanticError  # ContextTooLong: raised by runtime.turns
 
 __all__ = [
     "AgentExists",

@@ -36,9 +36,9 @@ import anyio
 import mlx.core as mx
 import sniffio
 
-from runtime.cache_file import CacheStore
-from runtime.errors import SemanticError
-from runtime.models import LoadedModel
+from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.errors import SemanticError
+from semantic.runtime.models import LoadedModel
 
 from .errors import RuntimeClosed
 from .gpu_thread import Exited, GpuThread, Ready

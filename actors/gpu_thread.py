@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from runtime.errors import SemanticError
+from semantic.runtime.errors import SemanticError
 
 from .cache_commands import CacheCommands
 from .errors import RuntimeClosed, RuntimeUnhealthy, TurnError

@@ -10,8 +10,8 @@ import os
 import time
 from pathlib import Path
 
-from runtime.disk import history_path
-from runtime.json_reader import read_json
+from semantic.runtime.disk import history_path
+from semantic.runtime.json_reader import read_json
 
 from .messages import Message
 

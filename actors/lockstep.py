@@ -43,8 +43,8 @@ import mlx.core as mx
 import numpy as np
 from anyio.streams.memory import MemoryObjectSendStream
 
-from runtime.agent_cache import shard_suffix
-from runtime.cache_codec import HostCache
+from semantic.runtime.agent_cache import shard_suffix
+from semantic.runtime.cache_codec import HostCache
 
 from .errors import RuntimeUnhealthy
 from .messages import BeginTurn, CacheRead, GpuDown

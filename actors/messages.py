@@ -20,19 +20,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
-from runtime.engine import SamplingParams, TokenLogprob
-from runtime.errors import SemanticError
-from runtime.outcome import TurnResult  # re-exported: a turn's reply stream ends with it
+from semantic.runtime.engine import SamplingParams, TokenLogprob
+from semantic.runtime.errors import SemanticError
+from semantic.runtime.outcome import TurnResult  # re-exported: a turn's reply stream ends with it
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from anyio.streams.memory import MemoryObjectSendStream as Sink
 
-    from runtime.cache_codec import HostCache
-    from runtime.cache_records import BlockUpdate
-    from runtime.models import LoadedModel
-    from runtime.row_counts import RowCounts
+    from semantic.runtime.cache_codec import HostCache
+    from semantic.runtime.cache_records import BlockUpdate
+    from semantic.runtime.models import LoadedModel
+    from semantic.runtime.row_counts import RowCounts
 
 __all__ = [
     "AgentCommand", "BeginTurn", "CacheBlocks", "CacheRead", "CacheWritten", "CancelTurn", "Delta", "Demote",

@@ -70,11 +70,11 @@ from pathlib import Path
 
 import anyio
 
-from runtime import disk, row_counts
-from runtime.cache_file import CacheStore, tree_bytes, write_atomic
-from runtime.cache_records import StaleBlocks, merged
-from runtime.disk import NoRoom, history_path
-from runtime.errors import SemanticError
+from semantic.runtime import disk, row_counts
+from semantic.runtime.cache_file import CacheStore, tree_bytes, write_atomic
+from semantic.runtime.cache_records import StaleBlocks, merged
+from semantic.runtime.disk import NoRoom, history_path
+from semantic.runtime.errors import SemanticError
 
 from . import archive
 from .history import parse_history, read_history

@@ -16,12 +16,12 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from runtime.agent_cache import AgentCaches, AgentMemory, open_caches
-from runtime.cache_codec import HostCache
-from runtime.cache_file import CacheStore
-from runtime.engine import Engine
-from runtime.models import LoadedModel, load
-from runtime.row_counts import RowCounts, key
+from semantic.runtime.agent_cache import AgentCaches, AgentMemory, open_caches
+from semantic.runtime.cache_codec import HostCache
+from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.engine import Engine
+from semantic.runtime.models import LoadedModel, load
+from semantic.runtime.row_counts import RowCounts, key
 
 from .lockstep import Lockstep
 

@@ -28,8 +28,11 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
+import secrets
+import tempfile
 import threading
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,19 +40,20 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from runtime import disk, row_counts
-from runtime.cache_file import CacheStore
-from runtime.cache_records import validate_agent_id
-from runtime.engine import DECODE_ROWS, SamplingParams
-from runtime.errors import SemanticError
-from runtime.models import LoadedModel, load_tokenizer
-from runtime.models import catalogue as models_catalogue
-from runtime.outcome import TurnResult
-from runtime.paths import agents_dir
-from runtime.prefix import encode
-from runtime.turns import render
+from semantic.runtime import disk, row_counts
+from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.cache_records import validate_agent_id
+from semantic.runtime.engine import DECODE_ROWS, SamplingParams
+from semantic.runtime.errors import SemanticError
+from semantic.runtime.models import LoadedModel, load_tokenizer
+from semantic.runtime.models import catalogue as models_catalogue
+from semantic.runtime.outcome import TurnResult
+from semantic.runtime.paths import agents_dir
+from semantic.runtime.prefix import encode
+from semantic.runtime.turns import render
 
 from .agent import AgentActor, AgentContext, AgentSlot, request
+from .archive import UPLOAD_PREFIX, Summary, agent_files, remove_abandoned
 from .errors import AgentExists, AgentGone, RuntimeClosed, TurnCancelled, UnknownModel
 from .eviction import EvictionActor
 from .gpu import BatchSnapshot, GpuActor, HotSnapshot, follow
@@ -78,8 +82,6 @@ from .persistence import PersistenceActor
 
 if TYPE_CHECKING:
     import mlx.core as mx
-
-    from .archive import Summary
 
 __all__ = ["Agent", "AgentInfo", "MAX_CHOICES", "Reply", "Runtime"]
 
@@ -110,6 +112,7 @@ class Runtime:
         self._prune_listeners: list = []
         self._turn_listeners: list = []
         self._tokenizers: dict[str, object] = {}  # models not loaded: their tokenizers, read once
+        self._importing = anyio.Lock()
         self._ctx = AgentContext(gpu, persistence.mailbox, self._histories, agent_idle_s,
                                  lambda: self._closing, self._release, self._turn_ended)
 
@@ -424,16 +427,41 @@ class Runtime:
         _raise_failed(await request(lambda r: self._gpu.submit(FlushCaches(r))))
         _raise_failed(await request(lambda r: self._persistence.mailbox.send_nowait(Flush(r))))
 
-    async def import_archive(self, archive: Path, agent_id: str) -> Summary:
-        """Put the agent in ``archive`` (``semantic cache export``; ``agent_id`` must
-        be the one it holds) into the cache directory, through the persistence
-        actor: in line with its writes, checked whole first, within the disk
-        budget. Raises ``ArchiveError``, ``AgentExists``, ``NoRoom``, ``OSError``,
-        ``RuntimeClosed``; on any of them the directory is as it was."""
+    async def check_new(self, agent_id: str) -> None:
+        """Raise ``AgentExists`` unless this runtime holds nothing of ``agent_id``:
+        no agent, and no file (a crash between a first cache and its history)."""
+        if await self.agents(only=agent_id):
+            raise AgentExists(f"agent {agent_id!r} exists on this server; delete it first to replace it")
+        if await anyio.to_thread.run_sync(agent_files, self.cache_dir, agent_id):
+            raise AgentExists(f"this server holds cache files of {agent_id!r} but no history; remove them first "
+                              f"('semantic cache rm {agent_id}', the server stopped)")
+
+    async def import_archive(self, archive: Path | AsyncIterable[bytes], agent_id: str, *,
+                             size: int | None = None) -> Summary:
+        """Put the agent in ``archive`` -- a file (``semantic cache export``), or
+        its bytes as they arrive (``size`` of them, when known) -- into the cache
+        directory; ``agent_id`` must be the one it holds, and new here
+        (``check_new``). Bytes are received into a temp file outside the cache
+        directory first, within the disk budget. The archive goes in through the
+        persistence actor: in line with its writes, checked whole first, within
+        the disk budget. Raises ``ArchiveError``, ``AgentExists``, ``NoRoom``,
+        ``OSError``, ``RuntimeClosed``; on any of them the directory is as it was."""
         self._check_open()
-        size = (await anyio.Path(archive).stat()).st_size
-        return _raise_failed(await request(
-            lambda r: self._persistence.mailbox.send_nowait(ImportArchive(Path(archive), agent_id, size, r))))
+        if isinstance(archive, Path):
+            return await self._import(archive, agent_id)
+        await self.check_new(agent_id)  # before the upload: no need to wait for it to say no
+        upload = await _receive(archive, size, self._persistence.disk_budget)
+        try:
+            return await self._import(upload, agent_id)
+        finally:
+            upload.unlink(missing_ok=True)
+
+    async def _import(self, archive: Path, agent_id: str) -> Summary:
+        async with self._importing:  # one at a time: its check that the agent is new holds until it is in
+            await self.check_new(agent_id)
+            size = (await anyio.Path(archive).stat()).st_size
+            return _raise_failed(await request(
+                lambda r: self._persistence.mailbox.send_nowait(ImportArchive(archive, agent_id, size, r))))
 
     def stats(self) -> dict:
         """Counters for tests, benchmarks and monitoring (a snapshot)."""
@@ -818,3 +846,29 @@ def _engine_options(prefill_chunk: int, kv_bits: int, decode_rows: int, batch_pr
                     speculation: bool = True) -> dict:
     return {"max_chunk": prefill_chunk, "kv_bits": kv_bits, "decode_rows": decode_rows, "batch_prefill": batch_prefill,
             "speculation": speculation}
+
+
+async def _receive(chunks: AsyncIterable[bytes], size: int | None, budget: int | None) -> Path:
+    """``chunks`` written to a temp file as they arrive, outside the cache
+    directory (which holds only what the persistence actor puts there), within
+    ``budget`` bytes and the free space; removed if they do not all arrive."""
+    folder = Path(tempfile.gettempdir())
+    await anyio.to_thread.run_sync(remove_abandoned, folder)  # uploads of a server that died
+    path = folder / f"{UPLOAD_PREFIX}{os.getpid()}-{secrets.token_hex(4)}.tar"
+    too_big = disk.NoRoom(f"the archive is larger than this server's disk budget, {disk.human_bytes(budget or 0)}")
+    try:
+        if size is not None:
+            if budget is not None and size > budget:
+                raise too_big
+            disk.check_room(folder, size)
+        received = 0
+        async with await anyio.open_file(path, "xb") as f:
+            async for chunk in chunks:
+                received += len(chunk)
+                if budget is not None and received > budget:
+                    raise too_big
+                await f.write(chunk)
+        return path
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise

@@ -21,12 +21,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from runtime import turns
-from runtime.agent_cache import OutOfMemory
-from runtime.engine import Delta as EngineDelta
-from runtime.engine import LENGTH, Finished
-from runtime.errors import SemanticError
-from runtime.outcome import TurnResult
+from semantic.runtime import turns
+from semantic.runtime.agent_cache import OutOfMemory
+from semantic.runtime.engine import Delta as EngineDelta
+from semantic.runtime.engine import LENGTH, Finished
+from semantic.runtime.errors import SemanticError
+from semantic.runtime.outcome import TurnResult
 
 from .errors import ContextTooLong, TurnError
 from .messages import BeginTurn, CacheRead, CancelTurn, Delta, ReadCache, TurnEnded, TurnFailed

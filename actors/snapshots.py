@@ -8,7 +8,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from runtime.outcome import decode_rate
+from semantic.runtime.outcome import decode_rate
 
 from .messages import HotAgent, HotSet
 

@@ -19,9 +19,9 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from runtime.agent_cache import AgentMemory
-from runtime.cache_codec import snapshot
-from runtime.cache_records import BLOCK_TOKENS, CacheRecord
+from semantic.runtime.agent_cache import AgentMemory
+from semantic.runtime.cache_codec import snapshot
+from semantic.runtime.cache_records import BLOCK_TOKENS, CacheRecord
 
 from .messages import CacheBlocks, CacheWritten
 

@@ -16,10 +16,10 @@ import statistics
 import time
 from pathlib import Path
 
-import runtime  # noqa: F401  (fast BLAS before mlx)
-from runtime import blas
-from runtime.engine import DECODE_ROWS
-from runtime.models import load
+import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
+from semantic.runtime import blas
+from semantic.runtime.engine import DECODE_ROWS
+from semantic.runtime.models import load
 
 TEXT = Path(__file__).parent / "data" / "lighthouses.txt"
 
@@ -37,10 +37,10 @@ def ours(loaded, ctxs, batch_sizes, steps, repeats, decode_rows: int = DECODE_RO
     measured row counts the engine ran with."""
     import mlx.core as mx
 
-    from runtime.batch_cache import copy_cache
-    from runtime.engine import Engine, SamplingParams
+    from semantic.runtime.batch_cache import copy_cache
+    from semantic.runtime.engine import Engine, SamplingParams
 
-    from runtime.row_counts import cached
+    from semantic.runtime.row_counts import cached
 
     # The decode step itself, one token a sequence as the peer's (drafts: ``bench speculation``).
     engine = Engine(loaded.model, loaded.tokenizer, decode_rows=decode_rows, speculation=False)
@@ -85,8 +85,8 @@ def peer(loaded, ctxs, batch_sizes, steps, repeats) -> dict:
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    from runtime import row_plans
-    from runtime.lean import lean
+    from semantic.runtime import row_plans
+    from semantic.runtime.lean import lean
 
     model = loaded.model
     row_plans.apply(model, ())  # mlx-lm's own layers, not the row plans and lean forms ``ours`` installed
@@ -134,7 +134,7 @@ def prefill_peak(loaded, tokens: int, chunks=(128, 512, None)) -> dict:
     the chunk size alone decides."""
     import mlx.core as mx
 
-    from runtime.engine import Engine, SamplingParams
+    from semantic.runtime.engine import Engine, SamplingParams
 
     prompt = contexts(loaded.tokenizer, 1, tokens)[0]
     out = {}

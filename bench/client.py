@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from runtime.outcome import decode_rate
+from semantic.runtime.outcome import decode_rate
 
 __all__ = ["Turn", "chat"]
 

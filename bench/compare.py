@@ -304,7 +304,7 @@ class Bench:
 
 def disk_usage(root: Path) -> tuple[int, int]:
     """(bytes, tokens) of the agents' caches under ``root`` (from their manifests)."""
-    from runtime.cache_file import CacheStore
+    from semantic.runtime.cache_file import CacheStore
 
     entries = CacheStore(root).entries()
     return sum(e["bytes"] for e in entries), sum(e["tokens"] for e in entries)
@@ -334,7 +334,7 @@ def machine() -> dict:
             versions[pkg] = version(pkg)
         except PackageNotFoundError:
             versions[pkg] = None
-    from runtime import blas
+    from semantic.runtime import blas
 
     status = blas.status()
     return {"system": f"{platform.system()} {platform.machine()}", "cpu": cpu, "cores": os.cpu_count(),
@@ -350,7 +350,7 @@ def measure(args: argparse.Namespace, plan: Plan, log: Log, workdir: Path) -> di
     if getattr(args, "only", None):
         want = {w.strip() for w in args.only.split(",")}
         if unknown := want - set(WORKLOADS):
-            from runtime.errors import SemanticError
+            from semantic.runtime.errors import SemanticError
 
             raise SemanticError(f"--only: unknown workload(s) {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
         if "memory" in want:

@@ -30,8 +30,8 @@ import time
 import zlib
 from pathlib import Path
 
-import runtime  # noqa: F401  (fast BLAS before mlx)
-from runtime.outcome import decode_rate
+import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
+from semantic.runtime.outcome import decode_rate
 
 TEXT = Path(__file__).parent / "data" / "lighthouses.txt"
 ASK = "Retell the text above in detail, paragraph by paragraph."
@@ -135,7 +135,7 @@ async def staggered_round(rt, tokenizer, context: int, tokens: int, tag: str, de
 
 
 async def measure(model, sizes, context: int, tokens: int, repeats: int, delay: float, log) -> dict:
-    from actors import Runtime
+    from semantic.actors import Runtime
 
     scaling = {n: [] for n in sizes}
     staggered, sequential, late = [], [], []
@@ -198,7 +198,7 @@ async def measure(model, sizes, context: int, tokens: int, repeats: int, delay: 
 def run(args: argparse.Namespace) -> int:
     import anyio
 
-    from runtime.models import load
+    from semantic.runtime.models import load
 
     context = args.context or (256 if args.quick else 1024)
     tokens = args.tokens or (64 if args.quick else 128)

@@ -7,8 +7,8 @@ import json
 import statistics
 import time
 
-import runtime  # noqa: F401  (fast BLAS before mlx)
-from runtime.models import load
+import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
+from semantic.runtime.models import load
 
 
 def measure(loaded, prompt_tokens: int, decode_tokens: int) -> tuple[float, float]:

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import runtime  # noqa: F401  (fast BLAS before mlx)
+import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
 
 PROMPT = "Count from 1 to 300, separated by commas."
 LEAD = 4  # the decoding agent's tokens before the disk work starts
@@ -42,8 +42,8 @@ LEAD = 4  # the decoding agent's tokens before the disk work starts
 async def overlap(loaded, root: Path, *, context: int, tokens: int, rounds: int, log=lambda line: None) -> dict:
     import anyio
 
-    from actors import Runtime
-    from bench.ttft import conversation
+    from semantic.actors import Runtime
+    from semantic.bench.ttft import conversation
 
     undisturbed: list[float] = []
     disturbed: list[float] = []
@@ -118,7 +118,7 @@ async def overlap(loaded, root: Path, *, context: int, tokens: int, rounds: int,
 def run(args: argparse.Namespace) -> int:
     import anyio
 
-    from runtime.models import load
+    from semantic.runtime.models import load
 
     loaded = load(args.model, progress=False)
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if not args.json else (lambda line: None)

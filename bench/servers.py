@@ -8,7 +8,7 @@ Both compute with the same weights in the same precision and the same BLAS:
   float32 mlx-lm model directory written from those very weights
   (``write_float32``, with mlx-lm's own ``save``) -- on Metal it gets the
   model directory ours loads, unchanged;
-* the peer is started through ``python -m bench.servers peer ...``, which
+* the peer is started through ``python -m semantic.bench.servers peer ...``, which
   activates the fast BLAS exactly as ``runtime`` does (before MLX is
   imported) and then runs ``mlx_lm.server``'s own ``main`` -- nothing of
   mlx-lm is patched.
@@ -68,7 +68,7 @@ def ours_spec(model: str, cache_dir: Path, *, stand_in: str | None = None, budge
         spec = peer_spec(stand_in, cache_dir)
         spec.name = "semantic (stand-in: mlx_lm.server)"
         return spec
-    argv = [sys.executable, "-m", "cli.main", "serve", "--model", model, "--host", "127.0.0.1",
+    argv = [sys.executable, "-m", "semantic.cli.main", "serve", "--model", model, "--host", "127.0.0.1",
             "--port", "{port}", "--cache-dir", str(cache_dir)]
     if budget is not None:
         argv += ["--budget", str(budget)]
@@ -80,7 +80,7 @@ def ours_spec(model: str, cache_dir: Path, *, stand_in: str | None = None, budge
 
 def peer_spec(model_dir: str, cache_dir: Path, *, kv_bits: int | None = None,
               prompt_cache_size: int | None = None) -> ServerSpec:
-    argv = [sys.executable, "-m", "bench.servers", "peer", "--model", model_dir, "--host", "127.0.0.1",
+    argv = [sys.executable, "-m", "semantic.bench.servers", "peer", "--model", model_dir, "--host", "127.0.0.1",
             "--port", "{port}", "--log-level", "WARNING"]
     if kv_bits is not None:
         argv += ["--kv-bits", str(kv_bits)]
@@ -206,16 +206,16 @@ def process_memory(pid: int) -> dict:
     return total if total["processes"] else {}
 
 
-# --- run in a subprocess: python -m bench.servers ... -------------------------
+# --- run in a subprocess: python -m semantic.bench.servers ... -------------------------
 
 
 def write_float32(model: str, out: Path) -> Path:
     """Write the weights ours computes with (runtime.models.load: float32 on the
     CPU) as an mlx-lm model directory the peer can load."""
-    import runtime  # noqa: F401  (fast BLAS before mlx)
+    import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
     from mlx_lm.utils import save
 
-    from runtime.models import load
+    from semantic.runtime.models import load
 
     loaded = load(model, progress=False)
     config = {k: v for k, v in loaded.config.items() if k not in ("quantization", "quantization_config")}
@@ -228,20 +228,20 @@ def peer_dir(model: str, out: Path) -> str:
     """What the peer loads: on the CPU, the float32 weights we compute with
     (written to ``out``); on Metal, the same model directory ours loads."""
     code = (
-        "import runtime, mlx.core as mx, sys; from runtime.models import resolve; "
+        "import semantic.runtime, mlx.core as mx, sys; from semantic.runtime.models import resolve; "
         "print('cpu' if mx.default_device() == mx.cpu else resolve(sys.argv[1], progress=False))"
     )
     where = subprocess.run([sys.executable, "-c", code, model], cwd=ROOT, capture_output=True, text=True,
                            check=True).stdout.strip().splitlines()[-1]
     if where != "cpu":
         return where
-    subprocess.run([sys.executable, "-m", "bench.servers", "write-float32", model, str(out)], cwd=ROOT,
+    subprocess.run([sys.executable, "-m", "semantic.bench.servers", "write-float32", model, str(out)], cwd=ROOT,
                    check=True, capture_output=True)
     return str(out)
 
 
 def _peer_main(argv: list[str]) -> None:
-    import runtime  # noqa: F401  (the same fast BLAS as ours, before mlx is imported)
+    import semantic.runtime  # noqa: F401  (the same fast BLAS as ours, before mlx is imported)
     from mlx_lm.server import main
 
     sys.argv = ["mlx_lm.server", *argv]
@@ -254,4 +254,4 @@ if __name__ == "__main__":
     elif sys.argv[1] == "write-float32":
         print(write_float32(sys.argv[2], Path(sys.argv[3])))
     else:
-        raise SystemExit("usage: python -m bench.servers peer ARGS... | write-float32 MODEL OUT")
+        raise SystemExit("usage: python -m semantic.bench.servers peer ARGS... | write-float32 MODEL OUT")

@@ -32,9 +32,9 @@ def decode(loaded, batches, context: int, steps: int, repeats: int) -> tuple[dic
     and the loopback bytes sent per timed step."""
     import mlx.core as mx
 
-    from bench.batch import contexts
-    from runtime.batch_cache import copy_cache
-    from runtime.engine import Engine, SamplingParams
+    from semantic.bench.batch import contexts
+    from semantic.runtime.batch_cache import copy_cache
+    from semantic.runtime.engine import Engine, SamplingParams
 
     engine = Engine(loaded.model, loaded.tokenizer)
     prefilled = []
@@ -75,10 +75,10 @@ def loopback_bytes() -> int:
 
 def worker(args: argparse.Namespace) -> int:
     """(Under mlx.launch) Every rank decodes its shard; rank 0 prints the result."""
-    import runtime  # noqa: F401  (fast BLAS before mlx)
+    import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
     import mlx.core as mx
 
-    from runtime.models import load
+    from semantic.runtime.models import load
 
     group = mx.distributed.init()
     loaded = load(args.model, progress=False, group=group)
@@ -91,10 +91,10 @@ def worker(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.worker:
         return worker(args)
-    import runtime  # noqa: F401  (fast BLAS before mlx)
+    import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
 
-    from runtime.engine import DECODE_ROWS
-    from runtime.models import load
+    from semantic.runtime.engine import DECODE_ROWS
+    from semantic.runtime.models import load
 
     steps, repeats = (8, 1) if args.quick else (24, 3)
     loaded = load(args.model)
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     threads = max(1, (os.cpu_count() or 1) // args.ranks)  # ranks on one machine share its cores
     env = {**os.environ, "OPENBLAS_NUM_THREADS": str(threads)}
     cmd = [str(launch), "--backend", "ring", "-n", str(args.ranks), "--python", sys.executable,
-           "--cwd", str(Path(__file__).resolve().parents[1]), "-m", "cli.main", "bench", "sharded", "--worker",
+           "--cwd", str(Path(__file__).resolve().parents[1]), "-m", "semantic.cli.main", "bench", "sharded", "--worker",
            "--model", args.model, "--context", str(args.context), "--steps", str(steps), "--repeats", str(repeats)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     found = re.search(r"RESULT (.*)", out.stdout)

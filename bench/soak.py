@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import runtime  # noqa: F401  (fast BLAS before mlx)
+import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
 
 QUESTIONS = ("Name a fruit.", "What colour is it?", "Is it sweet?")
 TOKENS_PER_AGENT = 160  # a system prompt and three short turns: about what each agent's cache holds
@@ -41,8 +41,8 @@ async def soak(loaded, root: Path, *, agents: int, turns: int, concurrency: int,
     import anyio
     import mlx.core as mx
 
-    from actors import Runtime
-    from runtime.block_pool import KVBudget
+    from semantic.actors import Runtime
+    from semantic.runtime.block_pool import KVBudget
 
     working = loaded.dtype.size if mx.default_device() == mx.cpu else 0
     kv = KVBudget(loaded.spec, 1 << 40, sliding_dtype_bytes=loaded.dtype.size, working_dtype_bytes=working)
@@ -108,7 +108,7 @@ async def soak(loaded, root: Path, *, agents: int, turns: int, concurrency: int,
 def run(args: argparse.Namespace) -> int:
     import anyio
 
-    from runtime.models import load
+    from semantic.runtime.models import load
 
     loaded = load(args.model, progress=False)
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if not args.json else (lambda line: None)

@@ -37,7 +37,7 @@ import time
 import uuid
 from pathlib import Path
 
-import runtime  # noqa: F401  (fast BLAS before mlx)
+import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
 
 from . import report
 
@@ -94,8 +94,8 @@ def workloads(tokenizer) -> dict[str, tuple[list[dict], int]]:
 def decode(engine, prompts: list[list[int]], max_tokens: int, speculate: bool, temperature: float = 0.0,
            seed: int = 0) -> dict:
     """Prefill ``prompts`` untimed, then decode them all to their end, timed."""
-    from runtime.engine import SamplingParams
-    from runtime.outcome import decode_rate
+    from semantic.runtime.engine import SamplingParams
+    from semantic.runtime.outcome import decode_rate
 
     engine.speculation = speculate  # read by ``add``
     sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=0.95 if temperature else 1.0,
@@ -163,8 +163,8 @@ def _median(values) -> float | None:
 
 def in_process(loaded, rounds: int, max_tokens: int | None = None, log=lambda line: None) -> dict:
     """Every workload on one engine; ``max_tokens`` caps each workload's (tests)."""
-    from runtime.engine import Engine
-    from runtime.row_counts import cached
+    from semantic.runtime.engine import Engine
+    from semantic.runtime.row_counts import cached
 
     tok = loaded.tokenizer
     engine = Engine(loaded.model, tok)
@@ -247,7 +247,7 @@ def over_http(model: str, singles: dict, rounds: int, workdir: Path, log) -> dic
 
 
 def run(args: argparse.Namespace) -> int:
-    from runtime.models import load
+    from semantic.runtime.models import load
 
     from .compare import machine
 

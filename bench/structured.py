@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-import runtime  # noqa: F401  (fast BLAS before mlx)
+import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
 import mlx.core as mx
 
 SCHEMA = {
@@ -48,7 +48,7 @@ def step_times(engine, prompts: list[list[int]], sampling, steps: int) -> list[f
 
 def mask_us(grammar: str, tokenizer, vocab: int) -> float:
     """Median microseconds of one row's mask, walking a valid reply token by token."""
-    from runtime.grammar import Grammars
+    from semantic.runtime.grammar import Grammars
 
     constraint = Grammars(tokenizer, tokenizer.eos_token_ids).constraint(grammar)
     reply = json.dumps({"notes": ["a short note about the sea"] * 8})
@@ -62,8 +62,8 @@ def mask_us(grammar: str, tokenizer, vocab: int) -> float:
 
 
 def structured(loaded, batches: tuple[int, ...], steps: int, rounds: int, log=lambda line: None) -> dict:
-    from runtime.engine import Engine, SamplingParams
-    from runtime.grammar import json_schema
+    from semantic.runtime.engine import Engine, SamplingParams
+    from semantic.runtime.grammar import json_schema
 
     engine = Engine(loaded.model, loaded.tokenizer, speculation=False)  # the decode step itself, without drafts
     tok = loaded.tokenizer
@@ -90,7 +90,7 @@ def structured(loaded, batches: tuple[int, ...], steps: int, rounds: int, log=la
 
 
 def run(args: argparse.Namespace) -> int:
-    from runtime.models import load
+    from semantic.runtime.models import load
 
     loaded = load(args.model, progress=False)
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if not args.json else (lambda line: None)

@@ -26,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import runtime  # noqa: F401  (fast BLAS before mlx)
-from runtime.agent_cache import open_caches
+import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
+from semantic.runtime.agent_cache import open_caches
 
 TEXT = Path(__file__).parent / "data" / "lighthouses.txt"
 SHORT_FOLLOW_UP = "And in one sentence, which lighthouse would you most like to visit?"
@@ -52,7 +52,7 @@ def conversation(tokenizer, context: int) -> list[dict]:
 
 
 def _warm_up(engine) -> None:
-    from runtime.engine import SamplingParams
+    from semantic.runtime.engine import SamplingParams
 
     engine.add([1, 2, 3], SamplingParams(max_tokens=2))
     while not engine.idle:
@@ -62,9 +62,9 @@ def _warm_up(engine) -> None:
 
 def warm_worker(spec: dict) -> dict:
     """In a fresh process: load the model, then time the follow-up from disk."""
-    from runtime.engine import Engine, SamplingParams
-    from runtime.models import load
-    from runtime.turns import run_turn
+    from semantic.runtime.engine import Engine, SamplingParams
+    from semantic.runtime.models import load
+    from semantic.runtime.turns import run_turn
 
     loaded = load(spec["model"], progress=False)
     engine = Engine(loaded.model, loaded.tokenizer)
@@ -85,8 +85,8 @@ def warm_worker(spec: dict) -> dict:
 
 
 def measure(loaded, context: int, repeats: int, root: Path) -> dict:
-    from runtime.engine import Engine, SamplingParams
-    from runtime.turns import run_turn
+    from semantic.runtime.engine import Engine, SamplingParams
+    from semantic.runtime.turns import run_turn
 
     engine = Engine(loaded.model, loaded.tokenizer)
     _warm_up(engine)
@@ -108,7 +108,7 @@ def measure(loaded, context: int, repeats: int, root: Path) -> dict:
         assert hot_turn.prefilled_tokens < 80, "the follow-up reused the cache"
         spec = {"model": loaded.name, "root": str(root), "agent": agent, "messages": follow}
         out = subprocess.run(
-            [sys.executable, "-m", "bench.ttft", json.dumps(spec)],
+            [sys.executable, "-m", "semantic.bench.ttft", json.dumps(spec)],
             capture_output=True, text=True, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         w = json.loads(out.stdout.strip().splitlines()[-1])
@@ -132,7 +132,7 @@ def measure(loaded, context: int, repeats: int, root: Path) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from runtime.models import load
+    from semantic.runtime.models import load
 
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else (
         [1024, 2048, 4096] if args.quick else [1024, 2048, 4096, 8192]
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = load(args.model)
     too_long = [c for c in contexts if c + 200 > loaded.context_length]
     if too_long:
-        from runtime.errors import SemanticError
+        from semantic.runtime.errors import SemanticError
 
         raise SemanticError(f"contexts {too_long} do not fit the model's {loaded.context_length}-token window")
     rows = {}

@@ -10,12 +10,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from runtime import disk
-from runtime.cache_file import CacheStore
-from runtime.cache_records import validate_agent_id
-from runtime.disk import human_bytes as _size
-from runtime.errors import SemanticError
-from runtime.paths import agents_dir, usable_dir
+from semantic.runtime import disk
+from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.cache_records import validate_agent_id
+from semantic.runtime.disk import human_bytes as _size
+from semantic.runtime.errors import SemanticError
+from semantic.runtime.paths import agents_dir, usable_dir
 
 HISTORY_ONLY = "history only"
 
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _move(args: argparse.Namespace, root: Path) -> int:
     """``export``: one agent's files to an archive; ``import``: an archive's agent into ``root``."""
-    from actors.archive import ArchiveError, export_agent, import_agent
+    from semantic.actors.archive import ArchiveError, export_agent, import_agent
 
     try:
         if args.action == "export":

@@ -6,10 +6,10 @@ import json
 
 from rich.console import Console
 
-import runtime  # noqa: F401  (fast BLAS before mlx)
-from runtime import blas, embedded
-from runtime.device import describe, matmul_gflops
-from runtime.paths import cache_home
+import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
+from semantic.runtime import blas, embedded
+from semantic.runtime.device import describe, matmul_gflops
+from semantic.runtime.paths import cache_home
 
 SLOW_GFLOPS = 20.0
 
@@ -54,9 +54,9 @@ def doctor(as_json: bool) -> int:
 
 def _row_counts() -> dict:
     """The decode row counts the server uses on the embedded model (measured once, then kept)."""
-    from runtime.engine import Engine
-    from runtime.models import load
-    from runtime.row_counts import cached
+    from semantic.runtime.engine import Engine
+    from semantic.runtime.models import load
+    from semantic.runtime.row_counts import cached
 
     loaded = load(progress=False)
     return cached(Engine(loaded.model, loaded.tokenizer)).describe()

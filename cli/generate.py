@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-import runtime  # noqa: F401  (fast BLAS before mlx)
-from runtime.errors import SemanticError
-from runtime.models import load
+import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
+from semantic.runtime.errors import SemanticError
+from semantic.runtime.models import load
 
 
 def generate(args: argparse.Namespace) -> int:

@@ -164,7 +164,7 @@ def parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
 
-    from scenarios.cli import add_parser as add_scenario_parser  # argparse only: cheap
+    from semantic.scenarios.cli import add_parser as add_scenario_parser  # argparse only: cheap
 
     add_scenario_parser(sub)
     return top
@@ -172,7 +172,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from runtime.errors import SemanticError
+    from semantic.runtime.errors import SemanticError
 
     try:
         return _run(args)
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _warn_if_slow() -> None:
     """Users must hear it when the fast CPU path is missing: everything runs ~50x slower."""
-    from runtime import blas
+    from semantic.runtime import blas
 
     status = blas.status()
     if not status.fast and sys.platform == "linux":
@@ -203,7 +203,7 @@ def _run(args: argparse.Namespace) -> int:
 
         return doctor(as_json=args.json)
     if args.command == "prepare":
-        from runtime.models import resolve
+        from semantic.runtime.models import resolve
 
         print(resolve(args.model))
         return 0
@@ -218,13 +218,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "bench":
         import importlib
 
-        return importlib.import_module(f"bench.{args.bench}").run(args)
+        return importlib.import_module(f"semantic.bench.{args.bench}").run(args)
     if args.command == "serve":
         from .serve import run
 
         return run(args)
     if args.command == "scenario":
-        from scenarios.cli import run
+        from semantic.scenarios.cli import run
 
         return run(args)
     raise AssertionError(f"unhandled command {args.command}")

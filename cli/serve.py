@@ -7,7 +7,7 @@ import re
 import sys
 import time
 
-from runtime.errors import SemanticError
+from semantic.runtime.errors import SemanticError
 
 EMBEDDED_MAX_TOKENS = 1024  # Claude Code asks for 32000; a 135M model that never stops would hold a request minutes
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -95,12 +95,12 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import runtime  # noqa: F401  (fast BLAS before mlx)
-    from runtime import disk, embedded
-    from runtime.models import catalogue, resolve
-    from runtime.paths import agents_dir, usable_dir
-    from web.app import ServerConfig
-    from web.server import bind, run as run_server
+    import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
+    from semantic.runtime import disk, embedded
+    from semantic.runtime.models import catalogue, resolve
+    from semantic.runtime.paths import agents_dir, usable_dir
+    from semantic.web.app import ServerConfig
+    from semantic.web.server import bind, run as run_server
 
     cache_dir = usable_dir(args.cache_dir or agents_dir())
     first, *more = args.model or [embedded.NAME]
@@ -157,7 +157,7 @@ def _other_layouts(cache_dir, model: str, kv_bits: int, ranks: int) -> None:
     they are not read here (each layout keeps its own files)."""
     from pathlib import Path
 
-    from runtime.agent_cache import cache_layouts
+    from semantic.runtime.agent_cache import cache_layouts
 
     def layout(n: int) -> str:
         return "one process" if n == 1 else f"{n} ranks"
@@ -182,7 +182,7 @@ def _follow(args: argparse.Namespace, group, cache_dir, first: str, more: list[s
     """A rank other than 0: no HTTP; it follows rank 0 until rank 0 stops."""
     import signal
 
-    from actors.runtime import Runtime
+    from semantic.actors.runtime import Runtime
 
     # Ctrl-C reaches every rank of mlx.launch: rank 0 stops the group, in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -194,7 +194,7 @@ def _follow(args: argparse.Namespace, group, cache_dir, first: str, more: list[s
 
 
 def _default_cap(models: dict) -> int | None:
-    from runtime.embedded import NAME
+    from semantic.runtime.embedded import NAME
 
     return EMBEDDED_MAX_TOKENS if NAME in models.values() else None  # a 135M model that never stops
 

@@ -17,8 +17,8 @@ import time
 
 import anyio
 
-import runtime  # noqa: F401  (picks the fast BLAS before MLX loads)
-from actors import Agent, Runtime
+import semantic.runtime  # noqa: F401  (picks the fast BLAS before MLX loads)
+from semantic.actors import Agent, Runtime
 
 DEBATERS = {  # agent id: (system prompt, what it is asked)
     "example-alice": ("You are an enthusiastic optimist.", "Give one reason to {topic}."),

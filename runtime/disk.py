@@ -49,7 +49,7 @@ __all__ = [
     "is_conversation", "plan", "remove_agent", "scan",
 ]
 
-CONVERSATION_PREFIX = "conv-"  # anonymous agents (web/app.py names them conv-<16 hex>)
+CONVERSATION_PREFIX = "conv-"  # anonymous agents (web/identity.py names them conv-...)
 FREE_MARGIN = 64 << 20  # free space a write must leave on the filesystem
 HISTORY_SUFFIX = ".json"
 BAD_HISTORY = ".json.bad-"  # unreadable histories moved aside (actors/agent.py)

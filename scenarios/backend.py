@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from runtime.outcome import TurnResult
+from semantic.runtime.outcome import TurnResult
 
 __all__ = ["AgentHandle", "Backend", "Sampling", "TextDelta", "TurnEvent"]
 

@@ -72,7 +72,7 @@ def library() -> list[str]:
 
 def resolve(file: str) -> Path:
     """``file`` if it exists, else the shipped scenario of that name."""
-    from runtime.errors import SemanticError
+    from semantic.runtime.errors import SemanticError
 
     path = Path(file)
     if path.exists():
@@ -141,7 +141,7 @@ def compare_scenario(args: argparse.Namespace) -> int:
 
 
 def _check_url(args: argparse.Namespace) -> None:
-    from runtime.errors import SemanticError
+    from semantic.runtime.errors import SemanticError
 
     if args.url is not None:
         if not args.url.startswith(("http://", "https://")):
@@ -225,8 +225,8 @@ def _meta(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m scenarios.cli ACTION ...``: the same as ``semantic scenario ACTION ...``."""
-    from runtime.errors import SemanticError
+    """``python -m semantic.scenarios.cli ACTION ...``: the same as ``semantic scenario ACTION ...``."""
+    from semantic.runtime.errors import SemanticError
 
     top = argparse.ArgumentParser(prog="semantic")
     add_parser(top.add_subparsers(dest="command", required=True))

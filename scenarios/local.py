@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 
-from actors import Agent, Runtime
+from semantic.actors import Agent, Runtime
 
 from .backend import Sampling, TextDelta, TurnEvent
 

@@ -16,8 +16,8 @@ from contextlib import asynccontextmanager
 
 import httpx
 
-from runtime.errors import SemanticError
-from runtime.outcome import TurnResult
+from semantic.runtime.errors import SemanticError
+from semantic.runtime.outcome import TurnResult
 
 from .backend import Sampling, TextDelta, TurnEvent
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import anyio
 
-from runtime.outcome import TurnResult
+from semantic.runtime.outcome import TurnResult
 
 from .backend import AgentHandle, Backend, TextDelta
 from .plan import Line, Prompts, Slot, cache_key, schedule

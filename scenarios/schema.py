@@ -39,7 +39,7 @@ from typing import Literal
 
 import yaml
 
-from runtime.errors import SemanticError
+from semantic.runtime.errors import SemanticError
 
 from .backend import Sampling
 

@@ -1,6 +1,6 @@
 import pytest
 
-import runtime  # noqa: F401  (fast BLAS before anything imports mlx)
+import semantic.runtime  # noqa: F401  (fast BLAS before anything imports mlx)
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -12,6 +12,6 @@ def anyio_backend(request):
 @pytest.fixture(scope="session")
 def smollm2():
     """The real embedded model, prepared once per machine and loaded once per run."""
-    from runtime.models import load
+    from semantic.runtime.models import load
 
     return load("smollm2", progress=False)

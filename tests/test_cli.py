@@ -9,14 +9,14 @@ import time
 
 import pytest
 
-from runtime.cache_file import model_key
-from runtime.cache_records import MANIFEST
+from semantic.runtime.cache_file import model_key
+from semantic.runtime.cache_records import MANIFEST
 from tests.tiny import tiny_config
 
 
 def semantic(*args, env=None):
     return subprocess.run(
-        [sys.executable, "-m", "cli.main", *args],
+        [sys.executable, "-m", "semantic.cli.main", *args],
         capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})},
     )
 
@@ -67,8 +67,8 @@ def model_dir(path, config: dict, seed: int = 0):
     import mlx.core as mx
     from mlx_lm.utils import save_config, save_model
 
-    from runtime.model_spec import build_model
-    from runtime.models import resolve
+    from semantic.runtime.model_spec import build_model
+    from semantic.runtime.models import resolve
 
     mx.random.seed(seed)
     save_model(path, build_model(config))
@@ -131,10 +131,10 @@ def test_generate_streams_the_models_greedy_reply(smollm2):
 
 def real_caches(root, agents):
     """A store under ``root`` with a real cache file (41 tokens, model 'tiny') for each agent."""
-    from runtime.cache_file import CacheStore
-    from runtime.cache_records import CacheRecord
-    from runtime.engine import Engine, SamplingParams
-    from runtime.model_spec import ModelCacheSpec
+    from semantic.runtime.cache_file import CacheStore
+    from semantic.runtime.cache_records import CacheRecord
+    from semantic.runtime.engine import Engine, SamplingParams
+    from semantic.runtime.model_spec import ModelCacheSpec
     from tests.runtime.test_engine import ByteTokenizer, drain
     from tests.tiny import tiny_model
 
@@ -260,7 +260,7 @@ def test_bad_serve_options_are_a_clear_error(args, message):
 
 
 def test_serve_options_parse():
-    from cli.main import parser
+    from semantic.cli.main import parser
 
     args = parser().parse_args(["serve", "--disk-budget", "2G", "--conversation-ttl", "12h"])
     assert (args.disk_budget, args.conversation_ttl) == (2 << 30, 12 * 3600)
@@ -269,7 +269,7 @@ def test_serve_options_parse():
     args = parser().parse_args(["serve"])
     assert (args.disk_budget, args.conversation_ttl, args.kv_bits) == (None, 7 * 86400, 4)
     assert parser().parse_args(["serve", "--kv-bits", "8"]).kv_bits == 8
-    from cli.serve import _runtime_options
+    from semantic.cli.serve import _runtime_options
 
     assert _runtime_options(args, None) == {"speculation": True}  # the runtime's default decode rows
     assert _runtime_options(parser().parse_args(["serve", "--decode-rows", "1", "--speculation", "off"]), None) == {
@@ -291,7 +291,7 @@ def test_serve_two_models_chosen_by_each_request(tmp_path):
     openai = pytest.importorskip("openai")
     dirs = [model_dir(tmp_path / name, TINY_LLAMA, seed) for seed, name in enumerate("ab")]
     log = tmp_path / "server.log"
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--port", "0", "--cache-dir",
+    proc = subprocess.Popen([sys.executable, "-m", "semantic.cli.main", "serve", "--port", "0", "--cache-dir",
                              str(tmp_path / "cache"), "--model", f"a={dirs[0]}", "--model", f"b={dirs[1]}",
                              "--model-idle", "5m"], stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True)
     try:
@@ -331,7 +331,7 @@ FAMILIES = {arch: tiny_config(arch, EMBEDDED_VOCAB) for arch in  # each family S
 
 def _serve_dir(path, cache_dir, log):
 
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--port", "0", "--cache-dir", str(cache_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "semantic.cli.main", "serve", "--port", "0", "--cache-dir", str(cache_dir),
                              "--model", str(path)], stdout=open(log, "a"), stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while not (m := re.findall(r"listening on (http://\S+)", log.read_text())) or len(m) < _serve_dir.starts[log]:
@@ -378,8 +378,8 @@ def test_each_family_keeps_its_agent_across_turns_and_a_restart(tmp_path, family
 
 def test_serve_says_when_caches_of_another_layout_are_not_read(tmp_path, capsys):
     """Each layout (one process, n ranks) keeps its own files: a server says which it will not read."""
-    from cli.serve import _other_layouts
-    from runtime.agent_cache import cache_layouts, cache_model_id
+    from semantic.cli.serve import _other_layouts
+    from semantic.runtime.agent_cache import cache_layouts, cache_model_id
 
     for shard in (None, (0, 3), (1, 3), (0, 2)):
         (tmp_path / model_key(cache_model_id("smollm2", 4, shard))).mkdir()
@@ -402,9 +402,9 @@ def test_serve_distributed_outside_mlx_launch_is_one_line_and_nonzero(tmp_path):
     ("llama", 3, "its 2 KV heads do not split evenly over 3 ranks"),
 ])
 def test_a_model_that_cannot_be_sharded_so_is_refused_in_one_line(arch, ranks, message):
-    from runtime.errors import ModelError
-    from runtime.model_spec import ModelCacheSpec, build_model
-    from runtime.models import _shard
+    from semantic.runtime.errors import ModelError
+    from semantic.runtime.model_spec import ModelCacheSpec, build_model
+    from semantic.runtime.models import _shard
 
     class Group:  # what _shard asks of an mx.distributed group
         def size(self):

@@ -60,9 +60,9 @@ def test_a_sharded_model_gives_the_logits_of_the_whole_one_within_tolerance_and_
     script = tmp_path / "compare.py"
     script.write_text('''
 import json
-import runtime
+import semantic.runtime
 import mlx.core as mx
-from runtime.models import load
+from semantic.runtime.models import load
 
 group = mx.distributed.init()
 sharded = load("smollm2", progress=False, group=group)
@@ -86,7 +86,7 @@ if group.rank() == 0:
                                 "scale": mx.max(mx.abs(ref)).item(), "positions": len(tokens),
                                 "first_divergence": same.index(False) if False in same else None}), flush=True)
 
-from runtime.engine import Engine, SamplingParams  # batch invariance holds across ranks too
+from semantic.runtime.engine import Engine, SamplingParams  # batch invariance holds across ranks too
 
 engine = Engine(sharded.model, sharded.tokenizer)
 def replies(prompts):
@@ -134,7 +134,7 @@ def _stop_group(proc: subprocess.Popen, log: Path) -> None:
 
 
 def _start_group(cache: Path, log: Path, starts: int, *options: str) -> tuple[subprocess.Popen, str]:
-    proc = _launch("-m", "cli.main", "serve", "--distributed", "--port", "0", "--cache-dir", str(cache), *options,
+    proc = _launch("-m", "semantic.cli.main", "serve", "--distributed", "--port", "0", "--cache-dir", str(cache), *options,
                    log=log)
     deadline = time.monotonic() + 180
     while len(urls := re.findall(r"listening on (http://\S+)", log.read_text())) < starts:
@@ -213,7 +213,7 @@ def test_two_agents_on_three_ranks_keep_their_shards_across_a_restart(tmp_path):
             assert cached == 0, after[agent]  # one rank without its shard: cold on every rank
 
     single = tmp_path / "single"
-    server = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--port", "0", "--cache-dir", str(single)],
+    server = subprocess.Popen([sys.executable, "-m", "semantic.cli.main", "serve", "--port", "0", "--cache-dir", str(single)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=ENV)
     try:
         url = next(line for line in server.stdout if "listening on" in line).split("listening on ")[1].split()[0]

@@ -1,13 +1,15 @@
 """The architecture, checked by a tool (import-linter, contracts in
 ``pyproject.toml``): the layers (cli over web, bench and scenarios, over
 actors, over runtime) and no import cycle inside a package -- on this tree,
-and broken on a copy of it that breaks each rule."""
+and broken on a copy of it that breaks each rule. And the install: one
+package, ``semantic``, whose folders are the repo's."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -20,13 +22,16 @@ pytestmark = pytest.mark.skipif(not LINT.exists(), reason="import-linter is not 
 
 
 def lint(tree: Path) -> subprocess.CompletedProcess:
+    """``lint-imports`` on the ``semantic`` under ``tree``, or on the installed one."""
     return subprocess.run([str(LINT), "--no-cache"], cwd=tree, capture_output=True, text=True, timeout=300,
                           env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"})
 
 
 def copy_of_the_tree(tmp_path: Path) -> Path:
+    """The repo's folders as the installed package lays them out: ``semantic/runtime``, ..."""
     for package in PACKAGES:
-        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__", "static"))
+        shutil.copytree(ROOT / package, tmp_path / "semantic" / package,
+                        ignore=shutil.ignore_patterns("__pycache__", "static"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     return tmp_path
 
@@ -34,18 +39,43 @@ def copy_of_the_tree(tmp_path: Path) -> Path:
 def test_the_tree_keeps_its_layers_and_has_no_import_cycle():
     result = lint(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 kept, 0 broken" in result.stdout
+    assert "3 kept, 0 broken" in result.stdout
 
 
 @pytest.mark.parametrize("module, line, broken", [
-    ("runtime/errors.py", "import actors.errors", "cli over web, bench and scenarios, over actors, over runtime"),
-    ("web/sse.py", "import cli.main", "cli over web, bench and scenarios, over actors, over runtime"),
-    ("runtime/json_reader.py", "import runtime.engine", "no import cycle between the modules of a package"),
-], ids=["runtime imports actors", "web imports cli", "a cycle in runtime"])
+    ("runtime/errors.py", "import semantic.actors.errors", "cli over web, bench and scenarios, over actors, over runtime"),
+    ("web/sse.py", "import semantic.cli.main", "cli over web, bench and scenarios, over actors, over runtime"),
+    ("runtime/json_reader.py", "import semantic.runtime.engine", "no import cycle between the modules of a package"),
+    ("web/sse.py", "import semantic.runtime.batch_cache", "web through one door"),
+    ("web/sse.py", "from semantic.actors.gpu import GpuActor", "web through one door"),
+], ids=["runtime imports actors", "web imports cli", "a cycle in runtime", "web imports the runtime's internals",
+        "web imports past actors' door"])
 def test_an_import_that_breaks_a_rule_fails_the_check(tmp_path, module, line, broken):
     tree = copy_of_the_tree(tmp_path)
-    path = tree / module
+    path = tree / "semantic" / module
     path.write_text(path.read_text() + f"\n{line}  # breaks the rule\n")
     result = lint(tree)
     assert result.returncode != 0
-    assert f"{broken} BROKEN" in result.stdout
+    assert broken in result.stdout and "BROKEN" in result.stdout
+
+
+def test_the_wheel_installs_one_package_and_the_command(tmp_path):
+    """``pip install .`` adds ``semantic`` (the repo's folders, with their data) and the
+    ``semantic`` command, and no generic top-level name such as ``web`` or ``cli``."""
+    source = tmp_path / "source"  # built from a copy: pip writes build/ beside the sources
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path), str(source)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("semantic-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {name.split("/")[0] for name in names} == {"semantic", wheel.name.rsplit("-", 3)[0] + ".dist-info"}
+    for package in PACKAGES:
+        assert f"semantic/{package}/__init__.py" in names
+    for data in ("web/static/index.html", "web/static/dashboard.js", "bench/data/lighthouses.txt",
+                 "scenarios/library/town_council.yaml"):
+        assert f"semantic/{data}" in names
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "semantic = semantic.cli.main:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

@@ -38,7 +38,7 @@ import httpx
 import pytest
 
 from tests.clients.conftest import Server
-from web.identity import route_scope
+from semantic.web.identity import route_scope
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "scripts" / "haproxy.cfg"
@@ -359,7 +359,7 @@ def _run(conversations: list[Conversation], url: str, turns: range) -> None:
 
 def _written(server: Server, cache_dir: Path, conversations: list[Conversation]) -> bool:
     """Whether every cache the server holds in memory for these agents is on disk as it is now."""
-    from runtime.cache_file import CacheStore
+    from semantic.runtime.cache_file import CacheStore
 
     on_disk = {e["agent"]: e["tokens"] for e in CacheStore(cache_dir).entries()}
     with httpx.Client(base_url=server.url, timeout=30) as http:
@@ -384,7 +384,7 @@ def import_over_http(url: str, agent: str, archive: Path) -> tuple[int, str, dic
 
 
 def semantic(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli.main", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "semantic.cli.main", *map(str, args)], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
 
 

@@ -13,8 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
-import runtime  # noqa: F401  (fast BLAS before mlx)
-from runtime.model_spec import build_model
+import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
+from semantic.runtime.model_spec import build_model
 
 VOCAB = 512
 
@@ -109,7 +109,7 @@ def embedded_tokenizer():
     """The embedded model's tokenizer and chat template (prepared once per machine)."""
     from mlx_lm.utils import load_tokenizer
 
-    from runtime import embedded
+    from semantic.runtime import embedded
 
     return load_tokenizer(Path(embedded.prepare(progress=False)))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from runtime.grammar import JSON_OBJECT, GrammarError, json_schema
+from semantic.actors import GrammarError, grammar
 
 from .schema import RequestError
 
@@ -139,11 +139,11 @@ def output_format(data: dict, key: str, where: str = "", *,
     if kind == "text":
         return None
     if kind == "json_object":
-        return JSON_OBJECT
+        return grammar.JSON_OBJECT
     if schema_in is not None:
         fmt, at = obj(fmt, schema_in, at, required=True), f"{at}{schema_in}."
     try:
-        return json_schema(obj(fmt, "schema", at, required=True))
+        return grammar.json_schema(obj(fmt, "schema", at, required=True))
     except GrammarError as e:
         raise bad(at + "schema", f"this server cannot enforce this JSON schema: {e}") from None
 

@@ -31,9 +31,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from actors import AgentInfo
-from runtime.outcome import TurnResult
-from runtime.sampling import MAX_LOGPROBS
+from semantic.actors import MAX_LOGPROBS, AgentInfo, TurnResult
 
 from . import _validate as v
 from ._aio import closing

@@ -55,7 +55,7 @@ import secrets
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import TYPE_CHECKING
 
-from runtime.json_reader import JSONError, read_json
+from semantic.runtime.json_reader import JSONError, read_json
 
 from . import _validate as v
 from ._aio import closing

@@ -32,13 +32,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
-from actors import (Agent, AgentExists, AgentGone, ContextTooLong, Message, Reply, Runtime, RuntimeClosed,
-                    RuntimeUnhealthy, TurnCancelled, UnknownModel)
-from runtime.agent_cache import OutOfMemory
-from runtime.cache_records import InvalidAgentId, validate_agent_id
-from runtime.errors import ModelError, SemanticError
-from runtime.grammar import GrammarError
-from runtime.outcome import TurnResult
+from semantic.actors import (Agent, AgentExists, AgentGone, ContextTooLong, GrammarError, InvalidAgentId, Message,
+                             ModelError, OutOfMemory, Reply, Runtime, RuntimeClosed, RuntimeUnhealthy, SemanticError,
+                             TurnCancelled, TurnResult, UnknownModel, validate_agent_id)
 
 from ._aio import closing
 from .harmony import Harmony, speaks_harmony

@@ -31,10 +31,7 @@ from collections.abc import AsyncIterator
 
 import anyio
 
-from actors import AgentInfo, Runtime
-from actors.gpu import BatchSnapshot
-from runtime.cache_records import InvalidAgentId
-from runtime.outcome import TurnResult
+from semantic.actors import AgentInfo, BatchSnapshot, InvalidAgentId, Runtime, TurnResult
 
 from .events import EventHub
 from .sse import KEEP_ALIVE, encode

@@ -27,8 +27,8 @@ import json
 import re
 from collections.abc import Mapping
 
-from runtime import grammar
-from runtime.json_reader import JSONError, read_json
+from semantic.actors import grammar
+from semantic.runtime.json_reader import JSONError, read_json
 
 from .schema import ToolCall
 from .tools import arguments_rule, new_call_id

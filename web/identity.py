@@ -41,7 +41,7 @@ import re
 import secrets
 from collections.abc import Iterable
 
-from actors import Message
+from semantic.actors import Message
 
 from .harmony import HARMONY, read_harmony
 from .reasoning import answer_text

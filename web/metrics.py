@@ -33,7 +33,7 @@ import math
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from runtime.outcome import TurnResult
+from semantic.actors import TurnResult
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 

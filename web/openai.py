@@ -57,9 +57,8 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import TYPE_CHECKING
 
-from actors import MAX_CHOICES
-from runtime.json_reader import JSONError, read_json
-from runtime.sampling import MAX_LOGPROBS
+from semantic.actors import MAX_CHOICES, MAX_LOGPROBS
+from semantic.runtime.json_reader import JSONError, read_json
 
 from . import _validate as v
 from ._aio import closing

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from runtime import grammar
+from semantic.actors import grammar
 
 __all__ = ["OPEN", "CLOSE", "ReasoningSplitter", "ThinkTags", "answer_text", "split_reasoning"]
 

@@ -77,9 +77,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from actors import Message
-from runtime.cache_records import AGENT_CHARS
-from runtime.sampling import MAX_LOGPROBS
+from semantic.actors import AGENT_CHARS, MAX_LOGPROBS, Message
 
 from . import _validate as v
 from ._aio import closing

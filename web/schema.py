@@ -26,8 +26,8 @@ from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from runtime.json_reader import JSONError, read_json
-from runtime.sampling import TokenLogprob
+from semantic.runtime.json_reader import JSONError, read_json
+from semantic.actors import TokenLogprob
 
 from ._aio import closing
 
@@ -98,7 +98,7 @@ class ChatRequest:
     messages: tuple[dict, ...]
     max_tokens: int
     system: str | None = None
-    model: str | None = None  # as the client named it (the server picks a model by it: ``web.app``)
+    model: str | None = None  # as the client named it (the server picks a model by it: ``web.state``)
     temperature: float | None = None  # None: not given, the server's default applies
     top_p: float | None = None
     top_k: int | None = None

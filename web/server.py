@@ -15,8 +15,7 @@ from collections.abc import Callable
 
 import anyio
 
-from actors import Runtime
-from runtime.errors import SemanticError
+from semantic.actors import Runtime, SemanticError
 
 from .app import ServerConfig, create_app
 

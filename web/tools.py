@@ -47,8 +47,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from runtime import grammar
-from runtime.json_reader import JSONError, check_depth, read_json
+from semantic.actors import grammar
+from semantic.runtime.json_reader import JSONError, check_depth, read_json
 
 from .schema import ChatResult, ToolCall
 

@@ -1,6 +1,6 @@
 import pytest
 
-from actors import Runtime
+from semantic.actors import Runtime
 
 
 @pytest.fixture

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from actors import Message
-from actors.archive import INDEX, ArchiveError, agent_files, export_agent, import_agent
-from actors.errors import AgentExists
-from actors.history import encode_history
-from runtime.cache_file import CacheStore, model_key
-from runtime.cache_records import CacheRecord, InvalidAgentId
-from runtime.model_spec import ModelCacheSpec
+from semantic.actors import Message
+from semantic.actors.archive import INDEX, ArchiveError, agent_files, export_agent, import_agent
+from semantic.actors.errors import AgentExists
+from semantic.actors.history import encode_history
+from semantic.runtime.cache_file import CacheStore, model_key
+from semantic.runtime.cache_records import CacheRecord, InvalidAgentId
+from semantic.runtime.model_spec import ModelCacheSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 HISTORY = (Message("system", "Be brief."), Message("user", "Hi"), Message("assistant", "Hello."))
@@ -31,7 +31,7 @@ HISTORY = (Message("system", "Be brief."), Message("user", "Hi"), Message("assis
 @functools.cache
 def _computed():
     """A real cache of a tiny model (token ids, layers, spec hash), computed once."""
-    from runtime.engine import Engine, SamplingParams
+    from semantic.runtime.engine import Engine, SamplingParams
     from tests.runtime.test_engine import ByteTokenizer, drain
     from tests.tiny import tiny_model
 
@@ -216,7 +216,7 @@ def test_an_import_that_died_leaves_nothing_the_next_one_keeps(tmp_path, archive
 
 
 def semantic(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli.main", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "semantic.cli.main", *map(str, args)], capture_output=True, text=True,
                           timeout=120, cwd=ROOT, env={**os.environ, "COLUMNS": "60"})
 
 

@@ -11,9 +11,9 @@ import logging
 
 import pytest
 
-from actors import Runtime
-from runtime.cache_file import CacheStore
-from runtime.cache_records import MANIFEST
+from semantic.actors import Runtime
+from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.cache_records import MANIFEST
 from tests.web.live import tiny_loaded
 
 pytestmark = pytest.mark.anyio

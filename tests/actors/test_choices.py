@@ -8,8 +8,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from actors import MAX_CHOICES, Message, Runtime
-from runtime.grammar import lark
+from semantic.actors import MAX_CHOICES, Message, Runtime
+from semantic.runtime.grammar import lark
 from tests.web.live import kv_bytes, tiny_loaded
 
 pytestmark = pytest.mark.anyio

@@ -12,9 +12,9 @@ from collections import namedtuple
 import anyio
 import pytest
 
-from actors import AgentGone, Runtime
-from actors.persistence import history_path
-from runtime.cache_file import CacheStore
+from semantic.actors import AgentGone, Runtime
+from semantic.actors.persistence import history_path
+from semantic.runtime.cache_file import CacheStore
 from tests.web.live import tiny_loaded
 
 pytestmark = pytest.mark.anyio

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.eviction import EvictionActor
-from actors.messages import Demote, HotAgent, HotSet, Stop
+from semantic.actors.eviction import EvictionActor
+from semantic.actors.messages import Demote, HotAgent, HotSet, Stop
 
 MiB = 1 << 20
 

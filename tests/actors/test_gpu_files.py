@@ -13,7 +13,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from actors import Runtime
+from semantic.actors import Runtime
 from tests.web.live import kv_bytes, tiny_loaded
 
 pytestmark = pytest.mark.anyio

@@ -7,12 +7,12 @@ import anyio
 import mlx.core as mx
 import numpy as np
 
-from actors.gpu_thread import STEP
-from actors.lockstep import Lockstep, _dumps
-from actors.messages import BeginTurn, CacheRead, Message
-from runtime.cache_codec import HostCache
-from runtime.cache_records import CacheRecord
-from runtime.engine import SamplingParams
+from semantic.actors.gpu_thread import STEP
+from semantic.actors.lockstep import Lockstep, _dumps
+from semantic.actors.messages import BeginTurn, CacheRead, Message
+from semantic.runtime.cache_codec import HostCache
+from semantic.runtime.cache_records import CacheRecord
+from semantic.runtime.engine import SamplingParams
 
 
 def _turn(seed=None) -> BeginTurn:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from actors import Runtime, UnknownModel
-from runtime.errors import ModelError
+from semantic.actors import Runtime, UnknownModel
+from semantic.runtime.errors import ModelError
 from tests.web.live import tiny_loaded
 
 pytestmark = pytest.mark.anyio
@@ -85,7 +85,7 @@ async def test_a_model_that_fails_to_load_fails_only_its_turns(tmp_path):
 
 
 def test_model_names_must_differ(tmp_path):
-    from runtime.models import catalogue
+    from semantic.runtime.models import catalogue
 
     assert catalogue(["smollm2", "b=/models/qwen"]) == {"smollm2": "smollm2", "b": "/models/qwen"}
     with pytest.raises(ValueError, match="two models are named 'x'"):

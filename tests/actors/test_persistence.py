@@ -16,16 +16,16 @@ from collections import namedtuple
 import anyio
 import pytest
 
-from actors.agent import request
-from actors.history import encode_history
-from actors.messages import (
+from semantic.actors.agent import request
+from semantic.actors.history import encode_history
+from semantic.actors.messages import (
     CacheBlocks, CacheRead, CacheWritten, Done, Flush, Forget, HistoryBytes, Message, ReadCache, ReadHistory, Stop,
 )
-from actors.persistence import PersistenceActor, history_path
-from runtime import cache_file, disk
-from runtime.cache_codec import snapshot
-from runtime.cache_file import CacheStore
-from runtime.cache_records import MANIFEST
+from semantic.actors.persistence import PersistenceActor, history_path
+from semantic.runtime import cache_file, disk
+from semantic.runtime.cache_codec import snapshot
+from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.cache_records import MANIFEST
 from tests.runtime import cache_writer
 
 pytestmark = pytest.mark.anyio
@@ -331,7 +331,7 @@ def test_file_work_runs_at_a_lower_cpu_priority_than_compute():
     import sys
     import threading
 
-    from actors.persistence import _in_background
+    from semantic.actors.persistence import _in_background
 
     if not sys.platform.startswith("linux"):
         pytest.skip("per-thread niceness is Linux's")
@@ -429,8 +429,8 @@ def counted_scans(monkeypatch) -> list:
 async def test_a_models_row_counts_are_measured_once_and_kept_by_persistence(tmp_path, monkeypatch):
     """The GPU thread measures a model's decode row counts at its first load; persistence
     writes them under the cache home; the next start reads them instead of measuring."""
-    from actors import Runtime
-    from runtime.engine import Engine
+    from semantic.actors import Runtime
+    from semantic.runtime.engine import Engine
     from tests.web.live import tiny_loaded
 
     monkeypatch.setenv("SEMANTIC_HOME", str(tmp_path / "home"))

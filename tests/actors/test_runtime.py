@@ -13,7 +13,7 @@ import anyio
 import mlx.core as mx
 import pytest
 
-from actors import (
+from semantic.actors import (
     AgentExists,
     AgentGone,
     ContextTooLong,
@@ -21,14 +21,14 @@ from actors import (
     RuntimeUnhealthy,
     TurnCancelled,
 )
-from actors.messages import Message
-from runtime.agent_cache import AgentCaches
-from runtime.block_pool import KVBudget
-from runtime.cache_file import CacheStore
-from runtime.engine import Engine, SamplingParams
-from runtime.prefix import encode
-from runtime.row_counts import cached
-from runtime.turns import render, run_turn
+from semantic.actors.messages import Message
+from semantic.runtime.agent_cache import AgentCaches
+from semantic.runtime.block_pool import KVBudget
+from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.engine import Engine, SamplingParams
+from semantic.runtime.prefix import encode
+from semantic.runtime.row_counts import cached
+from semantic.runtime.turns import render, run_turn
 
 pytestmark = [pytest.mark.model, pytest.mark.anyio]
 
@@ -350,7 +350,7 @@ async def test_tight_budget_demotes_to_disk_and_keeps_working(open_runtime, smol
 
 
 def test_runtime_reports_a_model_that_cannot_load(tmp_path):
-    from runtime.errors import ModelError
+    from semantic.runtime.errors import ModelError
 
     async def main():
         async with Runtime.open(str(tmp_path / "missing"), cache_dir=tmp_path / "c"):
@@ -423,8 +423,8 @@ async def test_a_follow_up_hands_over_and_writes_only_its_new_blocks(open_runtim
     of context as after ~300."""
     from pathlib import Path
 
-    from actors import write_behind
-    from runtime.cache_records import BLOCK_TOKENS
+    from semantic.actors import write_behind
+    from semantic.runtime.cache_records import BLOCK_TOKENS
 
     handed = []  # (tokens, first block copied out) per hand-over
     real = write_behind.snapshot
@@ -497,8 +497,8 @@ async def test_8_bit_caches_batch_persist_and_live_apart_from_4_bit_ones(tmp_pat
     next turn from the 8-bit files, and a 4-bit runtime does not take them."""
     import json
 
-    from runtime.cache_file import CacheStore
-    from runtime.cache_records import MANIFEST
+    from semantic.runtime.cache_file import CacheStore
+    from semantic.runtime.cache_records import MANIFEST
     from tests.web.live import tiny_loaded
 
     loaded = tiny_loaded()
@@ -532,7 +532,7 @@ async def test_a_grammar_shapes_a_reply_and_a_bad_one_is_refused_at_once(tmp_pat
 
     import jsonschema
 
-    from runtime.grammar import json_schema
+    from semantic.runtime.grammar import json_schema
     from tests.web.live import tiny_loaded
 
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},

@@ -8,7 +8,7 @@ import time
 import anyio
 import pytest
 
-from actors.gpu import _loop_call_soon
+from semantic.actors.gpu import _loop_call_soon
 
 
 @pytest.mark.anyio

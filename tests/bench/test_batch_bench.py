@@ -4,8 +4,8 @@ decodes every batch size, and the prefill peak is measured per chunk size."""
 import random
 from types import SimpleNamespace
 
-from bench.batch import ours, peer, prefill_peak
-from runtime.model_spec import ModelCacheSpec
+from semantic.bench.batch import ours, peer, prefill_peak
+from semantic.runtime.model_spec import ModelCacheSpec
 from tests.runtime.test_engine import ByteTokenizer
 from tests.tiny import VOCAB, tiny_model
 

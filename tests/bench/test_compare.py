@@ -7,10 +7,10 @@ import os
 import httpx
 import pytest
 
-from bench import report
-from bench.client import chat
-from bench.compare import Plan, Texts, disk_usage
-from bench.servers import process_memory
+from semantic.bench import report
+from semantic.bench.client import chat
+from semantic.bench.compare import Plan, Texts, disk_usage
+from semantic.bench.servers import process_memory
 
 
 def raw_fixture():
@@ -113,7 +113,7 @@ def test_markdown_table_has_a_row_per_figure_and_the_verdicts():
 
 
 def test_plots_one_png_per_workload(tmp_path):
-    from bench.plots import write_plots
+    from semantic.bench.plots import write_plots
 
     summary = report.summarize(raw_fixture())
     # JSON round trip: plots work from the written document (string keys) too.
@@ -187,7 +187,7 @@ def test_client_raises_on_http_and_stream_errors():
 
 
 def test_disk_usage_counts_the_caches_and_their_tokens(tmp_path):
-    from runtime.cache_file import CacheStore
+    from semantic.runtime.cache_file import CacheStore
     from tests.runtime import cache_writer
 
     store = CacheStore(tmp_path)
@@ -211,7 +211,7 @@ def test_server_starts_on_a_free_port_and_stops_its_process_group(tmp_path):
     import signal
     import sys
 
-    from bench.servers import Server, ServerSpec
+    from semantic.bench.servers import Server, ServerSpec
 
     spec = ServerSpec("http.server", [sys.executable, "-m", "http.server", "{port}", "--bind", "127.0.0.1"], "/",
                       stop_signal=signal.SIGTERM)

@@ -3,7 +3,7 @@ load and a fork's write run while another agent decodes, and the figures come ou
 
 import pytest
 
-from bench.overlap import overlap
+from semantic.bench.overlap import overlap
 from tests.web.live import tiny_loaded
 
 pytestmark = pytest.mark.anyio

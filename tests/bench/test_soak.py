@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from bench.soak import soak
+from semantic.bench.soak import soak
 
 pytestmark = [pytest.mark.model, pytest.mark.anyio, pytest.mark.parametrize("anyio_backend", ["trio"])]
 

@@ -1,8 +1,8 @@
 """``semantic bench speculation`` on a tiny random-weight model: every workload
 runs with speculation on and off, and each gives positive figures."""
 
-from bench.speculation import TARGETS, in_process, over_http  # noqa: F401  (--peer's path imports)
-from cli.main import parser
+from semantic.bench.speculation import TARGETS, in_process, over_http  # noqa: F401  (--peer's path imports)
+from semantic.cli.main import parser
 from tests.web.live import tiny_loaded
 
 

@@ -1,7 +1,7 @@
 """``semantic bench structured`` on a tiny random-weight model: both kinds of
 step are timed at every batch size, and the mask's own cost comes out."""
 
-from bench.structured import structured
+from semantic.bench.structured import structured
 from tests.web.live import tiny_loaded
 
 

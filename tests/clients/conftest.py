@@ -33,8 +33,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.models import load_tokenizer, resolve
-from runtime.paths import cache_home
+from semantic.runtime.models import load_tokenizer, resolve
+from semantic.runtime.paths import cache_home
 from tests.web.live import word_break_ids
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,7 +100,7 @@ def _runs(path: Path) -> bool:
 
 @functools.cache
 def serve_help() -> str:
-    out = subprocess.run([sys.executable, "-m", "cli.main", "serve", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "semantic.cli.main", "serve", "--help"], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
     return out.stdout
 
@@ -127,7 +127,7 @@ class Server:
 
     def __init__(self, cache_dir: Path, log_path: Path, model: Path | None = None):
         self.log_path = log_path
-        args = [sys.executable, "-m", "cli.main", "serve", "--port", "0", "--cache-dir", str(cache_dir)]
+        args = [sys.executable, "-m", "semantic.cli.main", "serve", "--port", "0", "--cache-dir", str(cache_dir)]
         if model is not None:
             args += ["--model", f"smollm2={model}"]
         if "--max-tokens-cap" in serve_help():  # clamps what a client asks for (Claude Code: 32000; Codex: none)

@@ -12,15 +12,15 @@ writes the blocks it appends, the ring, the text and the manifest.
 
 from __future__ import annotations
 
-import runtime  # noqa: F401  (fast BLAS before mlx)
+import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
 
 import functools
 import sys
 
 import mlx.core as mx
-from runtime.batch_cache import SequenceQuantizedKVCache, WindowKVCache
-from runtime.cache_file import CacheStore
-from runtime.cache_records import CacheRecord
+from semantic.runtime.batch_cache import SequenceQuantizedKVCache, WindowKVCache
+from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.cache_records import CacheRecord
 
 AGENTS = ("a0", "a1", "a2", "a3")
 TOKENS = (16, 500, 1500, 3000)  # per agent, first version; later ones append blocks, then trim back

@@ -2,7 +2,7 @@
 attention against MLX's own SDPA within float tolerance, each sequence of a
 decode step bitwise as alone, and the models' prefill and decode taking it."""
 
-import runtime  # noqa: F401  (fast BLAS before mlx)
+import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
 
 import random
 
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from mlx_lm.models.base import create_causal_mask
 
-from runtime import attention
-from runtime.attention import LONG, attend, attend_each
-from runtime.batch_cache import BatchQuantizedKVCache, attention_view, make_sequence_cache
-from runtime.rowwise import rowwise
+from semantic.runtime import attention
+from semantic.runtime.attention import LONG, attend, attend_each
+from semantic.runtime.batch_cache import BatchQuantizedKVCache, attention_view, make_sequence_cache
+from semantic.runtime.rowwise import rowwise
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
 SDPA_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -71,7 +71,7 @@ def test_models_prefill_and_decode_through_it_on_the_cpu(arch, monkeypatch):
 
     calls = []
     for name in ("attend", "attend_each"):
-        monkeypatch.setattr(f"runtime.rowwise.{name}", (lambda f: lambda *a: calls.append(f.__name__) or f(*a))(
+        monkeypatch.setattr(f"semantic.runtime.rowwise.{name}", (lambda f: lambda *a: calls.append(f.__name__) or f(*a))(
             getattr(attention, name)))
     model = rowwise(plain)
     view = attention_view(make_sequence_cache(model), True)

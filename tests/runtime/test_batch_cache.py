@@ -2,7 +2,7 @@
 bit for bit against the same sequences alone, on tiny random-weight models of
 every supported architecture."""
 
-import runtime  # noqa: F401  (fast BLAS before mlx)
+import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
 
 import random
 
@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 
-from runtime.batch_cache import (
+from semantic.runtime.batch_cache import (
     BatchQuantizedKVCache,
     DequantizingKVCache,
     SequenceQuantizedKVCache,
@@ -24,7 +24,7 @@ from runtime.batch_cache import (
     make_sequence_cache,
 
 )
-from runtime.rowwise import _per_sequence, _rowwise_class, rowwise
+from semantic.runtime.rowwise import _per_sequence, _rowwise_class, rowwise
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
 SLOTS = 8  # every forward below has this many token slots

@@ -5,7 +5,7 @@ cannot escape the store, and a writer killed mid-save never leaves a wrong cache
 
 from __future__ import annotations
 
-import runtime  # noqa: F401  (fast BLAS before mlx)
+import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
 
 import dataclasses
 import json
@@ -23,14 +23,14 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache
 
-from runtime import cache_file
-from runtime.batch_cache import DequantizingKVCache, StateCache, WindowKVCache, attention_view, copy_cache
-from runtime.cache_codec import snapshot
-from runtime.cache_file import CacheStore, load, model_key, read_manifest, write_atomic
-from runtime.cache_records import (BLOCK_TOKENS, MANIFEST, CacheFileError, CacheRecord, InvalidAgentId, StaleBlocks,
+from semantic.runtime import cache_file
+from semantic.runtime.batch_cache import DequantizingKVCache, StateCache, WindowKVCache, attention_view, copy_cache
+from semantic.runtime.cache_codec import snapshot
+from semantic.runtime.cache_file import CacheStore, load, model_key, read_manifest, write_atomic
+from semantic.runtime.cache_records import (BLOCK_TOKENS, MANIFEST, CacheFileError, CacheRecord, InvalidAgentId, StaleBlocks,
                                    merged, validate_agent_id)
-from runtime.engine import Engine, SamplingParams
-from runtime.model_spec import ModelCacheSpec
+from semantic.runtime.engine import Engine, SamplingParams
+from semantic.runtime.model_spec import ModelCacheSpec
 from tests.runtime import cache_writer as writer
 from tests.runtime.test_engine import ByteTokenizer, drain, prompts
 from tests.tiny import tiny_model

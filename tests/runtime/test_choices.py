@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from runtime.engine import CANCELLED, Engine, SamplingParams
+from semantic.runtime.engine import CANCELLED, Engine, SamplingParams
 from tests.runtime.test_engine import ByteTokenizer, drain, measured
 from tests.runtime.test_speculation import assert_same
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model

@@ -11,9 +11,9 @@ from collections import namedtuple
 
 import pytest
 
-from runtime import disk
-from runtime.cache_file import CacheStore, model_key
-from runtime.cache_records import MANIFEST
+from semantic.runtime import disk
+from semantic.runtime.cache_file import CacheStore, model_key
+from semantic.runtime.cache_records import MANIFEST
 
 DAY = 86400.0
 NOW = time.time()

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from runtime import embedded
-from runtime.errors import ModelError
+from semantic.runtime import embedded
+from semantic.runtime.errors import ModelError
 
 
 def test_prepare_builds_an_mlx_lm_directory_once(tmp_path):

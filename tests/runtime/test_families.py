@@ -14,15 +14,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from runtime.agent_cache import AgentCaches
-from runtime.block_pool import KVBudget
-from runtime.cache_file import CacheStore
-from runtime.cache_records import CacheRecord
-from runtime.engine import Engine, SamplingParams
-from runtime.model_spec import ModelCacheSpec
-from runtime.prefix import encode
-from runtime.turns import render, run_turn
-from runtime.batch_cache import copy_cache
+from semantic.runtime.agent_cache import AgentCaches
+from semantic.runtime.block_pool import KVBudget
+from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.cache_records import CacheRecord
+from semantic.runtime.engine import Engine, SamplingParams
+from semantic.runtime.model_spec import ModelCacheSpec
+from semantic.runtime.prefix import encode
+from semantic.runtime.turns import render, run_turn
+from semantic.runtime.batch_cache import copy_cache
 from tests.runtime.test_engine import drain
 from tests.tiny import TINY_CONFIGS, tiny_model_with_tokenizer
 
@@ -59,13 +59,13 @@ def test_each_turn_prefills_only_its_new_message_and_the_reply_before(arch, tmp_
 
 
 FRESH = textwrap.dedent("""
-    import runtime  # the fast BLAS before mlx, as every process of ours
+    import semantic.runtime  # the fast BLAS before mlx, as every process of ours
     import sys, json
     import numpy as np
     import mlx.core as mx
-    from runtime.cache_file import CacheStore
-    from runtime.lean import lean
-    from runtime.rowwise import rowwise
+    from semantic.runtime.cache_file import CacheStore
+    from semantic.runtime.lean import lean
+    from semantic.runtime.rowwise import rowwise
     from tests.tiny import tiny_model_with_tokenizer
     root, cases = sys.argv[1], json.loads(sys.argv[2])
     for arch, extra in cases.items():

@@ -21,7 +21,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from runtime.batch_cache import attention_view, make_sequence_cache
+from semantic.runtime.batch_cache import attention_view, make_sequence_cache
 
 TEXT = Path(__file__).parents[2] / "bench" / "data" / "lighthouses.txt"
 CHUNK = 256  # prefill in chunks, as the engine does

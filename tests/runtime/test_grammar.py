@@ -9,8 +9,8 @@ import jsonschema
 import mlx.core as mx
 import pytest
 
-from runtime.engine import Engine, SamplingParams
-from runtime.grammar import JSON_OBJECT, GrammarError, Grammars, json_schema
+from semantic.runtime.engine import Engine, SamplingParams
+from semantic.runtime.grammar import JSON_OBJECT, GrammarError, Grammars, json_schema
 from tests.runtime.test_engine import drain
 from tests.tiny import embedded_tokenizer, tiny_model_with_tokenizer
 
@@ -103,7 +103,7 @@ def test_a_compiled_grammar_is_reused_and_each_sequence_matches_on_its_own():
 
 def test_masked_logits_are_the_models_where_allowed():
     tok = embedded_tokenizer()
-    from runtime.sampling import Sampler
+    from semantic.runtime.sampling import Sampler
 
     constraint = Grammars(tok, tok.eos_token_ids).constraint(json_schema(COLOUR))
     logits = mx.random.normal((len(tok.get_vocab()),), key=mx.random.key(0))
@@ -113,7 +113,7 @@ def test_masked_logits_are_the_models_where_allowed():
 
 
 def test_compiled_grammars_are_bounded():
-    from runtime.grammar import CACHED
+    from semantic.runtime.grammar import CACHED
 
     tok = embedded_tokenizer()
     grammars = Grammars(tok, tok.eos_token_ids)

@@ -18,11 +18,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from runtime import engine as engine_module
-from runtime import sampling
-from runtime.batch_cache import PrefillBatch, copy_cache, trimmable_tokens
-from runtime.engine import Engine, SamplingParams
-from runtime.row_counts import RowCounts
+from semantic.runtime import engine as engine_module
+from semantic.runtime import sampling
+from semantic.runtime.batch_cache import PrefillBatch, copy_cache, trimmable_tokens
+from semantic.runtime.engine import Engine, SamplingParams
+from semantic.runtime.row_counts import RowCounts
 from tests.runtime.test_engine import ByteTokenizer, drain, measured
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 

@@ -3,7 +3,7 @@ float32 at any row count, each SwiGLU MLP class's own call within float
 tolerance, other dtypes left to MLX, and installed and removed on a model
 without touching its parameters."""
 
-import runtime  # noqa: F401  (fast BLAS before mlx)
+import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
 
 import importlib
 
@@ -12,8 +12,8 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from runtime import lean as lean_module
-from runtime.lean import lean
+from semantic.runtime import lean as lean_module
+from semantic.runtime.lean import lean
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
 

@@ -9,9 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from runtime.engine import Engine, SamplingParams
-from runtime.grammar import Grammars, json_schema
-from runtime.sampling import Sampler, TokenLogprob
+from semantic.runtime.engine import Engine, SamplingParams
+from semantic.runtime.grammar import Grammars, json_schema
+from semantic.runtime.sampling import Sampler, TokenLogprob
 from tests.runtime.test_engine import drain
 from tests.tiny import embedded_tokenizer, tiny_model_with_tokenizer
 
@@ -90,7 +90,7 @@ def test_logprobs_stream_with_their_tokens_and_do_not_depend_on_the_batch():
 def test_the_first_tokens_logprobs_match_a_direct_forward_of_the_prompt():
     """The prompt through the model over a fresh Q4 cache, as the engine's one
     chunk runs it: the log-softmax of its last row is what the engine reports."""
-    from runtime.batch_cache import attention_view
+    from semantic.runtime.batch_cache import attention_view
 
     model, tok = tiny_model_with_tokenizer("qwen3")
     prompt = tok.encode("The weather in Oslo is")

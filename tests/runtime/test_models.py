@@ -3,8 +3,8 @@
 import mlx.core as mx
 import pytest
 
-from runtime.errors import ModelError
-from runtime.models import resolve
+from semantic.runtime.errors import ModelError
+from semantic.runtime.models import resolve
 
 
 def test_unknown_name(tmp_path):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from runtime.prefix import COLD, DIVERGE, EXACT, EXTEND, encode, plan
+from semantic.runtime.prefix import COLD, DIVERGE, EXACT, EXTEND, encode, plan
 
 
 @pytest.fixture(scope="module")

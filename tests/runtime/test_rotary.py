@@ -3,15 +3,15 @@
 with a position per slot, one table shared by a forward's layers, and the
 module's own call where the tables do not serve."""
 
-import runtime  # noqa: F401  (fast BLAS before mlx)
+import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE
 
-from runtime import rotary
-from runtime.rotary import rotate
+from semantic.runtime import rotary
+from semantic.runtime.rotary import rotate
 
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 

@@ -8,10 +8,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from runtime import row_counts, row_plans
-from runtime.engine import Engine
-from runtime.row_counts import RowCounts
-from runtime.row_plans import RowPlan
+from semantic.runtime import row_counts, row_plans
+from semantic.runtime.engine import Engine
+from semantic.runtime.row_counts import RowCounts
+from semantic.runtime.row_plans import RowPlan
 from tests.runtime.test_engine import ByteTokenizer, busy_batch_equals_alone
 from tests.tiny import TINY_CONFIGS, tiny_model
 

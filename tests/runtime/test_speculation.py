@@ -12,12 +12,12 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from runtime import engine as engine_module
-from runtime.batch_cache import StateCache
-from runtime.engine import Engine, SamplingParams
-from runtime.row_counts import RowCounts
-from runtime.sampling import Sampler
-from runtime.speculation import Drafter, StepCosts, allot
+from semantic.runtime import engine as engine_module
+from semantic.runtime.batch_cache import StateCache
+from semantic.runtime.engine import Engine, SamplingParams
+from semantic.runtime.row_counts import RowCounts
+from semantic.runtime.sampling import Sampler
+from semantic.runtime.speculation import Drafter, StepCosts, allot
 from tests.runtime.test_engine import ByteTokenizer, drain, measured
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
@@ -286,7 +286,7 @@ def test_sequences_under_a_grammar_draft_what_it_allows_and_say_what_they_say_wi
     (``Constraint.allows``), and each slot draws under the mask of its own
     place (``Constraint.masks``): every token, logprob and cache byte as
     without drafts, beside a free sequence."""
-    from runtime.grammar import json_schema
+    from semantic.runtime.grammar import json_schema
     from tests.runtime.test_grammar import COLOUR, SCHEMA
     from tests.tiny import tiny_model_with_tokenizer
 
@@ -304,7 +304,7 @@ def test_sequences_under_a_grammar_draft_what_it_allows_and_say_what_they_say_wi
 
 
 def test_a_constraint_allows_drafts_as_far_as_its_grammar_goes_and_masks_each_place():
-    from runtime.grammar import Grammars, json_schema
+    from semantic.runtime.grammar import Grammars, json_schema
     from tests.tiny import embedded_tokenizer
 
     tok = embedded_tokenizer()

@@ -6,12 +6,12 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from runtime.agent_cache import HOT, WARM, AgentCaches, OutOfMemory
-from runtime.block_pool import KVBudget
-from runtime.cache_file import CacheStore
-from runtime.engine import Engine, SamplingParams
-from runtime.prefix import encode
-from runtime.turns import render, run_turn
+from semantic.runtime.agent_cache import HOT, WARM, AgentCaches, OutOfMemory
+from semantic.runtime.block_pool import KVBudget
+from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.engine import Engine, SamplingParams
+from semantic.runtime.prefix import encode
+from semantic.runtime.turns import render, run_turn
 
 pytestmark = pytest.mark.model
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import anyio
 import anyio.lowlevel
 
-from runtime.outcome import TurnResult
-from scenarios.backend import Sampling, TextDelta, TurnEvent
-from scenarios.runner import Event, PhaseStarted
+from semantic.runtime.outcome import TurnResult
+from semantic.scenarios.backend import Sampling, TextDelta, TurnEvent
+from semantic.scenarios.runner import Event, PhaseStarted
 
 MARKER = re.compile(r"«(\w+)\|(\w+)\|(\d+)»")
 

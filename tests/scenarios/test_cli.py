@@ -1,4 +1,4 @@
-"""``semantic scenario validate|run``, as a user runs them (``python -m scenarios.cli``)."""
+"""``semantic scenario validate|run``, as a user runs them (``python -m semantic.scenarios.cli``)."""
 
 import argparse
 import subprocess
@@ -6,13 +6,13 @@ import sys
 
 import pytest
 
-from scenarios.cli import LIBRARY, add_parser, resolve
+from semantic.scenarios.cli import LIBRARY, add_parser, resolve
 
 from .test_schema import BASE
 
 
 def scenario(*args):
-    return subprocess.run([sys.executable, "-m", "scenarios.cli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "semantic.scenarios.cli", *args], capture_output=True, text=True, timeout=60)
 
 
 def test_validate_prints_a_summary():

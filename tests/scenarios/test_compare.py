@@ -4,10 +4,10 @@ from dataclasses import replace
 
 import pytest
 
-from runtime.outcome import TurnResult
-from scenarios import compare
-from scenarios.runner import Result, TurnRecord
-from scenarios.schema import loads
+from semantic.runtime.outcome import TurnResult
+from semantic.scenarios import compare
+from semantic.scenarios.runner import Result, TurnRecord
+from semantic.scenarios.schema import loads
 
 from .test_schema import BASE
 

@@ -8,10 +8,10 @@ import textwrap
 
 import pytest
 
-from actors import Runtime
-from scenarios import compare, runner
-from scenarios.local import LocalBackend
-from scenarios.schema import loads
+from semantic.actors import Runtime
+from semantic.scenarios import compare, runner
+from semantic.scenarios.local import LocalBackend
+from semantic.scenarios.schema import loads
 
 pytestmark = [pytest.mark.model, pytest.mark.anyio]
 

@@ -1,7 +1,7 @@
 """Prompt construction without a backend: transcripts, templates, queues, keys."""
 
-from scenarios.plan import Line, Prompts, cache_key, cue, render_template, render_transcript, schedule
-from scenarios.schema import Ref, Template, loads
+from semantic.scenarios.plan import Line, Prompts, cache_key, cue, render_template, render_transcript, schedule
+from semantic.scenarios.schema import Ref, Template, loads
 
 from .test_schema import BASE
 

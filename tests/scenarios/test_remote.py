@@ -7,10 +7,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from actors import Runtime
-from scenarios import runner
-from scenarios.local import LocalBackend
-from scenarios.remote import remote_backend
+from semantic.actors import Runtime
+from semantic.scenarios import runner
+from semantic.scenarios.local import LocalBackend
+from semantic.scenarios.remote import remote_backend
 from tests.web.live import live_server
 
 from .test_local import SCENARIO
@@ -35,8 +35,8 @@ async def test_http_run_matches_the_in_process_run(smollm2, tmp_path):
 
 
 async def test_a_failing_turn_is_a_clear_error(smollm2, tmp_path):
-    from runtime.errors import SemanticError
-    from scenarios.backend import Sampling
+    from semantic.runtime.errors import SemanticError
+    from semantic.scenarios.backend import Sampling
 
     async with live_server(tmp_path, model=smollm2) as url, remote_backend(url) as backend:
         agent = await backend.open_agent("ann", "You are Ann.", "scn.x.y.ann")

@@ -5,11 +5,11 @@ import json
 import anyio
 import pytest
 
-from runtime.outcome import TurnResult
-from scenarios import report
-from scenarios.cli import LIBRARY, library
-from scenarios.runner import PhaseStarted, TurnFinished, TurnRecord, TurnStarted, TurnText, run
-from scenarios.schema import Ref, Scenario, load, loads
+from semantic.runtime.outcome import TurnResult
+from semantic.scenarios import report
+from semantic.scenarios.cli import LIBRARY, library
+from semantic.scenarios.runner import PhaseStarted, TurnFinished, TurnRecord, TurnStarted, TurnText, run
+from semantic.scenarios.schema import Ref, Scenario, load, loads
 
 from .fake import MARKER, FakeBackend, Received, marker
 from .test_schema import BASE

@@ -4,8 +4,8 @@ import textwrap
 
 import pytest
 
-from scenarios.cli import LIBRARY, library
-from scenarios.schema import EPHEMERAL, Ref, ScenarioError, load, loads
+from semantic.scenarios.cli import LIBRARY, library
+from semantic.scenarios.schema import EPHEMERAL, Ref, ScenarioError, load, loads
 
 BASE = textwrap.dedent("""\
     id: gossip

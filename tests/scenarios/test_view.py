@@ -4,9 +4,9 @@ import io
 
 import pytest
 
-from scenarios.runner import run
-from scenarios.schema import loads
-from scenarios.view import View
+from semantic.scenarios.runner import run
+from semantic.scenarios.schema import loads
+from semantic.scenarios.view import View
 
 from .fake import FakeBackend
 from .test_schema import BASE

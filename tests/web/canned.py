@@ -17,10 +17,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from web import anthropic, openai
-from web.schema import ChatRequest, ChatResult, RequestError, StreamItem, TextDelta, Usage
-from web.sse import EventStreamResponse
-from web.tools import ToolCallFilter, ToolFormat, finish_result
+from semantic.web import anthropic, openai
+from semantic.web.schema import ChatRequest, ChatResult, RequestError, StreamItem, TextDelta, Usage
+from semantic.web.sse import EventStreamResponse
+from semantic.web.tools import ToolCallFilter, ToolFormat, finish_result
 
 LIMIT = 4096  # the server's max_tokens limit
 MODEL = "canned-model"

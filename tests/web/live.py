@@ -25,12 +25,12 @@ import anyio
 import httpx
 import mlx.core as mx
 
-from runtime import embedded
-from runtime.model_spec import ModelCacheSpec
-from runtime.models import LoadedModel
+from semantic.runtime import embedded
+from semantic.runtime.model_spec import ModelCacheSpec
+from semantic.runtime.models import LoadedModel
 from tests.tiny import TINY_CONFIGS, embedded_tokenizer, tiny_from_config
-from web.app import ServerConfig
-from web.server import bind, serve
+from semantic.web.app import ServerConfig
+from semantic.web.server import bind, serve
 
 CONTEXT = 512
 LIMIT = 2048  # the servers' max_tokens limit in these tests
@@ -86,7 +86,7 @@ def first_word_only(loaded: LoadedModel) -> LoadedModel:
 def kv_bytes(blocks: int, running: bool = True) -> int:
     """Bytes of ``blocks`` 256-token blocks of a ``tiny_loaded()`` agent: a running
     turn's (with the float working copy the engine keeps on the CPU), or an idle cache's."""
-    from runtime.block_pool import KVBudget
+    from semantic.runtime.block_pool import KVBudget
 
     loaded = tiny_loaded()
     working = loaded.dtype.size if mx.default_device() == mx.cpu else 0

@@ -8,8 +8,8 @@ import logging
 import pytest
 from pydantic import TypeAdapter
 
-from web import anthropic
-from web.schema import ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, TextDelta, ToolCall, Usage
+from semantic.web import anthropic
+from semantic.web.schema import ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, TextDelta, ToolCall, Usage
 
 from .sse_util import collect, parse_sse
 

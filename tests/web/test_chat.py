@@ -6,11 +6,11 @@ from __future__ import annotations
 import hashlib
 import json
 
-from actors import Message
-from runtime.outcome import TurnResult
-from web.anthropic import parse_request
-from web.chat import chat_result, context_first, prepare
-from web.identity import ConversationIndex, forked_conversation_id, new_conversation_id, route_scope
+from semantic.actors import Message
+from semantic.runtime.outcome import TurnResult
+from semantic.web.anthropic import parse_request
+from semantic.web.chat import chat_result, context_first, prepare
+from semantic.web.identity import ConversationIndex, forked_conversation_id, new_conversation_id, route_scope
 
 from .test_anthropic import CLAUDE_CODE
 
@@ -120,8 +120,8 @@ def test_a_system_message_after_a_user_message_is_rendered_before_it():
 
 
 def test_every_protocol_module_has_the_shape_the_routes_use():
-    from web import agents, anthropic, openai, responses
-    from web.chat import Answers, ChatProtocol
+    from semantic.web import agents, anthropic, openai, responses
+    from semantic.web.chat import Answers, ChatProtocol
 
     assert all(isinstance(m, ChatProtocol) for m in (anthropic, openai, responses))
     assert isinstance(agents, Answers) and not isinstance(agents, ChatProtocol)  # its routes read their own bodies
@@ -130,7 +130,7 @@ def test_every_protocol_module_has_the_shape_the_routes_use():
 def test_a_stored_call_matches_the_typed_call_a_client_sends_back():
     """Qwen3-Coder's parser, without the tools' types (a stored reply is read
     without them), gives every value as written: ``"3"``, ``"True"``, JSON text."""
-    from web.identity import message_key
+    from semantic.web.identity import message_key
 
     from .test_tools import library_format, wrapper
 

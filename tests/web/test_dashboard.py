@@ -17,9 +17,9 @@ import anyio
 import httpx
 import pytest
 
-from runtime.outcome import TurnResult
-from web.dashboard import agent_row, turn_record
-from web.events import EventHub
+from semantic.runtime.outcome import TurnResult
+from semantic.web.dashboard import agent_row, turn_record
+from semantic.web.events import EventHub
 
 from .live import client, live_server, tiny_loaded
 
@@ -67,7 +67,7 @@ def test_turn_record_and_agent_row_json():
                       "prefilled_tokens": 25, "reused_tokens": 75, "output_tokens": 9, "reuse": 0.75,
                       "ttft_s": 0.0123, "decode_tps": 16.0, "cache": "hot", "drafted_tokens": 6,
                       "accepted_tokens": 4}
-    from actors import AgentInfo, Message
+    from semantic.actors import AgentInfo, Message
     info = AgentInfo("alice", (Message("system", "s"), Message("user", "u"), Message("assistant", "a")),
                      "tiny", 40, 4096, "hot", 1.5)
     row = agent_row(info, record)
@@ -80,13 +80,9 @@ def test_turn_record_and_agent_row_json():
 def test_the_page_is_package_data():
     from importlib.resources import files
 
-    static = files("web") / "static"
+    static = files("semantic.web.static")  # and in the wheel: tests/test_layout.py
     for name in ("index.html", "dashboard.js", "dashboard.css"):
         assert (static / name).is_file(), name
-    import tomllib
-
-    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert "static/*" in setuptools["package-data"]["web"]
 
 
 # -- live: the snapshot and the stream ---------------------------------------------------
@@ -187,7 +183,7 @@ async def test_the_key_guards_data_but_not_the_page(tmp_path):
 
 async def test_in_process_turns_show_as_such(tmp_path):
     """Turns of the runtime's own API (no route) come through the runtime's observer."""
-    from web.app import ServerConfig, create_app
+    from semantic.web.app import ServerConfig, create_app
 
     app = create_app(ServerConfig(model=tiny_loaded(), cache_dir=tmp_path, budget=256 << 20))
     async with app.router.lifespan_context(app):

@@ -12,8 +12,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from runtime import engine as engine_module
-from runtime.speculation import Drafter
+from semantic.runtime import engine as engine_module
+from semantic.runtime.speculation import Drafter
 
 from .live import client, live_server
 

@@ -10,12 +10,12 @@ import json
 import jinja2
 import pytest
 
-from actors import Delta, Message
-from runtime.outcome import TurnResult
-from web.chat import Prepared, _run_turn
-from web.harmony import Harmony, HarmonySplitter, read_harmony, speaks_harmony
-from web.identity import message_key
-from web.schema import ChatResult, ReasoningDelta, TextDelta
+from semantic.actors import Delta, Message
+from semantic.runtime.outcome import TurnResult
+from semantic.web.chat import Prepared, _run_turn
+from semantic.web.harmony import Harmony, HarmonySplitter, read_harmony, speaks_harmony
+from semantic.web.identity import message_key
+from semantic.web.schema import ChatResult, ReasoningDelta, TextDelta
 
 CALL = '{"city": "Paris"}'
 REPLIES = [  # (generated text, reasoning, text, calls)
@@ -147,7 +147,7 @@ HARMONY_TOKENS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|const
 
 
 def test_a_forced_call_is_one_gpt_oss_writes_with_its_special_tokens_and_reads_back_valid():
-    from web.harmony import call_grammar
+    from semantic.web.harmony import call_grammar
 
     from .test_tools import NOOP_FN, WEATHER_FN, takes, with_tokens
 

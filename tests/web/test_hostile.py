@@ -20,8 +20,8 @@ import anyio
 import httpx
 import pytest
 
-from actors.archive import INDEX, export_agent
-from runtime.json_reader import MAX_DEPTH
+from semantic.actors.archive import INDEX, export_agent
+from semantic.runtime.json_reader import MAX_DEPTH
 
 from .live import client, live_server, tiny_loaded
 
@@ -217,7 +217,7 @@ def test_semantic_cache_import_refuses_the_same_archives_in_one_line(tmp_path):
     deep = _member(INDEX)
     for name, body in (("nul", _archive(_member("histories/a\x00b.json"))), ("deep", _archive(deep, DEEP.encode()))):
         (tmp_path / f"{name}.tar").write_bytes(body)
-        r = subprocess.run([sys.executable, "-m", "cli.main", "cache", "--cache-dir", str(tmp_path / "cache"),
+        r = subprocess.run([sys.executable, "-m", "semantic.cli.main", "cache", "--cache-dir", str(tmp_path / "cache"),
                             "import", str(tmp_path / f"{name}.tar")], capture_output=True, text=True, timeout=120,
                            cwd=Path(__file__).parents[2])
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-500:]

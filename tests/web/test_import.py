@@ -7,7 +7,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from actors.archive import export_agent
+from semantic.actors.archive import export_agent
 
 from .live import client, live_server, tiny_loaded
 

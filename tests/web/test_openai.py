@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from web import openai
-from web.schema import ChatRequest, ChatResult, RequestError, TextDelta, ToolCall, Usage
+from semantic.web import openai
+from semantic.web.schema import ChatRequest, ChatResult, RequestError, TextDelta, ToolCall, Usage
 
 from .sse_util import collect, parse_sse
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from runtime.models import LoadedModel
-from web.reasoning import ReasoningSplitter, answer_text, split_reasoning
+from semantic.runtime.models import LoadedModel
+from semantic.web.reasoning import ReasoningSplitter, answer_text, split_reasoning
 
 from .live import client, live_server, tiny_loaded, tiny_with_template
 
@@ -100,9 +100,9 @@ def test_a_reasoning_model_thinks_then_answers_as_the_grammar_says(tags_are_toke
     still thinks first: its answer -- what a client parses -- is what the
     grammar holds, never its thoughts. A prompt that opened the tag holds the
     reply to closing it."""
-    from runtime.grammar import json_schema
-    from web.reasoning import ThinkTags
-    from web.tools import added_tokens
+    from semantic.runtime.grammar import json_schema
+    from semantic.web.reasoning import ThinkTags
+    from semantic.web.tools import added_tokens
 
     from .test_tools import takes, with_tokens
 
@@ -118,8 +118,8 @@ def test_a_reasoning_model_thinks_then_answers_as_the_grammar_says(tags_are_toke
 
 
 def test_a_gpt_oss_reply_thinks_then_answers_on_the_final_channel():
-    from runtime.grammar import json_schema
-    from web.harmony import Harmony, read_harmony
+    from semantic.runtime.grammar import json_schema
+    from semantic.web.harmony import Harmony, read_harmony
 
     from .test_harmony import HARMONY_TOKENS
     from .test_tools import takes, with_tokens
@@ -135,12 +135,12 @@ def test_a_gpt_oss_reply_thinks_then_answers_on_the_final_channel():
 
 
 def test_prepare_lets_a_reasoning_model_think_before_its_constrained_reply():
-    from runtime.grammar import json_schema
-    from web.chat import prepare
-    from web.harmony import Harmony
-    from web.harmony import call_grammar as harmony_grammar
-    from web.reasoning import ThinkTags
-    from web.schema import ChatRequest
+    from semantic.runtime.grammar import json_schema
+    from semantic.web.chat import prepare
+    from semantic.web.harmony import Harmony
+    from semantic.web.harmony import call_grammar as harmony_grammar
+    from semantic.web.reasoning import ThinkTags
+    from semantic.web.schema import ChatRequest
 
     from .test_tools import HERMES, WEATHER_FN, call_grammar
 
@@ -179,9 +179,9 @@ async def test_a_prompt_that_closes_the_tag_gets_no_reasoning_and_its_answer_hel
 async def test_how_a_reply_reasons_follows_what_the_generation_prompt_did_with_the_tag(prompt_ends, reads):
     from types import SimpleNamespace
 
-    from web.chat import ChatCore
-    from web.metrics import Metrics
-    from web.reasoning import ThinkTags
+    from semantic.web.chat import ChatCore
+    from semantic.web.metrics import Metrics
+    from semantic.web.reasoning import ThinkTags
 
     class Runtime:  # what ChatCore asks of the runtime here: the tokenizer, a rendered prompt
         async def tokenizer(self, model=None):

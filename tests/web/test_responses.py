@@ -14,11 +14,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from actors import Message
-from web import responses
-from web.chat import ChatTurn
-from web.schema import ChatResult, Heartbeat, RequestError, TextDelta, ToolCall, Usage
-from web.sse import KEEP_ALIVE
+from semantic.actors import Message
+from semantic.web import responses
+from semantic.web.chat import ChatTurn
+from semantic.web.schema import ChatResult, Heartbeat, RequestError, TextDelta, ToolCall, Usage
+from semantic.web.sse import KEEP_ALIVE
 
 from .live import client, first_word_only, live_server, tiny_loaded, tiny_with_template
 from .sse_util import collect, parse_sse

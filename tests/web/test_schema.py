@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from web.schema import ChatRequest, ChatResult, RequestError, ToolCall, Usage, load_json
+from semantic.web.schema import ChatRequest, ChatResult, RequestError, ToolCall, Usage, load_json
 
 HI = ({"role": "user", "content": "hi"},)
 

@@ -11,7 +11,7 @@ import json
 import anyio
 import pytest
 
-from web.schema import Usage
+from semantic.web.schema import Usage
 
 from .canned import MODEL, Canned, canned_app, serve
 from .test_anthropic import CLAUDE_CODE

@@ -87,7 +87,7 @@ async def test_three_sdk_conversations_at_once_reuse_their_caches(smollm2, tmp_p
 
 
 def _serve(cache_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--port", "0", "--cache-dir", str(cache_dir)],
+    proc = subprocess.Popen([sys.executable, "-m", "semantic.cli.main", "serve", "--port", "0", "--cache-dir", str(cache_dir)],
                             stdout=subprocess.PIPE, stderr=open(log, "ab"), text=True,
                             cwd=Path(__file__).resolve().parents[2])
     for line in proc.stdout:

@@ -8,7 +8,7 @@ import pytest
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from web.sse import EventStreamResponse, encode
+from semantic.web.sse import EventStreamResponse, encode
 
 from .canned import serve
 from .sse_util import parse_sse

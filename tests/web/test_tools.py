@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from runtime.grammar import GrammarError
-from web.schema import ChatResult, ToolCall, Usage
-from web.tools import (LibraryFormat, ToolCallFilter, added_tokens, call_grammar, deepseek_tool_prompt, finish_result,
+from semantic.runtime.grammar import GrammarError
+from semantic.web.schema import ChatResult, ToolCall, Usage
+from semantic.web.tools import (LibraryFormat, ToolCallFilter, added_tokens, call_grammar, deepseek_tool_prompt, finish_result,
                        flatten_tool_messages, library_format, parse_tool_calls, reply_format, supports_tools,
                        tool_format, tool_prompt)
 
@@ -245,7 +245,7 @@ NOOP_FN = {"type": "function", "function": {"name": "noop", "parameters": {
 def takes(g: str, reply: str | list[int], tokenizer=None) -> bool:
     """Whether ``reply`` (text, as the tokenizer encodes it, or token ids) is a
     whole reply grammar ``g`` allows, for ``tokenizer`` (the embedded one)."""
-    from runtime.grammar import Grammars
+    from semantic.runtime.grammar import Grammars
     from tests.tiny import embedded_tokenizer
 
     tok = tokenizer or embedded_tokenizer()
@@ -302,8 +302,8 @@ def test_under_auto_a_strict_grammar_takes_text_or_valid_calls(fmt, reply, taken
 
 
 def test_auto_gets_a_grammar_only_when_a_tool_is_strict():
-    from web.chat import prepare
-    from web.schema import ChatRequest
+    from semantic.web.chat import prepare
+    from semantic.web.schema import ChatRequest
 
     ask = dict(messages=({"role": "user", "content": "Weather?"},), max_tokens=50)
     assert prepare(ChatRequest(**ask, tools=(WEATHER_FN,)), HERMES).grammar is None
@@ -313,8 +313,8 @@ def test_auto_gets_a_grammar_only_when_a_tool_is_strict():
 
 
 def test_a_model_without_tools_is_told_of_them_only_when_it_must_call_one():
-    from web.chat import prepare
-    from web.schema import ChatRequest
+    from semantic.web.chat import prepare
+    from semantic.web.schema import ChatRequest
 
     ask = dict(messages=({"role": "user", "content": "Weather?"},), max_tokens=50, system="Be brief.")
     free = prepare(ChatRequest(**ask, tools=(WEATHER_FN,)), SMOLLM2)
@@ -521,9 +521,9 @@ def test_other_library_formats_get_their_markers_when_forced_and_nothing_under_a
 
 
 def test_a_forced_call_gets_its_format_grammar():
-    from web.chat import prepare
-    from web.harmony import call_grammar as harmony_grammar
-    from web.schema import ChatRequest
+    from semantic.web.chat import prepare
+    from semantic.web.harmony import call_grammar as harmony_grammar
+    from semantic.web.schema import ChatRequest
 
     req = ChatRequest(messages=({"role": "user", "content": "Weather?"},), max_tokens=50, tools=(WEATHER_FN,),
                       tool_choice="required")
@@ -567,7 +567,7 @@ def deepseek(template: str, special: bool = False):
 
 def render_deepseek(template: str, calls: list[tuple[str, dict]], text: str = "") -> str:
     """The reply a DeepSeek template renders for ``calls`` after ``text``."""
-    from runtime.turns import arguments_as_json
+    from semantic.runtime.turns import arguments_as_json
 
     render = pytest.importorskip("transformers.utils.chat_template_utils").render_jinja_template
     message = {"role": "assistant", "content": text, "tool_calls": [
@@ -602,9 +602,9 @@ def test_deepseek_calls_read_back_and_a_grammar_holds_them(template, parser, spe
 
 
 def test_a_deepseek_model_is_told_of_the_tools_and_keeps_its_tool_turns():
-    from runtime.turns import render
-    from web.chat import prepare
-    from web.schema import ChatRequest
+    from semantic.runtime.turns import render
+    from semantic.web.chat import prepare
+    from semantic.web.schema import ChatRequest
 
     tok = deepseek(DEEPSEEK_V31)
     fmt, tokens = library_format(tok), added_tokens(tok)
@@ -636,8 +636,8 @@ def test_a_marker_the_tokenizer_adds_is_written_as_its_token():
 def test_a_named_tool_is_the_one_called_and_every_tool_is_still_shown():
     """The prompt does not change with ``tool_choice`` (so neither does the
     cache, nor the conversation a told-tools system prompt belongs to)."""
-    from web.chat import prepare
-    from web.schema import ChatRequest
+    from semantic.web.chat import prepare
+    from semantic.web.schema import ChatRequest
 
     ask = dict(messages=({"role": "user", "content": "Weather?"},), max_tokens=50, tools=(WEATHER_FN, NOOP_FN))
     named = ChatRequest(**ask, tool_choice="required", tool_name="noop")
