@@ -2,8 +2,9 @@
 
 Layout (each module one job; only this file's names are public):
 
-* ``runtime``     -- ``Runtime`` (opens and shuts down everything), ``Agent``
-                     handles and ``Reply`` streams: the in-process API;
+* ``runtime``     -- ``Runtime`` (opens and shuts down everything) and ``Agent``
+                     handles: the in-process API;
+* ``reply``       -- ``Reply``: a turn's stream of deltas;
 * ``agent``       -- agent actors: one mailbox per agent serialises its turns
                      and owns its history;
 * ``gpu``         -- the GPU actor: the only code touching MLX, on its own
@@ -45,7 +46,8 @@ from .errors import (
 )
 from .gpu import BatchSnapshot
 from .messages import Delta, Message
-from .runtime import MAX_CHOICES, Agent, AgentInfo, Reply, Runtime
+from .reply import Reply
+from .runtime import MAX_CHOICES, Agent, AgentInfo, Runtime
 
 __all__ = [
     "AGENT_CHARS",

@@ -37,14 +37,18 @@ import os
 import re
 import secrets
 import tarfile
+import tempfile
 import time
+from collections.abc import AsyncIterable
 from dataclasses import dataclass
 from pathlib import Path
+
+import anyio
 
 from semantic.runtime import cache_file, cache_v1
 from semantic.runtime.cache_file import fsync_dir, model_key, pid_alive, remove_tree
 from semantic.runtime.cache_records import AGENT_DIR_SUFFIX, MANIFEST, CacheFileError, InvalidAgentId, validate_agent_id
-from semantic.runtime.disk import check_room, history_path, human_bytes
+from semantic.runtime.disk import NoRoom, check_room, history_path, human_bytes
 from semantic.runtime.errors import SemanticError
 from semantic.runtime.json_reader import JSONError, read_json
 
@@ -52,7 +56,7 @@ from .errors import AgentExists
 from .history import parse_history
 
 __all__ = ["INDEX", "UPLOAD_PREFIX", "ArchiveError", "Summary", "agent_files", "export_agent", "import_agent",
-           "remove_abandoned"]
+           "receive_upload", "remove_abandoned"]
 
 FORMAT = "semantic-agent-archive"
 VERSION = 1
@@ -443,3 +447,29 @@ def remove_abandoned(folder: Path) -> None:
                 remove_tree(p)
         except (ValueError, OSError):
             continue
+
+
+async def receive_upload(chunks: AsyncIterable[bytes], size: int | None, budget: int | None) -> Path:
+    """``chunks`` written to a temp file as they arrive, outside the cache
+    directory (which holds only what the persistence actor puts there), within
+    ``budget`` bytes and the free space; removed if they do not all arrive."""
+    folder = Path(tempfile.gettempdir())
+    await anyio.to_thread.run_sync(remove_abandoned, folder)  # uploads of a server that died
+    path = folder / f"{UPLOAD_PREFIX}{os.getpid()}-{secrets.token_hex(4)}.tar"
+    too_big = NoRoom(f"the archive is larger than this server's disk budget, {human_bytes(budget or 0)}")
+    try:
+        if size is not None:
+            if budget is not None and size > budget:
+                raise too_big
+            check_room(folder, size)
+        received = 0
+        async with await anyio.open_file(path, "xb") as f:
+            async for chunk in chunks:
+                received += len(chunk)
+                if budget is not None and received > budget:
+                    raise too_big
+                await f.write(chunk)
+        return path
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise

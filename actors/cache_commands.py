@@ -4,7 +4,6 @@ drop (the agent is deleted) and demote (the eviction actor's choice)."""
 from __future__ import annotations
 
 from semantic.runtime.agent_cache import AgentMemory
-from semantic.runtime.batch_cache import copy_cache
 
 from .messages import ForkCache
 
@@ -41,7 +40,7 @@ class CacheCommands:
         if memory is None:
             caches.abandon(source)
             return False
-        copy = AgentMemory(target, list(memory.tokens), memory.text, copy_cache(memory.cache), memory.created)
+        copy = AgentMemory(target, list(memory.tokens), memory.text, memory.cache.clone(), memory.created)
         caches.checkin(memory)
         caches.checkin(copy)
         self.write_behind.push(copy)

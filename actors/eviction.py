@@ -26,12 +26,15 @@ __all__ = ["EvictionActor"]
 
 
 class EvictionActor:
-    def __init__(self, high: float = 0.9, low: float = 0.75):
+    def __init__(self, high: float = 0.9, low: float = 0.75, *, gpu=None, channel=None):
+        """``gpu``: the ``GpuActor`` demotions go to; ``channel``: the (send,
+        receive) ends of this actor's mailbox, when others need the send end
+        before this actor exists (default: a new one)."""
         if not 0 < low <= high <= 1:
             raise ValueError(f"eviction watermarks must satisfy 0 < low <= high <= 1, not low={low}, high={high}")
         self.high, self.low = high, low
-        self.gpu = None  # the GpuActor (set by the runtime)
-        self.mailbox, self._inbox = anyio.create_memory_object_stream[EvictCommand](math.inf)
+        self.gpu = gpu
+        self.mailbox, self._inbox = channel or anyio.create_memory_object_stream[EvictCommand](math.inf)
         self.requested = 0  # demotions asked for (for tests and benchmarks)
 
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:

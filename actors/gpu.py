@@ -80,12 +80,20 @@ class GpuActor:
         self._accepting = False
         self.error: SemanticError | None = None  # set when the GPU actor failed
         self.rank_timeout_s = rank_timeout_s  # sharded: how long one GPU input may wait for the other ranks
-        self.hot = HotSnapshot()  # replaced (never mutated) by the GPU thread
-        self.batch = BatchSnapshot()  # likewise
         self._thread = GpuThread(
             self, model, ModelRegistry(store, budget_bytes, engine_options or {}, catalogue, group, row_counts),
             persistence, eviction, model_idle_s, lockstep=None if group is None else Lockstep(group),
         )
+
+    @property
+    def hot(self) -> HotSnapshot:
+        """The hot caches, as the GPU thread last published them (a snapshot)."""
+        return self._thread.publisher.latest_hot
+
+    @property
+    def batch(self) -> BatchSnapshot:
+        """The running batch, as the GPU thread last published it (a snapshot)."""
+        return self._thread.publisher.latest_batch
 
     # -- for other actors (event loop thread; none of these wait) ----------
 

@@ -79,7 +79,7 @@ class GpuThread:
         self.inbox = actor.inbox
         self.post = post = actor.post  # post(sink, item, final): to the event loop, never waits
         self.persistence = persistence
-        self.publisher = Publisher(actor, post, eviction)
+        self.publisher = Publisher(post, eviction)
         self.write_behind = WriteBehind(lambda blocks: post(persistence, blocks), self._hot_changed)
         self.scheduler = Scheduler(registry, post, persistence, self.write_behind, self._hot_changed)
         self.cache_commands = CacheCommands(registry, self.scheduler.reads, self.write_behind, self._hot_changed)
@@ -109,7 +109,7 @@ class GpuThread:
             self.post(None, Exited())
 
     def _load(self, model) -> None:
-        self.registry.load(model)
+        self.registry.load(model, hand_over=self.write_behind.hand_over, on_load=self.write_behind.loaded)
         for key, counts in self.registry.measured:  # for the next start: persistence writes them
             self.post(self.persistence, KeepRowCounts(key, counts))
         self.registry.measured.clear()

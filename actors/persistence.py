@@ -91,21 +91,26 @@ PRUNE_TO = 0.9  # over the disk budget, prune down to this fraction of it (so no
 
 
 class PersistenceActor:
-    def __init__(self, store: CacheStore, histories: Path, *, disk_budget: int | None = None,
-                 conversation_ttl_s: float | None = None, prune_interval_s: float = 60.0):
+    def __init__(self, store: CacheStore, histories: Path, *, gpu=None,
+                 live: Callable[[], Iterable[str]] = lambda: (), hot: Callable[[], Iterable[str]] = lambda: (),
+                 on_pruned: Callable[[list[str]], None] = lambda agent_ids: None, channel=None,
+                 disk_budget: int | None = None, conversation_ttl_s: float | None = None,
+                 prune_interval_s: float = 60.0, row_counts_home: Path | None = None):
+        """``gpu``: the ``GpuActor``, told when a cache version is durable; ``live``:
+        the agents whose files pruning leaves alone; ``hot``: the agents whose
+        caches are in memory; ``on_pruned``: told (on the event loop) of
+        conversations removed whole; ``channel``: the (send, receive) ends of
+        this actor's mailbox, when others need the send end before this actor
+        exists (default: a new one)."""
         self.store = store
         self.histories = histories
         self.disk_budget = disk_budget  # bytes the cache directory may hold (None: no cap)
         self.conversation_ttl_s = conversation_ttl_s  # anonymous conversations unused this long go (None: never)
         self.prune_interval_s = prune_interval_s
-        self.gpu = None  # the GpuActor, told when a cache version is durable (set by the runtime)
-        self.row_counts_home: Path | None = None  # where measured decode row counts are kept (None: the cache home)
-        # Set by the runtime: agents whose files pruning leaves alone, agents whose caches are
-        # in memory, and who to tell (on the event loop) about conversations removed whole.
-        self.live: Callable[[], Iterable[str]] = lambda: ()
-        self.hot: Callable[[], Iterable[str]] = lambda: ()
-        self.on_pruned: Callable[[list[str]], None] = lambda agent_ids: None
-        self.mailbox, self._inbox = anyio.create_memory_object_stream[PersistCommand](math.inf)
+        self.gpu = gpu
+        self.row_counts_home = row_counts_home  # where measured decode row counts are kept (None: the cache home)
+        self.live, self.hot, self.on_pruned = live, hot, on_pruned
+        self.mailbox, self._inbox = channel or anyio.create_memory_object_stream[PersistCommand](math.inf)
         # Owned by run(): file key -> the latest bytes for it, oldest first.
         self._pending: OrderedDict[tuple, CacheBlocks | HistoryBytes] = OrderedDict()
         self._writing: tuple | None = None  # the key being written or deleted

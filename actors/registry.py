@@ -10,6 +10,7 @@ only the GPU actor knows what is in flight.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from collections.abc import Callable
@@ -42,10 +43,9 @@ class HotCaches(AgentCaches):
     never land after a newer one.
     """
 
-    hand_over: Callable[[AgentMemory], None] | None = None  # set by the GPU actor before any demotion
-
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, *args, hand_over: Callable[[AgentMemory], None], **options):
+        super().__init__(*args, **options)
+        self.hand_over = hand_over  # a dirty cache leaving memory goes to persistence through it
         self.fetched: dict[str, HostCache | None] = {}  # agent id -> its cache as read from disk (None: none)
 
     def read(self, agent_id: str) -> HostCache | None:
@@ -79,15 +79,15 @@ class ModelRegistry:
         self.measured: list[tuple[str, RowCounts]] = []  # measured at a load, for persistence to keep
         self._counts = (0, 0)  # demotions and prefix drops of models unloaded: counters never go back
 
-    def load(self, model: str | LoadedModel) -> None:
+    def load(self, model: str | LoadedModel, **caches: Callable) -> None:
         """Load ``model`` (a name in the catalogue, another name, or one loaded
-        already) and build its engine and caches.  Raises ``ModelError``; on
-        failure nothing is loaded."""
+        already) and build its engine and caches (``caches``: their ``hand_over``
+        and ``on_load``).  Raises ``ModelError``; on failure nothing is loaded."""
         assert self.loaded is None, "load() over a loaded model: unload() first"
         source = self.catalogue.get(model, model) if isinstance(model, str) else model
         loaded = source if isinstance(source, LoadedModel) else load(source, progress=False, group=self.group)
         if isinstance(model, str):
-            loaded.name = model  # the name turns ask for it by
+            loaded = dataclasses.replace(loaded, name=model)  # the name turns ask for it by (a shared one unchanged)
         shared = {} if self.group is None else {"shared_tokens": Lockstep(self.group).rank0_tokens}
         engine = Engine(loaded.model, loaded.tokenizer, **self.engine_options, **shared)
         if self.group is None:  # ranks must run the same forwards: a sharded model keeps one count
@@ -95,17 +95,17 @@ class ModelRegistry:
             if k not in self.row_counts:
                 self.row_counts[k] = engine.calibrate()
                 self.measured.append((k, self.row_counts[k]))
-            engine.row_counts = self.row_counts[k]
+            engine.use_row_counts(self.row_counts[k])
 
         def caches_in(budget: int | None) -> HotCaches:
             return open_caches(loaded, self.store, budget, working_copy=engine.float_attention, cls=HotCaches,
-                               kv_bits=engine.kv_bits)
+                               kv_bits=engine.kv_bits, demotions=demotions, prefix_drops=prefix_drops, **caches)
 
+        demotions, prefix_drops = self._counts
         caches = caches_in(self.budget_bytes)
         if self.group is not None and self.budget_bytes is None:
             # Every rank must decide alike (admit, evict, preempt): all take the smallest default budget.
             caches = caches_in(_smallest(caches.budget.budget_bytes, self.group))
-        caches.demotions, caches.prefix_drops = self._counts
         self.loaded, self.caches, self.name, self.engine = loaded, caches, loaded.name, engine
         log.info("model %s loaded; KV budget %.0f MiB", loaded.name, caches.budget.budget_bytes / 2**20)
 

@@ -21,6 +21,10 @@ flight (their caches are kept) and hands every dirty cache to persistence;
 agent actors refuse queued turns and end; the persistence actor writes
 everything pending and ends; then the eviction actor.  No task or thread
 outlives the block, and every file is written whole or not at all.
+
+(Long on purpose: ``Runtime`` is the in-process API, and its ``Agent``
+handles use its private parts -- slots, turn ids, delivery -- which no other
+module sees.)
 """
 
 from __future__ import annotations
@@ -28,10 +32,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
-import secrets
-import tempfile
-import threading
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -53,16 +53,16 @@ from semantic.runtime.prefix import encode
 from semantic.runtime.turns import render
 
 from .agent import AgentActor, AgentContext, AgentSlot, request
-from .archive import UPLOAD_PREFIX, Summary, agent_files, remove_abandoned
-from .errors import AgentExists, AgentGone, RuntimeClosed, TurnCancelled, UnknownModel
+from .archive import Summary, agent_files, receive_upload
+from .errors import AgentExists, AgentGone, RuntimeClosed, UnknownModel
 from .eviction import EvictionActor
 from .gpu import BatchSnapshot, GpuActor, HotSnapshot, follow
 from .history import encode_history, read_history
 from .messages import (
     Delete,
-    Delta,
     Demote,
     Done,
+    EvictCommand,
     Failed,
     Flush,
     FlushCaches,
@@ -71,19 +71,20 @@ from .messages import (
     ImportArchive,
     Message,
     Open,
+    PersistCommand,
     ReadHistory,
     Send,
     Stop,
     SwapModel,
-    TurnEnded,
     TurnEvent,
 )
 from .persistence import PersistenceActor
+from .reply import Reply
 
 if TYPE_CHECKING:
     import mlx.core as mx
 
-__all__ = ["Agent", "AgentInfo", "MAX_CHOICES", "Reply", "Runtime"]
+__all__ = ["Agent", "AgentInfo", "MAX_CHOICES", "Runtime"]
 
 log = logging.getLogger("semantic.actors")
 
@@ -97,12 +98,19 @@ class Runtime:
     loop the runtime was opened on.
     """
 
-    def __init__(self, tg, gpu: GpuActor, persistence: PersistenceActor, eviction: EvictionActor,
-                 root: Path, agent_idle_s: float):
+    def __init__(self, tg, store: CacheStore, root: Path, agent_idle_s: float, *, gpu: dict, persistence: dict,
+                 eviction_watermarks: tuple[float, float]):
+        """The actors, each given its collaborators (``gpu``, ``persistence``: their
+        settings); the mailboxes come first, so that each actor can be handed the
+        send end of those it talks to. ``open`` starts them."""
         self._tg = tg
-        self._gpu = gpu
-        self._persistence = persistence
-        self._eviction = eviction
+        to_persistence = anyio.create_memory_object_stream[PersistCommand](math.inf)
+        to_eviction = anyio.create_memory_object_stream[EvictCommand](math.inf)
+        self._gpu = gpu = GpuActor(store=store, persistence=to_persistence[0], eviction=to_eviction[0], **gpu)
+        self._persistence = PersistenceActor(store, root / "histories", gpu=gpu, live=self._live_agents,
+                                             hot=lambda: gpu.hot.agents.keys(), on_pruned=self._forget_pruned,
+                                             channel=to_persistence, **persistence)
+        self._eviction = EvictionActor(*eviction_watermarks, gpu=gpu, channel=to_eviction)
         self.cache_dir = root
         self._histories = root / "histories"
         self._slots: dict[str, AgentSlot] = {}
@@ -113,7 +121,7 @@ class Runtime:
         self._turn_listeners: list = []
         self._tokenizers: dict[str, object] = {}  # models not loaded: their tokenizers, read once
         self._importing = anyio.Lock()
-        self._ctx = AgentContext(gpu, persistence.mailbox, self._histories, agent_idle_s,
+        self._ctx = AgentContext(gpu, self._persistence.mailbox, self._histories, agent_idle_s,
                                  lambda: self._closing, self._release, self._turn_ended)
 
     @classmethod
@@ -190,21 +198,17 @@ class Runtime:
         root = Path(cache_dir) if cache_dir is not None else agents_dir()
         store = await anyio.to_thread.run_sync(CacheStore, root)  # creates it; clears dead writers' temp files
         measured = await anyio.to_thread.run_sync(row_counts.kept)  # the GPU thread reads no file
-        persistence = PersistenceActor(store, root / "histories", disk_budget=disk_budget,
-                                       conversation_ttl_s=conversation_ttl_s, prune_interval_s=prune_interval_s)
-        eviction = EvictionActor(*eviction_watermarks)
-        gpu = GpuActor(next(iter(catalogue)), store, budget, persistence.mailbox, eviction.mailbox,
-                       engine_options=_engine_options(prefill_chunk, kv_bits, decode_rows, batch_prefill, speculation),
-                       model_idle_s=model_idle_s,
-                       catalogue=catalogue, group=group, rank_timeout_s=rank_timeout_s, row_counts=measured)
-        persistence.gpu = eviction.gpu = gpu
+        gpu = dict(model=next(iter(catalogue)), budget_bytes=budget, model_idle_s=model_idle_s, catalogue=catalogue,
+                   engine_options=_engine_options(prefill_chunk, kv_bits, decode_rows, batch_prefill, speculation),
+                   group=group, rank_timeout_s=rank_timeout_s, row_counts=measured)
+        persistence = dict(disk_budget=disk_budget, conversation_ttl_s=conversation_ttl_s,
+                           prune_interval_s=prune_interval_s)
         try:
             async with anyio.create_task_group() as tg:
-                rt = cls(tg, gpu, persistence, eviction, root, agent_idle_s)
-                persistence.live, persistence.on_pruned = rt._live_agents, rt._forget_pruned
-                persistence.hot = lambda: gpu.hot.agents.keys()
+                rt = cls(tg, store, root, agent_idle_s, gpu=gpu, persistence=persistence,
+                         eviction_watermarks=eviction_watermarks)
                 try:
-                    for actor in (persistence, eviction, gpu):
+                    for actor in (rt._persistence, rt._eviction, rt._gpu):
                         await tg.start(_shielded, actor.run)
                         rt._started.append(actor)
                     yield rt
@@ -450,7 +454,7 @@ class Runtime:
         if isinstance(archive, Path):
             return await self._import(archive, agent_id)
         await self.check_new(agent_id)  # before the upload: no need to wait for it to say no
-        upload = await _receive(archive, size, self._persistence.disk_budget)
+        upload = await receive_upload(archive, size, self._persistence.disk_budget)
         try:
             return await self._import(upload, agent_id)
         finally:
@@ -751,124 +755,7 @@ class Agent:
         return f"<Agent {self.id!r}: {len(self.history)} messages>"
 
 
-class Reply:
-    """One turn's stream of ``Delta``\\ s; ``result`` once it ended.
-
-    Cancelling: ``close()``/``aclose()``, leaving ``async with``, breaking out of
-    ``async for`` (the stream is dropped), or cancelling the task that awaits it
-    asks the GPU actor to cancel the turn before its next step.  A cancelled
-    turn leaves the agent's history unchanged; its cache keeps what was
-    computed (see ``actors.agent``).  Iterating raises ``TurnError`` if the turn
-    failed and ``TurnCancelled`` if the runtime cancelled it (shutdown).
-    """
-
-    def __init__(self, turn_id: int, events, gpu: GpuActor):
-        self.turn_id = turn_id
-        self.result: TurnResult | None = None
-        self._events = events
-        self._gpu = gpu
-        self._loop_thread = threading.get_ident()
-        self._done = False
-
-    def __aiter__(self) -> Reply:
-        return self
-
-    async def __anext__(self) -> Delta:
-        delta = await self.poll(math.inf)
-        assert delta is not None
-        return delta
-
-    async def poll(self, timeout: float) -> Delta | None:
-        """The next delta, or None when none came within ``timeout`` seconds
-        (the turn goes on: a prompt still prefilling, or waiting for room).
-        Ends like ``__anext__``; cancelling the caller cancels the turn."""
-        if self._done:
-            raise StopAsyncIteration
-        event = None
-        try:
-            with anyio.move_on_after(timeout):
-                event = await self._events.receive()  # a timeout loses nothing: receive is cancel-safe
-        except anyio.EndOfStream:
-            self._finish()
-            raise RuntimeClosed("the runtime closed during this turn") from None
-        except BaseException:
-            self.close()
-            raise
-        return None if event is None else self._take(event)
-
-    def _take(self, event) -> Delta:
-        if isinstance(event, Delta):
-            return event
-        self._finish()
-        if isinstance(event, TurnEnded):
-            self.result = event.result
-            if event.result.reason == "cancelled":
-                raise TurnCancelled("the turn was cancelled: the runtime shut down")
-            raise StopAsyncIteration
-        raise event.error
-
-    async def text(self) -> str:
-        """Read the rest of the stream; return the whole reply (choice 0's)."""
-        async for _ in self:
-            pass
-        return self.result.text
-
-    def close(self) -> None:
-        """Stop reading; cancel the turn if it has not ended.  Never blocks."""
-        if not getattr(self, "_done", True):
-            self._done = True
-            self._events.close()
-            self._gpu.cancel(self.turn_id)
-
-    async def aclose(self) -> None:
-        self.close()
-
-    async def __aenter__(self) -> Reply:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_done", True):
-            return
-        if threading.get_ident() == self._loop_thread:
-            self.close()  # dropped mid-stream (e.g. ``break``): CPython frees it right here
-        else:  # freed by the cycle collector on another thread: streams belong to the loop
-            self._gpu.call_soon(self.close)
-
-    def _finish(self) -> None:
-        self._done = True
-        self._events.close()
-
-
 def _engine_options(prefill_chunk: int, kv_bits: int, decode_rows: int, batch_prefill: bool = True,
                     speculation: bool = True) -> dict:
     return {"max_chunk": prefill_chunk, "kv_bits": kv_bits, "decode_rows": decode_rows, "batch_prefill": batch_prefill,
             "speculation": speculation}
-
-
-async def _receive(chunks: AsyncIterable[bytes], size: int | None, budget: int | None) -> Path:
-    """``chunks`` written to a temp file as they arrive, outside the cache
-    directory (which holds only what the persistence actor puts there), within
-    ``budget`` bytes and the free space; removed if they do not all arrive."""
-    folder = Path(tempfile.gettempdir())
-    await anyio.to_thread.run_sync(remove_abandoned, folder)  # uploads of a server that died
-    path = folder / f"{UPLOAD_PREFIX}{os.getpid()}-{secrets.token_hex(4)}.tar"
-    too_big = disk.NoRoom(f"the archive is larger than this server's disk budget, {disk.human_bytes(budget or 0)}")
-    try:
-        if size is not None:
-            if budget is not None and size > budget:
-                raise too_big
-            disk.check_room(folder, size)
-        received = 0
-        async with await anyio.open_file(path, "xb") as f:
-            async for chunk in chunks:
-                received += len(chunk)
-                if budget is not None and received > budget:
-                    raise too_big
-                await f.write(chunk)
-        return path
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise

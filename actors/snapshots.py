@@ -55,11 +55,14 @@ _BATCH_QUEUED_SHOWN = 64
 
 
 class Publisher:
-    """(GPU thread) Publishes snapshots on ``target`` (the ``GpuActor``'s ``hot`` and
-    ``batch``) and posts the idle hot caches to the eviction actor."""
+    """(GPU thread) Publishes snapshots (``latest_hot``, ``latest_batch``: replaced,
+    never mutated, so the event loop reads them without a lock; the
+    ``GpuActor``'s ``hot`` and ``batch``) and posts the idle hot caches to the
+    eviction actor."""
 
-    def __init__(self, target, post, eviction):
-        self.target = target
+    def __init__(self, post, eviction):
+        self.latest_hot = HotSnapshot()
+        self.latest_batch = BatchSnapshot()
         self.post = post  # post(sink, item): queue a message for the event loop
         self.eviction = eviction
         self._batch_key: tuple = ()
@@ -69,7 +72,7 @@ class Publisher:
         if caches is None:
             return
         budget = caches.budget
-        self.target.hot = HotSnapshot(caches.model_id, budget.budget_bytes, caches.hot_bytes, {
+        self.latest_hot = HotSnapshot(caches.model_id, budget.budget_bytes, caches.hot_bytes, {
             m.agent_id: (len(m.tokens), budget.bytes_of(m.agent_id), m.updated) for m in caches.hot_memories()
         }, sum(budget.bytes_of(p.owner) for p in caches.prefixes()), caches.demotions, caches.prefix_drops)
         if self.eviction is None:
@@ -94,4 +97,4 @@ class Publisher:
             for t in running.values())
         queued = tuple(SequenceInfo(t.cmd.agent_id, t.cmd.turn_id, "queued", 0, t.generated, None)
                        for t in itertools.islice(waiting, _BATCH_QUEUED_SHOWN))
-        self.target.batch = BatchSnapshot(sequences + queued, len(waiting), generated)
+        self.latest_batch = BatchSnapshot(sequences + queued, len(waiting), generated)

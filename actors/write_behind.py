@@ -57,10 +57,8 @@ class WriteBehind:
         self.versions = itertools.count(1)
 
     def attach(self, caches) -> None:
-        """Serve a newly loaded model's caches."""
+        """Serve a newly loaded model's caches (built with ``hand_over`` and ``loaded``)."""
         self.caches = caches
-        caches.hand_over = self.hand_over
-        caches.on_load = self.loaded
 
     def push(self, memory: AgentMemory) -> bool:
         """Copy out a hot cache's new blocks and post them to persistence."""

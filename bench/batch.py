@@ -37,14 +37,13 @@ def ours(loaded, ctxs, batch_sizes, steps, repeats, decode_rows: int = DECODE_RO
     measured row counts the engine ran with."""
     import mlx.core as mx
 
-    from semantic.runtime.batch_cache import copy_cache
     from semantic.runtime.engine import Engine, SamplingParams
 
     from semantic.runtime.row_counts import cached
 
     # The decode step itself, one token a sequence as the peer's (drafts: ``bench speculation``).
     engine = Engine(loaded.model, loaded.tokenizer, decode_rows=decode_rows, speculation=False)
-    engine.row_counts = cached(engine)  # the row counts a server would use here
+    engine.use_row_counts(cached(engine))  # the row counts a server would use here
     prefilled = []
     for ctx in ctxs:  # prefill each context once
         sid = engine.add(ctx, SamplingParams(max_tokens=1))
@@ -63,7 +62,7 @@ def ours(loaded, ctxs, batch_sizes, steps, repeats, decode_rows: int = DECODE_RO
             sampling = SamplingParams(max_tokens=steps + 2)
             for f in prefilled[:B]:
                 tokens = list(f.cache_tokens)
-                engine.add(tokens + [tokens[-1]], sampling, copy_cache(f.cache), len(tokens))
+                engine.add(tokens + [tokens[-1]], sampling, f.cache.clone(), len(tokens))
             while engine.prefilling:
                 engine.prefill_step()
             engine.step_once()  # warm-up step with the full batch

@@ -33,7 +33,6 @@ def decode(loaded, batches, context: int, steps: int, repeats: int) -> tuple[dic
     import mlx.core as mx
 
     from semantic.bench.batch import contexts
-    from semantic.runtime.batch_cache import copy_cache
     from semantic.runtime.engine import Engine, SamplingParams
 
     engine = Engine(loaded.model, loaded.tokenizer)
@@ -48,7 +47,7 @@ def decode(loaded, batches, context: int, steps: int, repeats: int) -> tuple[dic
         for _ in range(repeats):
             for f in prefilled[:batch]:
                 tokens = list(f.cache_tokens)
-                engine.add(tokens + [tokens[-1]], SamplingParams(max_tokens=steps + 2), copy_cache(f.cache),
+                engine.add(tokens + [tokens[-1]], SamplingParams(max_tokens=steps + 2), f.cache.clone(),
                            len(tokens))
             while engine.prefilling:
                 engine.prefill_step()

@@ -168,7 +168,7 @@ def in_process(loaded, rounds: int, max_tokens: int | None = None, log=lambda li
 
     tok = loaded.tokenizer
     engine = Engine(loaded.model, tok)
-    engine.row_counts = cached(engine)  # the row counts a server would use here
+    engine.use_row_counts(cached(engine))  # the row counts a server would use here
 
     def render(messages: list[dict]) -> list[int]:
         return tok.apply_chat_template(messages, add_generation_prompt=True)

@@ -18,15 +18,16 @@ import itertools
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .batch_cache import copy_cache, trimmable_tokens
 from .block_pool import KVBudget, default_budget
 from .cache_codec import HostCache
 from .cache_file import CacheStore, model_key
 from .cache_records import FORMAT_VERSION, CacheRecord
 from .errors import SemanticError
+from .kv import SequenceCache
 from .model_spec import ModelCacheSpec
 
 __all__ = ["AgentMemory", "AgentCaches", "OutOfMemory", "SharedPrefix", "HOT", "WARM", "cache_model_id", "open_caches"]
@@ -45,10 +46,14 @@ class AgentMemory:
     agent_id: str
     tokens: list[int]
     text: str
-    cache: list
+    cache: SequenceCache  # (a list of layer caches is taken as one)
     created: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
     dirty: bool = True  # newer than its file on disk
+
+    def __post_init__(self):
+        if not isinstance(self.cache, SequenceCache):
+            self.cache = SequenceCache(self.cache)
 
     @property
     def owner(self) -> str:  # its budget owner
@@ -58,7 +63,7 @@ class AgentMemory:
     def trimmable(self) -> int:
         """Tokens the cache can drop from its end (every full layer can drop all;
         a sliding layer those it holds beyond its window)."""
-        return trimmable_tokens(self.cache)
+        return self.cache.trimmable_tokens
 
 
 @dataclass(eq=False)
@@ -66,7 +71,7 @@ class SharedPrefix:
     owner: tuple[str, int]  # its budget owner, ("prefix", n): never an agent id
     tokens: list[int]
     text: str
-    cache: list  # read-only: users get copies
+    cache: SequenceCache  # read-only: users get copies
     updated: float = field(default_factory=time.time)  # last registered or used
     dirty = False  # it has no file: dropping it loses nothing the next cold agent cannot redo
 
@@ -74,7 +79,11 @@ class SharedPrefix:
 class AgentCaches:
     """Hot and warm caches of every agent for one model."""
 
-    def __init__(self, store: CacheStore, model_id: str, spec: ModelCacheSpec, budget: KVBudget):
+    def __init__(self, store: CacheStore, model_id: str, spec: ModelCacheSpec, budget: KVBudget, *,
+                 on_load: Callable[[AgentMemory], None] = lambda memory: None, demotions: int = 0,
+                 prefix_drops: int = 0):
+        """``on_load``: told of each cache loaded from its blocks (all on disk);
+        ``demotions``, ``prefix_drops``: where the counters start (they never go back)."""
         self.store = store
         self.model_id = model_id
         self.spec = spec
@@ -83,9 +92,9 @@ class AgentCaches:
         self._busy: set[str] = set()  # checked out for a turn: never demoted
         self._prefixes: dict[tuple[str, int], SharedPrefix] = {}  # by owner
         self._prefix_ids = itertools.count()
-        self.on_load = lambda memory: None  # told of each cache loaded from its blocks (all on disk)
-        self.demotions = 0  # agents demoted to disk
-        self.prefix_drops = 0  # shared prefixes dropped to make room
+        self.on_load = on_load
+        self.demotions = demotions  # agents demoted to disk
+        self.prefix_drops = prefix_drops  # shared prefixes dropped to make room
 
     # -- queries
 
@@ -273,12 +282,10 @@ class AgentCaches:
         """
         if any(p.text == text for p in self._prefixes.values()):
             return True
-        copy = copy_cache(cache)
-        extra = copy[0].offset - len(tokens)
-        if extra > trimmable_tokens(copy):
+        copy = SequenceCache(cache).clone()
+        if copy.offset - len(tokens) > copy.trimmable_tokens:
             return False
-        for c in copy:
-            c.trim(extra)
+        copy.rewind(len(tokens))
         owner = ("prefix", next(self._prefix_ids))
         if not self.budget.reserve(owner, len(tokens)):
             return False
@@ -288,7 +295,7 @@ class AgentCaches:
     def from_prefix(self, agent_id: str, prefix: SharedPrefix) -> AgentMemory:
         """A new agent's memory that starts as a copy of a shared prefix."""
         prefix.updated = time.time()
-        return AgentMemory(agent_id, list(prefix.tokens), prefix.text, copy_cache(prefix.cache))
+        return AgentMemory(agent_id, list(prefix.tokens), prefix.text, prefix.cache.clone())
 
 
 def _mib(n: int) -> str:
@@ -320,13 +327,14 @@ def cache_layouts(root: Path, model_name: str, kv_bits: int = 4) -> set[int]:
 
 
 def open_caches(loaded, root=None, budget_bytes: int | None = None, working_copy: bool = False,
-                cls: type[AgentCaches] = AgentCaches, kv_bits: int = 4) -> AgentCaches:
+                cls: type[AgentCaches] = AgentCaches, kv_bits: int = 4, **options) -> AgentCaches:
     """The agent caches (a ``cls``) of a loaded model (``runtime.models.LoadedModel``)
     in ``root``, a directory or a ``CacheStore`` (default: the user's cache directory), in ``budget_bytes`` of hot
     memory (default: device memory less the weights less headroom).
     ``working_copy``: running turns attend through a float copy of their full
     layers (``Engine.float_attention``), which their reservations include;
-    sink models always do.  ``kv_bits``: the cache's quantization (4 or 8), as the engine's."""
+    sink models always do.  ``kv_bits``: the cache's quantization (4 or 8), as the engine's.
+    ``options``: the rest of ``cls``'s constructor's keywords."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -341,4 +349,4 @@ def open_caches(loaded, root=None, budget_bytes: int | None = None, working_copy
     budget = KVBudget(loaded.spec, budget_bytes, bits=kv_bits, sliding_dtype_bytes=loaded.dtype.size,
                       working_dtype_bytes=working)
     store = root if isinstance(root, CacheStore) else CacheStore(root or agents_dir())
-    return cls(store, cache_model_id(loaded.name, kv_bits, loaded.spec.shard), loaded.spec, budget)
+    return cls(store, cache_model_id(loaded.name, kv_bits, loaded.spec.shard), loaded.spec, budget, **options)

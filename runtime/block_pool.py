@@ -212,7 +212,7 @@ class FullAttentionManager:
 class SlidingWindowManager(FullAttentionManager):
     """A full-attention manager whose owners stop growing at the window.
 
-    A sliding layer's cache (``batch_cache.WindowKVCache``) keeps the last
+    A sliding layer's cache (``kv.WindowKVCache``) keeps the last
     ``window + WINDOW_SPARE`` tokens at most, so they occupy that many tokens'
     blocks wherever the window starts (vLLM keeps one block more because its
     blocks are position-aligned). A prefill chunk briefly overfills it; that
@@ -225,7 +225,7 @@ class SlidingWindowManager(FullAttentionManager):
 
 class StateManager(FullAttentionManager):
     """Recurrent layers: an owner's state is one block of fixed size, and each
-    of its checkpoints another (``batch_cache.StateCache``), held from its
+    of its checkpoints another (``kv.StateCache``), held from its
     first token on, however long it grows."""
 
     def blocks_for(self, tokens: int) -> int:

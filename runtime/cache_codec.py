@@ -10,11 +10,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import QuantizedKVCache
 
-from .batch_cache import DequantizingKVCache, SequenceQuantizedKVCache, StateCache, WindowKVCache
-from .cache_records import (BLOCK_TOKENS, DEQUANTIZING, DTYPE_NAMES, PARTS, QNAMES, QUANTIZED, ROTATING, STATE,
-                            WINDOW, BlockUpdate, CacheRecord, ring_names, validate_agent_id)
+from .cache_records import BLOCK_TOKENS, DTYPE_NAMES, BlockUpdate, CacheRecord, validate_agent_id
+from .kv import BY_KIND, SequenceCache
 
 __all__ = ["HostCache", "snapshot"]
 
@@ -52,37 +50,20 @@ def _describe(record: CacheRecord) -> tuple[list[dict], list[mx.array], list[mx.
     n = len(record.tokens)
     layers, quantized, rings, quant = [], [], [], set()
     for i, c in enumerate(record.cache):
-        if isinstance(c, (DequantizingKVCache, QuantizedKVCache)):
-            q = c.quantized if isinstance(c, DequantizingKVCache) else c
-            _check_offset(i, q.offset, n)
-            entry = {"kind": DEQUANTIZING if isinstance(c, DequantizingKVCache) else QUANTIZED,
-                     "offset": q.offset, "bits": q.bits, "group_size": q.group_size, "tensors": {}}
-            quant.add((q.bits, q.group_size))
-            if q.offset:
-                for name, x in zip(QNAMES, (*q.keys, *q.values)):
-                    entry["tensors"][name] = [_dtype_name(i, x), x.shape[1], x.shape[3]]
-                    quantized.append(x)
-            layers.append(entry)
-        elif isinstance(c, StateCache):
-            _check_offset(i, c.offset, n)
-            entry = {"kind": STATE, "offset": c.offset, "size": len(c.cache),
-                     "checkpoints": [at for at, _ in c.checkpoints], "tensors": {}}
-            held = [c.cache, *(state for _, state in c.checkpoints)]
-            for name, x in zip(ring_names(entry), (x for state in held for x in state)):
-                if x is not None:
-                    entry["tensors"][name] = [_dtype_name(i, x), *x.shape[1:]]
-                    rings.append(x)
-            layers.append(entry)
-        elif isinstance(c, WindowKVCache):
-            _check_offset(i, c.offset, n)
-            entry = {"kind": WINDOW, "offset": c.offset, "window": c.window, "tensors": {}}
-            if c.held:
-                for name, x in zip("kv", c.state):
-                    entry["tensors"][name] = [_dtype_name(i, x), *x.shape[1:]]
-                    rings.append(x)
-            layers.append(entry)
-        else:
+        if not hasattr(c, "describe"):
             raise ValueError(f"layer {i}: cannot save a {type(c).__name__}")
+        entry, blocked, ring = c.describe()
+        _check_offset(i, entry["offset"], n)
+        entry["tensors"] = {}
+        for name, x in blocked.items():
+            entry["tensors"][name] = [_dtype_name(i, x), x.shape[1], x.shape[3]]
+            quantized.append(x)
+        for name, x in ring.items():
+            entry["tensors"][name] = [_dtype_name(i, x), *x.shape[1:]]
+            rings.append(x)
+        if "bits" in entry:
+            quant.add((entry["bits"], entry["group_size"]))
+        layers.append(entry)
     if len(quant) > 1:
         raise ValueError(f"quantized layers disagree on (bits, group size): {sorted(quant)}")
     return layers, quantized, rings
@@ -115,50 +96,17 @@ class HostCache:
 
     def build(self) -> CacheRecord:
         """The ``CacheRecord`` with its caches, as the engine would hold them after the same tokens."""
-        arrays, cache = self.arrays, []
+        arrays, cache = self.arrays, SequenceCache()
         for i, e in enumerate(self.layers):  # each layer's host buffers go as its arrays are made
-            names = [k for k in arrays if k.startswith(f"layer_{i}_")]
-            cache.append(_rebuild(i, e, {k: _to_mx(arrays.pop(k)) for k in names}))
+            prefix = f"layer_{i}_"
+            names = [k for k in arrays if k.startswith(prefix)]
+            cache.append(BY_KIND[e["kind"]].rebuild(e, {k[len(prefix):]: _to_mx(arrays.pop(k)) for k in names}))
         return dataclasses.replace(self.record, cache=cache)
 
 
 def _to_mx(x: np.ndarray) -> mx.array:
     a = mx.array(x)
     return a.view(mx.bfloat16) if x.dtype == np.dtype("<u2") else a
-
-
-def _rebuild(i: int, m: dict, arrays: dict[str, mx.array]):
-    """One layer's cache object, as the engine would hold it after the same tokens."""
-    if m["kind"] == STATE:
-        c = StateCache(m["size"])
-        get = lambda name: arrays.get(f"layer_{i}_{name}")  # noqa: E731
-        c.cache = [get(str(j)) for j in range(m["size"])]
-        c.offset = m["offset"]
-        c.checkpoints = [(at, [get(f"c{k}.{j}") for j in range(m["size"])]) for k, at in enumerate(m["checkpoints"])]
-        return c
-    if m["kind"] in (WINDOW, ROTATING):
-        c = WindowKVCache(m.get("window") or m["max_size"])
-        if m["offset"]:
-            k, v = arrays[f"layer_{i}_k"], arrays[f"layer_{i}_v"]
-            if m["kind"] == ROTATING:  # unroll the ring: oldest first
-                k, v = (_unrolled(x, m["idx"], m["offset"]) for x in (k, v))
-            c.keys, c.values, c.live, c.offset = k, v, k.shape[2], m["offset"]
-        return c
-    q = SequenceQuantizedKVCache(m["group_size"], m["bits"])
-    if m["offset"]:
-        q.keys = tuple(arrays[f"layer_{i}_k_{p}"] for p in PARTS)
-        q.values = tuple(arrays[f"layer_{i}_v_{p}"] for p in PARTS)
-        q.offset = m["offset"]
-    return DequantizingKVCache(quantized=q) if m["kind"] == DEQUANTIZING else q
-
-
-def _unrolled(ring: mx.array, idx: int, offset: int) -> mx.array:
-    """An mlx-lm ring's tokens in temporal order (its ``_temporal_order``, keep 0)."""
-    if idx == ring.shape[2]:
-        return ring
-    if idx < offset:
-        return mx.concatenate([ring[..., idx:, :], ring[..., :idx, :]], axis=2)
-    return ring[..., :idx, :]
 
 
 def _host(a: mx.array) -> np.ndarray:

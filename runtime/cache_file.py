@@ -26,7 +26,12 @@ on; ``CacheStore.write``
 manifest on disk. Version 1 files (one safetensors file per agent,
 ``runtime.cache_v1``) still load and are replaced by blocks on their agent's
 next write. What the files hold -- records, layer kinds, errors, the
-agent-id rule -- is ``runtime.cache_records``.
+agent-id rule -- is ``runtime.cache_records``; the MLX side of a block,
+``runtime.cache_codec``.
+
+(Long on purpose: the store is one class whose directory layout, manifests,
+quarantine and crash rules hold together; split, each part would need the
+others' private paths.)
 """
 
 from __future__ import annotations

@@ -37,6 +37,10 @@ to agree by ``calibrate``: ``runtime.row_counts``); attention runs per
 sequence over its own cache (``runtime.batch_cache``). So a sequence's
 logits are bitwise the same whatever else runs, wherever it sits in the
 batch.
+
+(Long on purpose: one class, the step loop, whose sequences, steps, drafts
+and calibration share its private state; pieces that need none of it live
+in ``runtime.speculation``, ``runtime.row_counts`` and ``runtime.sampling``.)
 """
 
 from __future__ import annotations
@@ -52,8 +56,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .batch_cache import (BatchQuantizedKVCache, PrefillBatch, StateCache, attention_view, cache_arrays, copy_cache,
-                          make_sequence_cache)
+from .batch_cache import BatchQuantizedKVCache, PrefillBatch
+from .kv import LayerCache, SequenceCache, make_sequence_cache
 from . import row_plans
 from .grammar import Grammars
 from .lean import lean
@@ -72,7 +76,7 @@ _LAST_IN_CHUNK = 64  # a final chunk longer than this leaves its last token to t
 @dataclass(frozen=True)
 class Finished:
     reason: str  # "stop" (end of turn or stop string), "length", "cancelled" or "preempted" (``resume`` goes on)
-    cache: list  # per-layer single-sequence caches, materialised
+    cache: SequenceCache  # per-layer single-sequence caches, materialised
     cache_tokens: tuple[int, ...]  # exactly the token ids the cache covers
     output_tokens: tuple[int, ...]  # generated ids (end-of-turn token excluded)
     text: str  # generated text, cut before a stop string
@@ -101,8 +105,8 @@ class _Sequence:
     sampling: SamplingParams
     sampler: Sampler
     detokenizer: object
-    cache: list  # per-layer caches of record (what a finished sequence hands back)
-    view: list  # the same caches as attention sees them (``attention_view``)
+    cache: SequenceCache  # per-layer caches of record (what a finished sequence hands back)
+    view: SequenceCache  # the same caches as attention sees them (``SequenceCache.view``)
     fed: list[int]  # token ids whose K/V are in the cache
     reused: int
     prompt_tokens: int  # the prompt as given (``resume`` may extend ``prompt`` with tokens to recompute)
@@ -136,7 +140,7 @@ class _Step:
     logprobs: list  # each slot's ``Draw.logprobs``
     # Each forward's rows, and the batch caches it wrote with the steps each held before.
     tiles: list[tuple[list[_Sequence], list[tuple[BatchQuantizedKVCache, int]]]]
-    states: list[tuple[StateCache, int, list]]  # recurrent layers before it (they cannot be cut back)
+    states: list[tuple[LayerCache, int, list]]  # recurrent layers before it (they cannot be cut back)
     contexts: list[int]  # tokens each row's cache held before it
     started: float  # ``perf_counter`` when its build began
 
@@ -199,7 +203,7 @@ class Engine:
         self.decode_rows = decode_rows
         # BLAS picks kernels by shape, and kernels sum differently: decode forwards have only
         # token slot counts whose rows agree (``calibrate``), or one count.
-        self.row_counts = row_counts or RowCounts.fixed(decode_rows)
+        self.use_row_counts(row_counts or RowCounts.fixed(decode_rows))
         self.shared_tokens = shared_tokens or (lambda tokens: tokens)
         # Build each decode step while the last computes (not sharded: ranks act on rank 0's tokens).
         self.compute_ahead = shared_tokens is None
@@ -249,7 +253,7 @@ class Engine:
         has no room for them)."""
         self._held.add(seq_id)
 
-    def new_cache(self) -> list:
+    def new_cache(self) -> SequenceCache:
         return make_sequence_cache(self.model, bits=self.kv_bits, group_size=self.kv_group_size)
 
     # -- commands --------------------------------------------------------
@@ -258,16 +262,17 @@ class Engine:
         self,
         prompt: Seq[int],
         sampling: SamplingParams = SamplingParams(),
-        cache: list | None = None,
+        cache: Seq | None = None,
         cached_tokens: int = 0,
     ) -> int:
         """Queue a sequence; return its id.
 
-        ``cache`` (per-layer, single-sequence) must hold exactly the K/V of
-        ``prompt[:cached_tokens]``.  At least one prompt token is always
+        ``cache`` (a ``SequenceCache``, or its layers) must hold exactly the K/V
+        of ``prompt[:cached_tokens]``.  At least one prompt token is always
         prefilled, so a fully cached prompt is trimmed by one token.
         """
         prompt = list(prompt)
+        cache = None if cache is None else _sequence_cache(cache)
         if not prompt:
             raise ValueError("prompt must hold at least one token")
         if cache is None:
@@ -284,7 +289,7 @@ class Engine:
             for c in cache:
                 c.trim(1)
             cached_tokens -= 1
-        _mark(cache)  # and where the turn starts: the conversation cached so far
+        cache.mark()  # and where the turn starts: the conversation cached so far
         seq = self._sequence(prompt, sampling, cache, cached_tokens)
         self._prefilling.append(seq)
         return seq.id
@@ -299,12 +304,14 @@ class Engine:
         if seq is None:
             raise ValueError(f"sequence {seq_id} is not prefilling: choices start with its prompt")
         p = seq.sampling
-        choices = [self._sequence(seq.prompt, p if p.seed is None else replace(p, seed=p.seed + i), [], 0)
+        choices = [self._sequence(seq.prompt, p if p.seed is None else replace(p, seed=p.seed + i),
+                                  SequenceCache(), 0)
                    for i in range(1, count + 1)]
         self._choices.setdefault(seq_id, []).extend(choices)
         return [c.id for c in choices]
 
-    def _sequence(self, prompt: list[int], sampling: SamplingParams, cache: list, cached_tokens: int) -> _Sequence:
+    def _sequence(self, prompt: list[int], sampling: SamplingParams, cache: SequenceCache,
+                  cached_tokens: int) -> _Sequence:
         return _Sequence(
             id=next(self._ids),
             prompt=prompt,
@@ -312,7 +319,7 @@ class Engine:
             sampler=Sampler(sampling, sampling.grammar and self._grammars.constraint(sampling.grammar)),
             detokenizer=self.tokenizer.detokenizer,
             cache=cache,
-            view=attention_view(cache, self.float_attention),
+            view=cache.view(self.float_attention),
             fed=prompt[:cached_tokens],
             reused=cached_tokens,
             prompt_tokens=len(prompt),
@@ -324,8 +331,8 @@ class Engine:
         cache, fed what it was fed."""
         choices = self._choices.pop(seq.id, [])
         for c in choices:
-            c.cache = copy_cache(seq.cache)
-            c.view = attention_view(c.cache, self.float_attention)
+            c.cache = seq.cache.clone()
+            c.view = c.cache.view(self.float_attention)
             c.fed, c.reused = list(seq.fed), len(seq.fed)
         return choices
 
@@ -349,9 +356,9 @@ class Engine:
         for (seq, _, ride), chunk in zip(picks, chunks):
             seq.fed += chunk
             if ride or not seq.pending:  # the prompt is in: recurrent layers keep their state here (a checkpoint)
-                _mark(seq.cache)
+                seq.cache.mark()
             if seq.pending:
-                mx.eval(cache_arrays(seq.view))
+                mx.eval(seq.view.arrays())
                 if ride:  # its last prompt token is the next decode step's input, as its choices'
                     self._decoding += [seq, *self._fork_choices(seq)]
                 else:
@@ -360,7 +367,7 @@ class Engine:
             for s in [seq, *self._fork_choices(seq)]:  # each draws from the prompt's last logits
                 draw = s.sampler(logits[0, -1])
                 token = self.shared_tokens(draw.token[None])[0]
-                mx.eval(token, draw.logprobs, cache_arrays(s.view))
+                mx.eval(token, draw.logprobs, s.view.arrays())
                 new, text, reason = self._accept(s, token.item(), draw.logprobs)
                 if reason is None:
                     self._decoding.append(s)
@@ -465,7 +472,7 @@ class Engine:
         i = tile.index(seq)
         for layer, held in layers:
             c = layer.caches[i]
-            if isinstance(c, StateCache):
+            if c.recurrent:
                 c.cut(n)
             elif not n:
                 continue
@@ -479,8 +486,10 @@ class Engine:
     def row_counts(self) -> RowCounts:
         return self._row_counts
 
-    @row_counts.setter
-    def row_counts(self, counts: RowCounts) -> None:
+    def use_row_counts(self, counts: RowCounts) -> None:
+        """Run decode forwards of the token slots ``counts`` holds from now on
+        (what ``calibrate`` measured, perhaps at an earlier start), each weight
+        taking its rows as measured (``row_plans``)."""
         row_plans.apply(self.model, counts.plans)
         self._row_counts = counts
         self._costs = StepCosts(counts)  # what a step costs, for ``allot``
@@ -494,16 +503,17 @@ class Engine:
         first, middle and last slot; and from which size prompt chunks may
         share a prefill forward (``_prefill_from``). Returns the class
         ``choose`` picks, with what was measured; does not change the engine
-        (``row_counts`` does) and leaves its sequences alone."""
+        (``use_row_counts`` does) and leaves its sequences alone."""
         start = time.perf_counter()
         rng = random.Random(seed)
         max_rows = max_rows or self.decode_rows
         plans = row_plans.measure(self.model, max_rows, seed)
-        before, self.row_counts = self.row_counts, RowCounts((max_rows,), plans=plans)
+        before = self.row_counts
+        self.use_row_counts(RowCounts((max_rows,), plans=plans))
         try:
             return self._calibrate(max_rows, rng, start)
         finally:
-            self.row_counts = before
+            self.use_row_counts(before)
 
     def _calibrate(self, max_rows: int, rng: random.Random, start: float) -> RowCounts:
         prompt = lambda n: [rng.randrange(1, 256) for _ in range(n)]  # every vocabulary has 255 ids after 0
@@ -513,13 +523,13 @@ class Engine:
         def batch(m: int, at: int) -> list[BatchQuantizedKVCache]:  # the probe at slot ``at`` of ``m``
             others = rng.sample(neighbours, m - 1)
             records = others[:at] + [probe] + others[at:]
-            return _batch(attention_view(copy_cache(r), self.float_attention) for r in records)
+            return _batch(r.clone().view(self.float_attention) for r in records)
 
         def forward(caches: list[BatchQuantizedKVCache], at: int) -> mx.array:  # the probe's logits
             fed = [rng.randrange(1, 256) for _ in caches[0].caches]
             fed[at] = 7
             row = self._forward(caches, fed, len(fed))[at]
-            mx.eval(row, [c.arrays for c in caches], [cache_arrays(c.caches) for c in caches])
+            mx.eval(row, [c.arrays for c in caches], [x.arrays for c in caches for x in c.caches])
             return row
 
         rows = {m: [forward(batch(m, at), at) for at in sorted({0, m // 2, m - 1})] for m in range(1, max_rows + 1)}
@@ -563,8 +573,8 @@ class Engine:
         tokens = lambda n: [rng.randrange(1, 256) for _ in range(n)]  # every vocabulary has 255 ids after 0
         prefixes = [self._prefilled(tokens(n)) for n in (3, 17, 38)]  # what sequences have cached
 
-        def view(cache: list) -> list:  # a copy, as attention sees it
-            return attention_view(copy_cache(cache), self.float_attention)
+        def view(cache: SequenceCache) -> SequenceCache:  # a copy, as attention sees it
+            return cache.clone().view(self.float_attention)
 
         ladder = list(itertools.takewhile(lambda n: 2 * n <= self.max_chunk,
                                           (self.decode_rows + 1 << i for i in itertools.count())))
@@ -573,8 +583,8 @@ class Engine:
             cached, chunk = rng.choice(prefixes), tokens(n)
             alone = view(cached)
             self.model(mx.array(chunk)[None], cache=alone)
-            mx.eval(cache_arrays(alone))
-            want = [x for _, x in tree_flatten(cache_arrays(alone))]
+            mx.eval(alone.arrays())
+            want = [x for _, x in tree_flatten(alone.arrays())]
             room = (self.prefill_rows if n == ladder[-1] else min(self.prefill_rows, 2 * n + 32)) - n
             before = rng.randrange(0, room // 2) * 2 + 1  # odd: the chunk's rows off any tile boundary
             # Between two neighbours, and first before one (its last rows beside another's).
@@ -589,9 +599,9 @@ class Engine:
                 views.insert(at, view(cached))
                 self.model(mx.array([t for c in chunks for t in c])[None],
                            cache=[PrefillBatch(layer, [len(c) for c in chunks]) for layer in zip(*views)])
-                mx.eval(cache_arrays(views[at]))
+                mx.eval(views[at].arrays())
                 agree[n] &= all(mx.array_equal(a, b).item() for a, (_, b) in
-                                zip(want, tree_flatten(cache_arrays(views[at]))))
+                                zip(want, tree_flatten(views[at].arrays())))
         if not agree or not agree[ladder[-1]]:
             return None
         return min(n for n in ladder if all(agree[m] for m in ladder if m >= n))
@@ -618,20 +628,21 @@ class Engine:
         self._preempted[seq.id] = seq
         return finished
 
-    def resume(self, seq_id: int, cache: list | None = None, cached_tokens: int = 0) -> None:
+    def resume(self, seq_id: int, cache: Seq | None = None, cached_tokens: int = 0) -> None:
         """Put a preempted sequence back.  ``cache`` holds the K/V of the first
         ``cached_tokens`` of its ``cache_tokens`` (the preempted cache itself,
         perhaps through a file), or is None: the rest is prefilled again."""
         seq = self._preempted[seq_id]
         if cache is None:
             cache, cached_tokens = self.new_cache(), 0
+        cache = _sequence_cache(cache)
         if not 0 <= cached_tokens <= len(seq.fed) or any(c.offset != cached_tokens for c in cache):
             raise ValueError(f"a resumed cache must cover 0..{len(seq.fed)} of the sequence's tokens exactly")
         del self._preempted[seq_id]
         if len(seq.fed) >= len(seq.prompt):  # it was decoding: its next input is the last token it sampled
             seq.prompt = seq.fed + seq.output[-1:]
         seq.fed = seq.fed[:cached_tokens]
-        seq.cache, seq.view = cache, attention_view(cache, self.float_attention)
+        seq.cache, seq.view = cache, cache.view(self.float_attention)
         # One token left is a decode input (as before it left); more are a prefill, chunked as before.
         (self._decoding.append if len(seq.pending) == 1 else self._prefilling.append)(seq)
 
@@ -678,7 +689,7 @@ class Engine:
             self._batches = {key: _batch(s.view for s in tile) for key, (tile, _, _) in zip(keys, tiles)}
         for layer in (layer for batch in self._batches.values() for layer in batch if layer.full):
             layer.flush()  # only steps that are read (``after`` is, next) are ever held
-        states = [(c, c.offset, list(c.cache)) for seq in rows for c in seq.view if isinstance(c, StateCache)]
+        states = [(c, c.offset, list(c.cache)) for seq in rows for c in seq.view if c.recurrent]
         written = [[(layer, layer.held) for layer in self._batches[key]] for key in keys]
         if after is None:
             fed = [[seq.next_input, *d] for seq, d in zip(rows, drafts)]
@@ -706,7 +717,7 @@ class Engine:
         logprobs = [d.logprobs for d in draws]
         held = [b.arrays for batch in self._batches.values() for b in batch]
         self._costs.built((time.perf_counter() - start) * 1e3)
-        mx.async_eval(tokens, [lp for lp in logprobs if lp is not None], [cache_arrays(seq.view) for seq in rows], held)
+        mx.async_eval(tokens, [lp for lp in logprobs if lp is not None], [seq.view.arrays() for seq in rows], held)
         return _Step(rows, drafts, tokens, logprobs, [(tile, w) for (tile, _, _), w in zip(tiles, written)], states,
                      contexts, start)
 
@@ -750,7 +761,7 @@ class Engine:
                 layer.drop_last()
                 continue
             for c in layer.caches:  # it wrote them to the records
-                if not isinstance(c, StateCache):
+                if not c.recurrent:
                     trimmed = c.trim(1)
                     assert trimmed == 1, "every cache a decode step writes can drop its last token"
         for c, offset, state in step.states:
@@ -764,12 +775,12 @@ class Engine:
         padding = mx.zeros((slots - inputs.shape[0],), mx.int32)
         return self.model(mx.concatenate([inputs, padding])[None], cache=batch)[0]
 
-    def _prefilled(self, tokens: list[int]) -> list:
+    def _prefilled(self, tokens: list[int]) -> SequenceCache:
         """A fresh sequence cache holding ``tokens``, prefilled alone."""
         cache = self.new_cache()
-        view = attention_view(cache, self.float_attention)
+        view = cache.view(self.float_attention)
         self.model(mx.array(tokens)[None], cache=view)
-        mx.eval(cache_arrays(view))
+        mx.eval(view.arrays())
         return cache
 
     def _chunk_size(self, context: int) -> int:
@@ -824,7 +835,7 @@ class Engine:
         return text, hit
 
     def _finished(self, seq: _Sequence, reason: str) -> Finished:
-        mx.eval(cache_arrays(seq.cache))
+        mx.eval(seq.cache.arrays())
         return Finished(
             reason=reason,
             cache=seq.cache,
@@ -846,11 +857,9 @@ def _batch(views) -> list[BatchQuantizedKVCache]:
     return [BatchQuantizedKVCache(layer) for layer in zip(*views)]
 
 
-def _mark(cache: list) -> None:
-    """Checkpoint the recurrent layers' states (``StateCache``: they cannot be cut back)."""
-    for c in cache:
-        if isinstance(c, StateCache):
-            c.mark()
+def _sequence_cache(cache: Seq) -> SequenceCache:
+    """``cache`` as a ``SequenceCache`` (a list of layer caches: one over the same layers)."""
+    return cache if isinstance(cache, SequenceCache) else SequenceCache(cache)
 
 
 def _overlap(text: str, stop: str) -> int:

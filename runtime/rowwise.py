@@ -28,8 +28,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 
 from .attention import attend, attend_each
-from .batch_cache import (BatchQuantizedKVCache, ChunkMasks, DequantizingKVCache, PrefillBatch, StateCache,
-                          WindowKVCache)
+from .batch_cache import BatchQuantizedKVCache, ChunkMasks, PrefillBatch
 from .rotary import rotate
 
 __all__ = ["rowwise"]
@@ -109,9 +108,9 @@ def _per_sequence(attention: Callable, x: mx.array, batch: BatchQuantizedKVCache
         for _ in range(width):
             outs.append(attention(x[:, at : at + 1], _mask(c), c))
             at += 1
-            if width > 1 and isinstance(c, StateCache):
+            if width > 1 and c.recurrent:
                 trail.append(list(c.cache))
-        if isinstance(c, StateCache):
+        if c.recurrent:
             c.trail = trail
     return _pad_slots(mx.concatenate(outs, axis=1), x.shape[1], axis=1)
 
@@ -190,7 +189,7 @@ def _in_float(attn: nn.Module, x: mx.array, caches) -> bool:
     values (a working copy, a window) on the CPU, where MLX's own softmax is
     slow, and no attention sinks."""
     return (mx.default_device() == mx.cpu and x.dtype == mx.float32 and attn.get("sinks") is None
-            and all(isinstance(c, (DequantizingKVCache, WindowKVCache)) for c in caches))
+            and all(getattr(c, "float_keys", False) for c in caches))  # (mlx-lm's own: no)
 
 
 def _mask(cache):

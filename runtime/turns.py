@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 
 from .agent_cache import AgentCaches, AgentMemory, OutOfMemory
-from .batch_cache import checkpoints, rewind
 from .engine import Engine, Finished, SamplingParams
 from .errors import ContextTooLong
 from .outcome import TurnResult
@@ -131,7 +130,7 @@ def begin(
         caches.abandon(agent_id)
         raise
     if turn.cache:  # only now that it runs: the kept prefix
-        rewind(turn.cache, turn.plan.keep)
+        turn.cache.rewind(turn.plan.keep)
     return turn
 
 
@@ -150,7 +149,7 @@ def _plan(caches, tokenizer, agent_id, prompt_text, memory, prefix_text, min_sha
             p = plan(tokenizer, prompt_text)
         return Turn(agent_id, prompt_text, p, None, new_prefix)
     p = plan(tokenizer, prompt_text, memory.tokens, memory.text, min_share, memory.trimmable,
-             checkpoints(memory.cache))
+             memory.cache.checkpoints())
     return Turn(agent_id, prompt_text, p, None if p.kind == COLD else memory.cache)
 
 

@@ -26,6 +26,9 @@ How line numbers survive: a custom PyYAML loader builds mappings and
 sequences as ``_Map``/``_Seq``, which remember the line of every key and
 item.  Duplicate keys, which PyYAML would silently overwrite, are recorded
 and reported by the validator (with the field they belong to).
+
+(Long on purpose: the whole scenario schema, field by field, in one place
+that its error messages and ``docs/scenarios.md`` follow.)
 """
 
 from __future__ import annotations

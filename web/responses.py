@@ -64,6 +64,10 @@ each output token's log-probability (``runtime.sampling``) in the
 adds (tokens whose text is held back, as a call's markup may be, come with
 the next delta that has text, or in one with an empty ``delta`` before
 ``response.output_text.done``, which has them all again).
+
+(Long on purpose: one protocol's whole shape -- request items, output items,
+stored responses, streaming events -- as ``web.anthropic`` and ``web.openai``
+each hold theirs.)
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ gets the grammar of text or calls: text that never starts a call, or text
 and then one call or more, each valid; without ``strict`` nothing is
 enforced (a grammar costs every step its drafts and its build ahead) and a
 call that does not parse stays text.
+
+(Long on purpose: every call format we read and constrain, side by side, so
+that a format's reading and its grammar are changed together.)
 """
 
 from __future__ import annotations

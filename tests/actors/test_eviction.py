@@ -32,16 +32,15 @@ def test_watermarks_are_checked():
 
 @pytest.mark.anyio
 async def test_only_the_latest_report_is_acted_on():
-    actor = EvictionActor(high=0.9, low=0.6)
     demotes = []
-    actor.gpu = type("Gpu", (), {"submit": lambda self, c: demotes.append(c)})()
+    gpu = type("Gpu", (), {"submit": lambda self, c: demotes.append(c)})()
+    actor = EvictionActor(high=0.9, low=0.6, gpu=gpu)
     actor.mailbox.send_nowait(report(99, ("old", 50, True)))
     actor.mailbox.send_nowait(report(95, ("a", 40, True)))
     actor.mailbox.send_nowait(Stop())
     await actor.run()
     assert demotes == []  # a Stop right behind the reports: nothing more to do
-    actor = EvictionActor(high=0.9, low=0.6)
-    actor.gpu = type("Gpu", (), {"submit": lambda self, c: demotes.append(c)})()
+    actor = EvictionActor(high=0.9, low=0.6, gpu=gpu)
     actor.mailbox.send_nowait(report(99, ("old", 50, True)))
     actor.mailbox.send_nowait(report(95, ("a", 40, True)))
     actor.mailbox.close()

@@ -50,10 +50,8 @@ def text_of(store: CacheStore, agent: str) -> str | None:
     return None if rec is None else rec.text
 
 
-def actor_in(tmp_path) -> PersistenceActor:
-    actor = PersistenceActor(CacheStore(tmp_path), tmp_path / "histories")
-    actor.gpu = FakeGpu()
-    return actor
+def actor_in(tmp_path, **collaborators) -> PersistenceActor:
+    return PersistenceActor(CacheStore(tmp_path), tmp_path / "histories", gpu=FakeGpu(), **collaborators)
 
 
 async def test_latest_version_wins_and_is_reported(tmp_path):
@@ -348,9 +346,8 @@ def test_file_work_runs_at_a_lower_cpu_priority_than_compute():
 async def test_a_write_that_cannot_be_made_room_for_is_written_anyway_without_spinning(tmp_path):
     """Every cache is protected (it is hot): pruning cannot make room, so the
     write goes ahead over the budget (and says so) instead of pruning forever."""
-    actor = actor_in(tmp_path)
+    actor = actor_in(tmp_path, hot=lambda: {"a", "b"})
     actor.disk_budget = 1000  # less than one cache
-    actor.hot = lambda: {"a", "b"}
     async with anyio.create_task_group() as tg:
         await tg.start(actor.run)
         with anyio.fail_after(10):
@@ -363,15 +360,13 @@ async def test_a_write_that_cannot_be_made_room_for_is_written_anyway_without_sp
 
 
 async def test_old_conversations_go_whole_but_not_named_live_or_pending_ones(tmp_path):
-    actor = actor_in(tmp_path)
+    told = []
+    actor = actor_in(tmp_path, live=lambda: {"conv-live"}, on_pruned=told.append)
     for agent in ("conv-old", "conv-live", "conv-pending", "named"):
         aged(actor.store.legacy_path(agent, "m"), b"c", 10)
         aged(history_path(actor.histories, agent), b"h", 10)
     aged(actor.store.legacy_path("conv-young", "m"), b"c", 1)
     actor.conversation_ttl_s = 7 * DAY
-    actor.live = lambda: {"conv-live"}
-    told = []
-    actor.on_pruned = told.append
     actor.mailbox.send_nowait(HistoryBytes("conv-pending", b"h2"))  # a write about to replace its files
     actor.mailbox.send_nowait(Stop())
     with anyio.fail_after(10):  # conv-live is past its TTL: the actor must not spin on it
@@ -385,10 +380,9 @@ async def test_old_conversations_go_whole_but_not_named_live_or_pending_ones(tmp
 
 
 async def test_an_idle_actor_checks_the_ttl_now_and_then_without_spinning(tmp_path, monkeypatch):
-    actor = actor_in(tmp_path)
+    actor = actor_in(tmp_path, live=lambda: {"conv-kept"})  # expired but live: it must not make the actor spin
     actor.conversation_ttl_s, actor.prune_interval_s = 7 * DAY, 0.1
     aged(history_path(actor.histories, "conv-kept"), b"h", 30)
-    actor.live = lambda: {"conv-kept"}  # expired but live: it must not make the actor spin
     scans = counted_scans(monkeypatch)
     with anyio.fail_after(10):  # an actor that spins never gets to Stop
         async with anyio.create_task_group() as tg:

@@ -45,7 +45,7 @@ def system(i: int) -> str:
 def one_at_a_time(smollm2, tmp_path_factory) -> dict[str, list[str]]:
     """Each agent's 3 turns run alone through the synchronous driver, agent after agent."""
     engine = Engine(smollm2.model, smollm2.tokenizer, max_chunk=256)  # the runtime's chunking
-    engine.row_counts = cached(engine)  # and its decode row counts: one class of this machine's
+    engine.use_row_counts(cached(engine))  # and its decode row counts: one class of this machine's
     spec = smollm2.spec
     caches = AgentCaches(CacheStore(tmp_path_factory.mktemp("reference")), smollm2.name, spec,
                          KVBudget(spec, 256 << 20, sliding_dtype_bytes=smollm2.dtype.size))

@@ -18,7 +18,7 @@ import functools
 import sys
 
 import mlx.core as mx
-from semantic.runtime.batch_cache import SequenceQuantizedKVCache, WindowKVCache
+from semantic.runtime.kv import SequenceQuantizedKVCache, WindowKVCache
 from semantic.runtime.cache_file import CacheStore
 from semantic.runtime.cache_records import CacheRecord
 

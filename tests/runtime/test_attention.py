@@ -13,7 +13,8 @@ from mlx_lm.models.base import create_causal_mask
 
 from semantic.runtime import attention
 from semantic.runtime.attention import LONG, attend, attend_each
-from semantic.runtime.batch_cache import BatchQuantizedKVCache, attention_view, make_sequence_cache
+from semantic.runtime.batch_cache import BatchQuantizedKVCache
+from semantic.runtime.kv import make_sequence_cache
 from semantic.runtime.rowwise import rowwise
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
@@ -65,7 +66,7 @@ def test_models_prefill_and_decode_through_it_on_the_cpu(arch, monkeypatch):
     computes what mlx-lm's own attention computes, within float tolerance."""
     plain = tiny_model(arch)
     prompt = mx.array([[random.Random(1).randrange(1, VOCAB) for _ in range(40)]])
-    view = attention_view(make_sequence_cache(plain), True)
+    view = make_sequence_cache(plain).view(True)
     want = plain(prompt, cache=view)  # mlx-lm's own attention: not rowwise yet
     want_next = plain(mx.array([[5]]), cache=view)
 
@@ -74,7 +75,7 @@ def test_models_prefill_and_decode_through_it_on_the_cpu(arch, monkeypatch):
         monkeypatch.setattr(f"semantic.runtime.rowwise.{name}", (lambda f: lambda *a: calls.append(f.__name__) or f(*a))(
             getattr(attention, name)))
     model = rowwise(plain)
-    view = attention_view(make_sequence_cache(model), True)
+    view = make_sequence_cache(model).view(True)
     got = model(prompt, cache=view)
     got_next = model(mx.array([[5]]), cache=[BatchQuantizedKVCache([c]) for c in view])
     assert mx.allclose(got, want, atol=1e-4).item() and mx.allclose(got_next, want_next, atol=1e-4).item()

@@ -12,18 +12,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 
-from semantic.runtime.batch_cache import (
-    BatchQuantizedKVCache,
-    DequantizingKVCache,
-    SequenceQuantizedKVCache,
-    WindowKVCache,
-    _quantize,
-    _quantize_unpack,
-    _unpack,
-    attention_view,
-    make_sequence_cache,
-
-)
+from semantic.runtime.batch_cache import BatchQuantizedKVCache
+from semantic.runtime.kv import DequantizingKVCache, SequenceQuantizedKVCache, WindowKVCache, make_sequence_cache
+from semantic.runtime.kv.quantize import quantize, quantize_unpack, unpack
 from semantic.runtime.rowwise import _per_sequence, _rowwise_class, rowwise
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
@@ -50,7 +41,7 @@ def _forward(model, tokens: list[int], views: list[list]) -> list[mx.array]:
 
 
 def _prefilled(model, prompt: list[int], float_attention: bool, bits: int = 4) -> list:
-    view = attention_view(make_sequence_cache(model, bits=bits), float_attention)
+    view = make_sequence_cache(model, bits=bits).view(float_attention)
     model(mx.array([prompt]), cache=view)
     return view
 
@@ -197,9 +188,9 @@ def test_scales_are_16_bit_and_attention_takes_them_as_they_are():
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_unpack_is_bit_exact_against_mx_dequantize(bits, group_size, dtype):
     x = (mx.random.normal((2, 3, 17, 128), key=mx.random.key(bits + group_size)) * 3).astype(dtype)
-    q = _quantize(x, group_size, bits)
-    assert mx.array_equal(_unpack(q, group_size, bits, dtype), _dequantize(q, group_size, bits, dtype)).item()
-    *q2, unpacked = _quantize_unpack(x, group_size, bits)
+    q = quantize(x, group_size, bits)
+    assert mx.array_equal(unpack(q, group_size, bits, dtype), _dequantize(q, group_size, bits, dtype)).item()
+    *q2, unpacked = quantize_unpack(x, group_size, bits)
     assert all(mx.array_equal(a, b).item() for a, b in zip(q, q2))
     assert mx.array_equal(unpacked, _dequantize(q, group_size, bits, dtype)).item()
 
@@ -247,11 +238,11 @@ def test_cache_kinds_per_architecture():
     assert [type(c) for c in make_sequence_cache(gemma)] == [WindowKVCache, SequenceQuantizedKVCache] * 2
     assert [type(c) for c in make_sequence_cache(oss)] == [WindowKVCache, DequantizingKVCache]
     # The views: float copies on the CPU path; sinks always; sliding layers as they are.
-    assert [type(c) for c in attention_view(make_sequence_cache(gemma), False)] == [
+    assert [type(c) for c in make_sequence_cache(gemma).view(False)] == [
         WindowKVCache, SequenceQuantizedKVCache] * 2
-    assert [type(c) for c in attention_view(make_sequence_cache(gemma), True)] == [
+    assert [type(c) for c in make_sequence_cache(gemma).view(True)] == [
         WindowKVCache, DequantizingKVCache] * 2
-    assert [type(c) for c in attention_view(make_sequence_cache(oss), False)] == [WindowKVCache, DequantizingKVCache]
+    assert [type(c) for c in make_sequence_cache(oss).view(False)] == [WindowKVCache, DequantizingKVCache]
     assert not hasattr(DequantizingKVCache(), "bits") and SequenceQuantizedKVCache().bits == 4
     # Why the dequantizing kind exists: mlx-lm refuses sinks with a quantized cache.
     with pytest.raises(ValueError, match="sinks"):

@@ -24,7 +24,7 @@ import pytest
 from mlx_lm.models.cache import QuantizedKVCache
 
 from semantic.runtime import cache_file
-from semantic.runtime.batch_cache import DequantizingKVCache, StateCache, WindowKVCache, attention_view, copy_cache
+from semantic.runtime.kv import DequantizingKVCache, SequenceCache, StateCache, WindowKVCache
 from semantic.runtime.cache_codec import snapshot
 from semantic.runtime.cache_file import CacheStore, load, model_key, read_manifest, write_atomic
 from semantic.runtime.cache_records import (BLOCK_TOKENS, MANIFEST, CacheFileError, CacheRecord, InvalidAgentId, StaleBlocks,
@@ -89,9 +89,9 @@ def test_round_trip_is_bit_identical_and_continues_the_same(arch, tmp_path):
     prompt = prompts(1, seed=5)[0]  # 41 tokens: the 16-token windows have wrapped
     prefilled = finished(model, tok, prompt, 1)  # one chunk
     decoded = finished(model, tok, prompt, 6)  # extracted from the decode batch
-    stepped = copy_cache(prefilled[0])
+    stepped = SequenceCache(prefilled[0]).clone()
     for t in (11, 12, 13):  # single tokens, past the window
-        model(mx.array([[t]]), cache=attention_view(stepped, True))
+        model(mx.array([[t]]), cache=stepped.view(True))
     mx.eval([c.state for c in stepped])
     cases = {"prefilled": prefilled, "decoded": decoded, "stepped": (stepped, prefilled[1] + [11, 12, 13])}
     if ModelCacheSpec.from_model(model).n_sliding:
@@ -102,7 +102,7 @@ def test_round_trip_is_bit_identical_and_continues_the_same(arch, tmp_path):
         back = round_trip(tmp_path / name, rec)
         assert dataclasses.replace(back, cache=None) == dataclasses.replace(rec, cache=None), name
         assert_same_cache(cache, back.cache)
-        original = continue_from(model, tok, copy_cache(cache), tokens)
+        original = continue_from(model, tok, SequenceCache(cache).clone(), tokens)
         assert continue_from(model, tok, back.cache, tokens) == original, name
 
 

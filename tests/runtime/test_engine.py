@@ -174,7 +174,8 @@ def test_decoded_tokens_reach_the_record_exactly(leave):
     """On the CPU a decode step's new Q4 rows wait in the forward's batch cache and
     go to the records every ``ROWS`` steps and whenever a sequence leaves: the
     record a sequence hands back holds exactly the K/V its attention read."""
-    from semantic.runtime.batch_cache import BatchQuantizedKVCache, _unpack
+    from semantic.runtime.batch_cache import BatchQuantizedKVCache
+    from semantic.runtime.kv.quantize import unpack
 
     model, tok = tiny_model("llama"), ByteTokenizer()
     engine = Engine(model, tok, float_attention=True)
@@ -199,7 +200,7 @@ def test_decoded_tokens_reach_the_record_exactly(leave):
             n = record.offset
             assert n == len(f.cache_tokens) and view.unwritten == 0
             for packed, seen in zip((record.keys, record.values), view._float):
-                unpacked = _unpack(tuple(t[..., :n, :] for t in packed), record.group_size, record.bits, seen.dtype)
+                unpacked = unpack(tuple(t[..., :n, :] for t in packed), record.group_size, record.bits, seen.dtype)
                 assert mx.array_equal(unpacked, seen[..., :n, :]).item()
 
 

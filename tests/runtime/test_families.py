@@ -22,7 +22,6 @@ from semantic.runtime.engine import Engine, SamplingParams
 from semantic.runtime.model_spec import ModelCacheSpec
 from semantic.runtime.prefix import encode
 from semantic.runtime.turns import render, run_turn
-from semantic.runtime.batch_cache import copy_cache
 from tests.runtime.test_engine import drain
 from tests.tiny import TINY_CONFIGS, tiny_model_with_tokenizer
 
@@ -88,7 +87,7 @@ def test_a_saved_cache_continues_bit_for_bit_in_a_fresh_process(tmp_path):
         CacheStore(tmp_path).save(CacheRecord("ann", arch, "spec", list(finished.cache_tokens), "", 0.0, 0.0,
                                               finished.cache))
         cases[arch] = extra = encode(tok, " And lakes?")
-        want[arch] = np.array(model(mx.array([extra]), cache=copy_cache(finished.cache))[0, -1])
+        want[arch] = np.array(model(mx.array([extra]), cache=finished.cache.clone())[0, -1])
     out = subprocess.run([sys.executable, "-c", FRESH, str(tmp_path), json.dumps(cases)], capture_output=True,
                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr

@@ -21,7 +21,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from semantic.runtime.batch_cache import attention_view, make_sequence_cache
+from semantic.runtime.kv import make_sequence_cache
 
 TEXT = Path(__file__).parents[2] / "bench" / "data" / "lighthouses.txt"
 CHUNK = 256  # prefill in chunks, as the engine does
@@ -52,7 +52,7 @@ def reference(smollm2):
 @pytest.mark.parametrize("bits, min_agree, max_ppl_change", [(4, 0.78, 0.20), (8, 0.97, 0.01)])
 def test_quantized_cache_fidelity(smollm2, reference, bits, min_agree, max_ppl_change):
     tokens, full = reference
-    quant = run(smollm2.model, tokens, attention_view(make_sequence_cache(smollm2.model, bits=bits), True))
+    quant = run(smollm2.model, tokens, make_sequence_cache(smollm2.model, bits=bits).view(True))
     agree = (full.argmax(-1) == quant.argmax(-1)).mean().item()
     ppl_full, ppl_quant = perplexity(full, tokens), perplexity(quant, tokens)
     change = ppl_quant / ppl_full - 1

@@ -20,7 +20,8 @@ import pytest
 
 from semantic.runtime import engine as engine_module
 from semantic.runtime import sampling
-from semantic.runtime.batch_cache import PrefillBatch, copy_cache, trimmable_tokens
+from semantic.runtime.batch_cache import PrefillBatch
+from semantic.runtime.kv import SequenceCache
 from semantic.runtime.engine import Engine, SamplingParams
 from semantic.runtime.row_counts import RowCounts
 from tests.runtime.test_engine import ByteTokenizer, drain, measured
@@ -66,7 +67,7 @@ def _row(base_cache, tokens: list[int], length: int, cold: bool):
     prompt = tokens[: length + 1]
     if cold:
         return prompt, None, 0
-    cache = copy_cache(base_cache)
+    cache = SequenceCache(base_cache).clone()
     for c in cache:
         c.trim(c.offset - length)
     return prompt, cache, length
@@ -77,7 +78,7 @@ def _run(model, tokenizer, rows, seen, row_counts) -> list[list[mx.array]]:
     seen.clear()  # ids of dead objects are reused
     params = [SamplingParams(max_tokens=STEPS) for _ in rows]  # one object per row: the recorder's key
     for (prompt, cache, cached), p in zip(rows, params):
-        engine.add(prompt, p, copy_cache(cache) if cache else None, cached)
+        engine.add(prompt, p, SequenceCache(cache).clone() if cache else None, cached)
     drain(engine)
     return [seen.pop(id(p)) for p in params]
 
@@ -87,7 +88,7 @@ def assert_batch_invariant(model, tokenizer, seen):
     tokens = mx.random.randint(1, VOCAB, (LONGEST + 1,), key=mx.random.key(7)).tolist()
     base = _base(model, tokenizer, tokens)
     lengths = [LONGEST] + [LONGEST - p for p in range(1, 65)]
-    cold = trimmable_tokens(base) < base[0].offset - min(lengths)  # a cache that cannot be cut back that far
+    cold = SequenceCache(base).trimmable_tokens < base[0].offset - min(lengths)  # a cache that cannot be cut back that far
     alone = {n: _run(model, tokenizer, [_row(base, tokens, n, cold)], seen, counts)[0] for n in lengths}
     failures = []
     for q in range(8):

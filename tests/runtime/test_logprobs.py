@@ -90,14 +90,13 @@ def test_logprobs_stream_with_their_tokens_and_do_not_depend_on_the_batch():
 def test_the_first_tokens_logprobs_match_a_direct_forward_of_the_prompt():
     """The prompt through the model over a fresh Q4 cache, as the engine's one
     chunk runs it: the log-softmax of its last row is what the engine reports."""
-    from semantic.runtime.batch_cache import attention_view
 
     model, tok = tiny_model_with_tokenizer("qwen3")
     prompt = tok.encode("The weather in Oslo is")
     engine = Engine(model, tok)  # (makes the model's norms and MLPs the engine's, in place)
     sid = engine.add(prompt, SamplingParams(max_tokens=1, logprobs=5))
     first = drain(engine)[sid].logprobs[0]
-    view = attention_view(engine.new_cache(), engine.float_attention)
+    view = engine.new_cache().view(engine.float_attention)
     want = log_softmax(np.array(model(mx.array(prompt)[None], cache=view)[0, -1]))
     assert first.logprob == pytest.approx(want[first.token], abs=1e-5)
     assert [t.token for t in first.top] == list(np.argsort(-want)[:5])

@@ -13,7 +13,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from semantic.runtime import engine as engine_module
-from semantic.runtime.batch_cache import StateCache
+from semantic.runtime.kv import StateCache
 from semantic.runtime.engine import Engine, SamplingParams
 from semantic.runtime.row_counts import RowCounts
 from semantic.runtime.sampling import Sampler
@@ -41,15 +41,26 @@ class Oracle(Drafter):
         return [(t + 1) % VOCAB if (at + j) % self.wrong == 0 else t for j, t in enumerate(drafts)]
 
 
+class SteadyCosts(StepCosts):
+    """A step costs its forwards, whatever this machine's timings: on a busy
+    machine measured times could make ``allot`` verify no wrong draft, and
+    the oracle's runs would not show a draft cut."""
+
+    def __call__(self, widths, contexts):
+        return float(len(self.counts.pack(widths)))
+
+
 def run(model, tokenizer, prompts, params, counts, speculation=True, oracle=None, monkeypatch=None, act=None):
     """Each prompt's ``Finished``, all added at once (``act(engine, step)`` may add and cancel more)."""
     if oracle is not None:
         monkeypatch.setattr(engine_module, "Drafter", lambda history: Oracle(history, *oracle[tuple(history)]))
+        monkeypatch.setattr(engine_module, "StepCosts", SteadyCosts)
     engine = Engine(model, tokenizer, row_counts=counts, speculation=speculation)
     ids = [engine.add(p, q) for p, q in zip(prompts, params)]
     done = drain(engine, act and (lambda step: act(engine, step)))
     if oracle is not None:
         monkeypatch.setattr(engine_module, "Drafter", Drafter)
+        monkeypatch.setattr(engine_module, "StepCosts", StepCosts)
     return [done[i] for i in ids]
 
 

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from semantic.runtime.agent_cache import AgentCaches
-from semantic.runtime.batch_cache import WindowKVCache, checkpoints, trimmable_tokens
+from semantic.runtime.kv import SequenceCache, WindowKVCache
 from semantic.runtime.block_pool import KVBudget
 from semantic.runtime.cache_file import CacheStore
 from semantic.runtime.engine import Engine, SamplingParams
@@ -67,7 +67,7 @@ def test_a_window_holds_its_spare_and_cuts_back_exactly():
 
     c = fed(250)
     assert c.held == window - 1 + spare and c.offset == 250 and c.keys.shape[2] <= c.held + 7 + c.step
-    assert trimmable_tokens([c]) == spare
+    assert SequenceCache([c]).trimmable_tokens == spare
     cut = c.trimmable_tokens
     assert c.trim(cut + 5) == cut and c.offset == 250 - cut and not c.is_trimmable()
     fresh = fed(250 - cut)
@@ -98,7 +98,7 @@ def test_a_turn_that_diverges_past_the_window_prefills_only_from_where_it_diverg
     second = run_turn(engine, caches, "alice", asked, greedy)
     cached = caches.peek("alice")
     assert cached.tokens and all(c.offset > c.window for c in cached.cache if isinstance(c, WindowKVCache))
-    marks = checkpoints(cached.cache)
+    marks = cached.cache.checkpoints()
     # The client edits its last message: the new prompt leaves the cached text inside that message.
     edited = asked[:-1] + [{"role": "user", "content": "Now name three lakes in Asia, please."}]
     text = render(tok, edited)
