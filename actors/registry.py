@@ -79,10 +79,11 @@ class ModelRegistry:
         self.measured: list[tuple[str, RowCounts]] = []  # measured at a load, for persistence to keep
         self._counts = (0, 0)  # demotions and prefix drops of models unloaded: counters never go back
 
-    def load(self, model: str | LoadedModel, **caches: Callable) -> None:
+    def load(self, model: str | LoadedModel, **callbacks: Callable) -> None:
         """Load ``model`` (a name in the catalogue, another name, or one loaded
-        already) and build its engine and caches (``caches``: their ``hand_over``
-        and ``on_load``).  Raises ``ModelError``; on failure nothing is loaded."""
+        already) and build its engine and caches (``callbacks``: the caches'
+        ``hand_over`` and ``on_load``).  Raises ``ModelError``; on failure
+        nothing is loaded."""
         assert self.loaded is None, "load() over a loaded model: unload() first"
         source = self.catalogue.get(model, model) if isinstance(model, str) else model
         loaded = source if isinstance(source, LoadedModel) else load(source, progress=False, group=self.group)
@@ -96,12 +97,12 @@ class ModelRegistry:
                 self.row_counts[k] = engine.calibrate()
                 self.measured.append((k, self.row_counts[k]))
             engine.use_row_counts(self.row_counts[k])
+        demotions, prefix_drops = self._counts  # the counters go on from the models unloaded
 
         def caches_in(budget: int | None) -> HotCaches:
             return open_caches(loaded, self.store, budget, working_copy=engine.float_attention, cls=HotCaches,
-                               kv_bits=engine.kv_bits, demotions=demotions, prefix_drops=prefix_drops, **caches)
+                               kv_bits=engine.kv_bits, demotions=demotions, prefix_drops=prefix_drops, **callbacks)
 
-        demotions, prefix_drops = self._counts
         caches = caches_in(self.budget_bytes)
         if self.group is not None and self.budget_bytes is None:
             # Every rank must decide alike (admit, evict, preempt): all take the smallest default budget.

@@ -672,8 +672,8 @@ class Agent:
 
         ``sampling``: ``SamplingParams`` fields (max_tokens, temperature, top_p,
         top_k, min_p, stop, seed, grammar, logprobs); greedy by default.
-        ``grammar`` (``runtime.grammar.json_schema(schema)``, say) makes the
-        reply follow it; ``logprobs=n`` gives each delta its tokens'
+        ``grammar`` (``semantic.actors.grammar.json_schema(schema)``, say) makes
+        the reply follow it; ``logprobs=n`` gives each delta its tokens'
         ``TokenLogprob`` (and the result all of them).  ``use_cache=False`` prefills
         the whole prompt and reuses nothing (to compare against caching).  ``model``:
         one of ``Runtime.models`` to run on (None: the loaded one); each model
