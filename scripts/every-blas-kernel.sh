@@ -13,7 +13,7 @@ tests=("$@")
 [ ${#tests[@]} -gt 0 ] || tests=(tests/runtime/test_invariance.py
   tests/runtime/test_batch_cache.py::test_fixed_shape_matmul_rows_do_not_depend_on_their_neighbours
   tests/runtime/test_batch_cache.py::test_each_sequence_in_a_forward_computes_as_alone)
-corename='import ctypes, runtime; from runtime import blas; f = ctypes.CDLL(blas.status().library).openblas_get_corename; f.restype = ctypes.c_char_p; print(f().decode())'
+corename='import ctypes, semantic.runtime; from semantic.runtime import blas; f = ctypes.CDLL(blas.status().library).openblas_get_corename; f.restype = ctypes.c_char_p; print(f().decode())'
 status=0
 for core in Prescott Core2 Nehalem Sandybridge Haswell Zen SkylakeX Cooperlake SapphireRapids; do
   ran=$(OPENBLAS_CORETYPE=$core .venv/bin/python -c "$corename" 2>/dev/null) || ran="?"
