@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -440,7 +441,7 @@ class Runtime:
             raise AgentExists(f"this server holds cache files of {agent_id!r} but no history; remove them first "
                               f"('semantic cache rm {agent_id}', the server stopped)")
 
-    async def import_archive(self, archive: Path | AsyncIterable[bytes], agent_id: str, *,
+    async def import_archive(self, archive: str | os.PathLike | AsyncIterable[bytes], agent_id: str, *,
                              size: int | None = None) -> Summary:
         """Put the agent in ``archive`` -- a file (``semantic cache export``), or
         its bytes as they arrive (``size`` of them, when known) -- into the cache
@@ -451,8 +452,8 @@ class Runtime:
         the disk budget. Raises ``ArchiveError``, ``AgentExists``, ``NoRoom``,
         ``OSError``, ``RuntimeClosed``; on any of them the directory is as it was."""
         self._check_open()
-        if isinstance(archive, Path):
-            return await self._import(archive, agent_id)
+        if isinstance(archive, (str, os.PathLike)):
+            return await self._import(Path(archive), agent_id)
         await self.check_new(agent_id)  # before the upload: no need to wait for it to say no
         upload = await receive_upload(archive, size, self._persistence.disk_budget)
         try:

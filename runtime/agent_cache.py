@@ -273,7 +273,7 @@ class AgentCaches:
                 best = prefix
         return best
 
-    def share_prefix(self, text: str, tokens: list[int], cache: list) -> bool:
+    def share_prefix(self, text: str, tokens: list[int], cache: SequenceCache) -> bool:
         """Register the first ``len(tokens)`` tokens of ``cache`` (a copy) as a shared prefix.
 
         It only takes free room (it never demotes anyone) and is the first
@@ -282,7 +282,7 @@ class AgentCaches:
         """
         if any(p.text == text for p in self._prefixes.values()):
             return True
-        copy = SequenceCache(cache).clone()
+        copy = cache.clone()
         if copy.offset - len(tokens) > copy.trimmable_tokens:
             return False
         copy.rewind(len(tokens))

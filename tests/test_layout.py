@@ -6,6 +6,7 @@ package, ``semantic``, whose folders are the repo's."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -80,3 +81,51 @@ def test_the_wheel_installs_one_package_and_the_command(tmp_path):
         assert f"semantic/{data}" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "semantic = semantic.cli.main:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def _python(*packages: str):
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            yield path, ast.parse(path.read_text())
+
+
+def test_no_code_outside_runtime_kv_asks_a_layer_cache_its_kind():
+    """Code asks a layer cache (``runtime.kv.LayerCache``) what it can do, never
+    which kind it is: an ``isinstance`` over our layer kinds lives only in
+    ``runtime/kv/``."""
+    import semantic.runtime.kv as kv
+
+    kinds = {cls.__name__ for cls in kv.BY_KIND.values()} | {"SequenceQuantizedKVCache", "DequantizingKVCache"}
+    found = []
+    for path, tree in _python(*PACKAGES):
+        if path.is_relative_to(ROOT / "runtime" / "kv"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+                named = {n.id if isinstance(n, ast.Name) else getattr(n, "attr", None) for n in ast.walk(node.args[1])}
+                if named & kinds:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert found == []
+
+
+# What actors and caches are wired with: given in their constructors, never set from outside afterwards.
+COLLABORATORS = {"gpu", "live", "hot", "batch", "on_pruned", "hand_over", "on_load", "target", "row_counts",
+                 "demotions", "prefix_drops"}
+
+
+def test_actors_get_their_collaborators_in_their_constructors():
+    found = []
+    for path, tree in _python(*PACKAGES):
+        if path.is_relative_to(ROOT / "runtime" / "kv"):  # a kind's ``rebuild`` fills the cache it made
+            continue
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for target in targets:
+                for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if isinstance(t, ast.Attribute) and t.attr in COLLABORATORS:
+                        root = t
+                        while isinstance(root, ast.Attribute):
+                            root = root.value
+                        if not (isinstance(root, ast.Name) and root.id in ("self", "cls")):
+                            found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(t)}")
+    assert found == []

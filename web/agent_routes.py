@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 import anyio
 from starlette.requests import ClientDisconnect, Request
@@ -19,19 +18,14 @@ from . import agents
 from .answer import answer
 from .chat import checked_agent_id, turn_error
 from .schema import RequestError
-
-if TYPE_CHECKING:
-    from .state import Server
+from .state import Routes
 
 __all__ = ["AgentRoutes", "IMPORT_PATH"]
 
 IMPORT_PATH = r"/v1/agents/[^/]+/import"  # reads its own body: an archive may be any size
 
 
-class AgentRoutes:
-    def __init__(self, server: Server):
-        self.server = server
-
+class AgentRoutes(Routes):
     def routes(self) -> list[Route]:
         return [
             Route("/v1/agents", self.create_agent, methods=["POST"]),

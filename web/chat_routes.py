@@ -5,7 +5,6 @@ protocol's shape; a Responses id names an agent's state (``web.responses``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -16,17 +15,12 @@ from semantic.actors import InvalidAgentId
 from . import anthropic, openai, responses
 from .answer import answer
 from .chat import ChatProtocol
-
-if TYPE_CHECKING:
-    from .state import Server
+from .state import Routes
 
 __all__ = ["ChatRoutes"]
 
 
-class ChatRoutes:
-    def __init__(self, server: Server):
-        self.server = server
-
+class ChatRoutes(Routes):
     def routes(self) -> list[Route]:
         return [
             Route("/v1/messages", self.messages, methods=["POST"]),

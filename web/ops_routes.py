@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import anyio
 from starlette.requests import Request
@@ -16,9 +15,7 @@ from starlette.staticfiles import StaticFiles
 from .dashboard import memory_and_disk
 from .metrics import CONTENT_TYPE_LATEST
 from .sse import EventStreamResponse
-
-if TYPE_CHECKING:
-    from .state import Server
+from .state import Routes
 
 __all__ = ["OPEN_PATHS", "OpsRoutes", "STATIC_PREFIX"]
 
@@ -28,10 +25,7 @@ OPEN_PATHS = ("/health", "/")  # no key needed: no data there (the page asks for
 EVENTS_KEEP_ALIVE_S = 15.0
 
 
-class OpsRoutes:
-    def __init__(self, server: Server):
-        self.server = server
-
+class OpsRoutes(Routes):
     def routes(self) -> list[BaseRoute]:
         return [
             Route("/v1/models", self.models, methods=["GET"]),

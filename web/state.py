@@ -15,7 +15,7 @@ from .dashboard import Dashboard
 from .events import EventHub
 from .metrics import Metrics
 
-__all__ = ["Server", "ServerConfig"]
+__all__ = ["Routes", "Server", "ServerConfig"]
 
 log = logging.getLogger("semantic.web")
 
@@ -111,3 +111,10 @@ class Server:
             raise turn_error(e) from None
         self.core.index.forget(agent.id)
         self.dashboard.deleted(agent.id)
+
+
+class Routes:
+    """A family of routes over the server's shared state (``routes()`` lists them)."""
+
+    def __init__(self, server: Server):
+        self.server = server
