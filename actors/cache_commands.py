@@ -11,10 +11,9 @@ __all__ = ["CacheCommands"]
 
 
 class CacheCommands:
-    def __init__(self, registry, reads, write_behind, on_hot_changed):
+    def __init__(self, registry, reads, on_hot_changed):
         self.registry = registry
         self.reads = reads  # the scheduler's ``ReadAhead``
-        self.write_behind = write_behind
         self.on_hot_changed = on_hot_changed
         self.forks: list[ForkCache] = []  # waiting for their source's cache to be read
 
@@ -25,7 +24,7 @@ class CacheCommands:
         for cmd in list(self.forks):
             if not every:
                 self.reads.want(cmd.source)
-            if every or cmd.source not in self.reads.reading:
+            if every or not self.reads.reading(cmd.source):
                 self.forks.remove(cmd)
                 ready.append(cmd)
         return ready
@@ -34,23 +33,21 @@ class CacheCommands:
         """Copy ``source``'s cache to ``target`` (sharing arrays until either grows).
         True if there was a cache to copy."""
         caches = self.registry.caches
-        self.write_behind.forget(target)  # a stale cache under the new id: the fork's files replace its files
-        caches.delete(target)
+        caches.delete(target)  # a stale cache under the new id: the fork's files replace its files
         memory = caches.checkout(source)
         if memory is None:
             caches.abandon(source)
             return False
         copy = AgentMemory(target, list(memory.tokens), memory.text, memory.cache.clone(), memory.created)
-        caches.checkin(memory)
+        caches.putback(source, memory)  # unchanged
         caches.checkin(copy)
-        self.write_behind.push(copy)
+        caches.hand_over(target)
         self.on_hot_changed()
         return True
 
     def drop(self, agent_id: str) -> None:
         """Forget an agent's hot cache (the agent is deleted; the persistence actor's
         ``Forget`` deletes its files, after the writes queued before it)."""
-        self.write_behind.forget(agent_id)
         caches = self.registry.caches
         if caches is not None:
             assert not caches.busy(agent_id), "delete during a turn: the agent actor serialises them"

@@ -80,9 +80,9 @@ class GpuThread:
         self.post = post = actor.post  # post(sink, item, final): to the event loop, never waits
         self.persistence = persistence
         self.publisher = Publisher(post, eviction)
-        self.write_behind = WriteBehind(lambda blocks: post(persistence, blocks), self._hot_changed)
-        self.scheduler = Scheduler(registry, post, persistence, self.write_behind, self._hot_changed)
-        self.cache_commands = CacheCommands(registry, self.scheduler.reads, self.write_behind, self._hot_changed)
+        self.write_behind = WriteBehind(registry.store, lambda blocks: post(persistence, blocks))
+        self.scheduler = Scheduler(registry, post, persistence, self._hot_changed)
+        self.cache_commands = CacheCommands(registry, self.scheduler.reads, self._hot_changed)
         self.swap: SwapModel | None = None
         self.failed: RuntimeUnhealthy | None = None
         self.stopping = False
@@ -109,13 +109,15 @@ class GpuThread:
             self.post(None, Exited())
 
     def _load(self, model) -> None:
-        self.registry.load(model, hand_over=self.write_behind.hand_over, on_load=self.write_behind.loaded)
+        self.registry.load(model, disk=self.write_behind)
         for key, counts in self.registry.measured:  # for the next start: persistence writes them
             self.post(self.persistence, KeepRowCounts(key, counts))
         self.registry.measured.clear()
-        self.write_behind.attach(self.registry.caches)
-        self.scheduler.reads.reading.clear()  # reads for another model: their answers are dropped
         self._hot_changed()
+
+    def _hand_over_dirty(self) -> int:
+        """Start writing every dirty hot cache (no waiting: persistence holds the bytes)."""
+        return self.registry.caches.flush() if self.registry.caches is not None else 0
 
     def _hot_changed(self) -> None:
         self.publisher.hot(self.registry.caches)
@@ -139,7 +141,7 @@ class GpuThread:
     def _close(self) -> None:
         """Hand the dirty caches over (to be written) and drop the model."""
         try:
-            self.write_behind.hand_over_dirty()
+            self._hand_over_dirty()
         except Exception:
             log.exception("could not hand the hot caches to persistence at shutdown")
         self.registry.loaded = self.registry.engine = self.registry.caches = None
@@ -148,7 +150,7 @@ class GpuThread:
     def _read_own(self, agent_id: str):
         """(A follower) This rank's shard of an agent's warm cache, from its own files."""
         caches = self.registry.caches
-        return None if caches is None else caches.store.read(agent_id, caches.model_id, caches.spec.hash)
+        return None if caches is None else self.registry.store.read(agent_id, caches.model_id, caches.spec.hash)
 
     def _act(self, event, cause: Exception | None = None) -> None:
         """Act on one input; on rank 0 of a sharded model, broadcast it first."""
@@ -211,7 +213,9 @@ class GpuThread:
         elif isinstance(cmd, CancelTurn):
             s.cancel(cmd, self.steps)
         elif isinstance(cmd, CacheWritten):
-            self.write_behind.written(cmd)
+            if self.registry.caches is not None and \
+                    self.registry.caches.written(cmd.agent_id, cmd.version, cmd.ok, cmd.stale):
+                self._hot_changed()
         elif isinstance(cmd, CacheRead):
             s.reads.arrived(cmd)
         elif isinstance(cmd, Demote):
@@ -221,7 +225,7 @@ class GpuThread:
         elif isinstance(cmd, DropCache):
             self._answer(cmd.reply, caches.drop, cmd.agent_id, needs_model=False)
         elif isinstance(cmd, FlushCaches):
-            self._answer(cmd.reply, self.write_behind.hand_over_dirty, needs_model=False)
+            self._answer(cmd.reply, self._hand_over_dirty, needs_model=False)
         elif isinstance(cmd, SwapModel):
             if self.swap is not None:
                 self.post(cmd.reply, Failed(TurnError("a model swap is already in progress")), True)
@@ -292,7 +296,7 @@ class GpuThread:
         cmd, self.swap = self.swap, None
         previous = self.registry.name  # by name: holding the old weights would double peak memory
         try:
-            self.write_behind.hand_over_dirty()
+            self._hand_over_dirty()
             self.registry.unload()
             self._load(cmd.model)
         except SemanticError as e:
@@ -308,7 +312,7 @@ class GpuThread:
         s = self.scheduler
         if self.registry.loaded is None or s.turns or s.waiting or self.swap is not None:
             return
-        self.write_behind.hand_over_dirty()
+        self._hand_over_dirty()
         self.registry.unload()
         log.info("model %s unloaded after %g s idle", self.registry.name, self.model_idle_s)
 

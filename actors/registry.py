@@ -13,12 +13,10 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-from collections.abc import Callable
 
 import mlx.core as mx
 
-from semantic.runtime.agent_cache import AgentCaches, AgentMemory, open_caches
-from semantic.runtime.cache_codec import HostCache
+from semantic.runtime.agent_cache import AgentCaches, CacheDisk, open_caches
 from semantic.runtime.cache_file import CacheStore
 from semantic.runtime.engine import Engine
 from semantic.runtime.models import LoadedModel, load
@@ -26,42 +24,13 @@ from semantic.runtime.row_counts import RowCounts, key
 
 from .lockstep import Lockstep
 
-__all__ = ["ModelRegistry", "HotCaches"]
+__all__ = ["ModelRegistry"]
 
 log = logging.getLogger("semantic.actors")
 
 
-class HotCaches(AgentCaches):
-    """``AgentCaches`` whose files only the persistence actor touches.
-
-    The GPU actor reads nothing itself: a warm cache arrives in host memory
-    from the persistence actor (``fetched``) before its turn is admitted, and
-    ``read`` takes it from there (an agent with nothing fetched starts cold).
-    Demoting a dirty cache hands it to persistence (``hand_over``, set by the
-    GPU actor) instead of writing it, and deleting forgets only the hot copy,
-    so one writer orders every write of a file and an older version can
-    never land after a newer one.
-    """
-
-    def __init__(self, *args, hand_over: Callable[[AgentMemory], None], **options):
-        super().__init__(*args, **options)
-        self.hand_over = hand_over  # a dirty cache leaving memory goes to persistence through it
-        self.fetched: dict[str, HostCache | None] = {}  # agent id -> its cache as read from disk (None: none)
-
-    def read(self, agent_id: str) -> HostCache | None:
-        return self.fetched.pop(agent_id, None)
-
-    def delete(self, agent_id: str) -> None:
-        """Forget the hot copy; the persistence actor deletes the files (``Forget``),
-        in line with its writes: removing them here could race a write in progress."""
-        self.forget(agent_id)
-
-    def write(self, memory: AgentMemory) -> None:
-        self.hand_over(memory)
-
-
 class ModelRegistry:
-    """The loaded model, its ``Engine`` and its ``HotCaches`` (GPU thread only)."""
+    """The loaded model, its ``Engine`` and its agents' caches (GPU thread only)."""
 
     def __init__(self, store: CacheStore, budget_bytes: int | None, engine_options: dict,
                  catalogue: dict[str, str | LoadedModel] | None = None, group: mx.distributed.Group | None = None,
@@ -73,17 +42,16 @@ class ModelRegistry:
         self.engine_options = engine_options
         self.loaded: LoadedModel | None = None
         self.engine: Engine | None = None
-        self.caches: HotCaches | None = None
+        self.caches: AgentCaches | None = None
         self.name: str | None = None  # the model asked for last; kept across an idle unload
         self.row_counts = row_counts if row_counts is not None else {}  # measured, by ``runtime.row_counts.key``
         self.measured: list[tuple[str, RowCounts]] = []  # measured at a load, for persistence to keep
         self._counts = (0, 0)  # demotions and prefix drops of models unloaded: counters never go back
 
-    def load(self, model: str | LoadedModel, **callbacks: Callable) -> None:
+    def load(self, model: str | LoadedModel, disk: CacheDisk) -> None:
         """Load ``model`` (a name in the catalogue, another name, or one loaded
-        already) and build its engine and caches (``callbacks``: the caches'
-        ``hand_over`` and ``on_load``).  Raises ``ModelError``; on failure
-        nothing is loaded."""
+        already) and build its engine and its caches on ``disk``.  Raises
+        ``ModelError``; on failure nothing is loaded."""
         assert self.loaded is None, "load() over a loaded model: unload() first"
         source = self.catalogue.get(model, model) if isinstance(model, str) else model
         loaded = source if isinstance(source, LoadedModel) else load(source, progress=False, group=self.group)
@@ -99,9 +67,9 @@ class ModelRegistry:
             engine.use_row_counts(self.row_counts[k])
         demotions, prefix_drops = self._counts  # the counters go on from the models unloaded
 
-        def caches_in(budget: int | None) -> HotCaches:
-            return open_caches(loaded, self.store, budget, working_copy=engine.float_attention, cls=HotCaches,
-                               kv_bits=engine.kv_bits, demotions=demotions, prefix_drops=prefix_drops, **callbacks)
+        def caches_in(budget: int | None) -> AgentCaches:
+            return open_caches(loaded, disk, budget, working_copy=engine.float_attention, kv_bits=engine.kv_bits,
+                               demotions=demotions, prefix_drops=prefix_drops)
 
         caches = caches_in(self.budget_bytes)
         if self.group is not None and self.budget_bytes is None:

@@ -67,34 +67,31 @@ class GpuTurn:
 
 
 class ReadAhead:
-    """Warm caches on their way from disk, for waiting turns and forks."""
+    """Warm caches on their way from disk, for waiting turns and forks (the hot
+    set keeps which are asked for and what came back)."""
 
     def __init__(self, registry, post, persistence):
         self.registry, self.post, self.persistence = registry, post, persistence
-        self.reading: set[str] = set()  # agent ids asked for, not arrived
 
     def want(self, agent_id: str) -> None:
         """Ask persistence for ``agent_id``'s cache unless it is in memory or on its way."""
         caches = self.registry.caches
-        if agent_id in self.reading or agent_id in caches.fetched or caches.peek(agent_id) is not None \
-                or caches.busy(agent_id):
-            return
-        self.reading.add(agent_id)
-        self.post(self.persistence, ReadCache(agent_id, caches.model_id, caches.spec.hash))
+        if caches.want(agent_id):
+            self.post(self.persistence, ReadCache(agent_id, caches.model_id, caches.spec.hash))
+
+    def reading(self, agent_id: str) -> bool:
+        return self.registry.caches is not None and self.registry.caches.reading(agent_id)
 
     def arrived(self, cmd: CacheRead) -> None:
-        """Keep a cache read ahead for whoever asked for it (``HotCaches.read`` takes it)."""
+        """Keep a cache read ahead for whoever asked for it (its checkout takes it)."""
         caches = self.registry.caches
-        if cmd.agent_id not in self.reading or caches is None or cmd.model_id != caches.model_id:
-            return  # nobody waits for it any more (cancelled, or read for another model)
-        self.reading.discard(cmd.agent_id)
-        caches.fetched[cmd.agent_id] = cmd.cache
+        if caches is not None and cmd.model_id == caches.model_id:  # else read for another model
+            caches.arrived(cmd.agent_id, cmd.cache)
 
     def forget(self, agent_id: str) -> None:
         """Whoever asked left before using it: drop it (or its answer, when it comes)."""
-        self.reading.discard(agent_id)
         if self.registry.caches is not None:
-            self.registry.caches.fetched.pop(agent_id, None)
+            self.registry.caches.unwant(agent_id)
 
 
 class Admission:
@@ -124,7 +121,7 @@ class Admission:
         for t in here:
             if preempted_only and t.preempted is None:
                 return None
-            if t.cmd.agent_id in self.reads.reading:
+            if self.reads.reading(t.cmd.agent_id):
                 return None  # its cache is on its way from disk; the batch goes on meanwhile
             admitted = self._resume(t, crowded) if t.preempted is not None else self._start(t, crowded)
             if admitted is False:
@@ -139,7 +136,6 @@ class Admission:
         """True: in the engine; False: no room while others run; None: failed (replied)."""
         cmd, reg = t.cmd, self.registry
         caches, tokenizer = reg.caches, reg.loaded.tokenizer
-        assert not caches.busy(cmd.agent_id), "two turns of one agent at once: the agent actor serialises them"
         try:
             messages = [m.as_dict() for m in cmd.messages]
             text = turns.render(tokenizer, messages, cmd.tools)
@@ -226,9 +222,8 @@ class Admission:
 class Scheduler:
     """The turns in the engine, and the waiting ones (``admission``)."""
 
-    def __init__(self, registry, post, persistence, write_behind, on_hot_changed):
+    def __init__(self, registry, post, persistence, on_hot_changed):
         self.registry, self.post = registry, post
-        self.write_behind = write_behind
         self.on_hot_changed = on_hot_changed
         self.reads = ReadAhead(registry, post, persistence)
         self.admission = Admission(registry, self.reads, post)
@@ -295,7 +290,7 @@ class Scheduler:
         del self.turns[t.cmd.turn_id], self.by_seq[t.seq_id]
         reg = self.registry
         memory = turns.end(reg.caches, reg.loaded.tokenizer, t.turn, finished)
-        self.write_behind.push(memory)  # written behind, so that demoting it is cheap
+        reg.caches.hand_over(memory.agent_id)  # written behind, so that demoting it is cheap
         t.preempted = replace(finished, cache=[])  # what it covered; the cache itself is the agent's now
         self.preemptions += 1
         self.waiting.appendleft(t)
@@ -347,7 +342,7 @@ class Scheduler:
             reg.caches.abandon(t.cmd.agent_id)
             self.admission.fail(t, TurnError(f"the turn's cache could not be stored: {e!r}"))
             return
-        self.write_behind.push(memory)
+        reg.caches.hand_over(memory.agent_id)
         self.on_hot_changed()  # first: whoever sees the turn end sees its cache hot
         self.post(t.cmd.reply, TurnEnded(t.cmd.turn_id, t.result(finished, finished.reason)), True)
 

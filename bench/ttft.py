@@ -71,7 +71,7 @@ def warm_worker(spec: dict) -> dict:
     _warm_up(engine)
     caches = open_caches(loaded, Path(spec["root"]))
     start = time.perf_counter()
-    record = caches.store.load(spec["agent"], loaded.name, loaded.spec.hash)
+    record = caches.disk.store.load(spec["agent"], loaded.name, loaded.spec.hash)
     load_ms = (time.perf_counter() - start) * 1000
     assert record is not None, "the cache file did not load"
     del record
@@ -120,12 +120,12 @@ def measure(loaded, context: int, repeats: int, root: Path) -> dict:
             {"role": "assistant", "content": hot_turn.text},
             {"role": "user", "content": SHORT_FOLLOW_UP},
         ]
-        before = caches.store.bytes_written
+        before = caches.disk.store.bytes_written
         short_turn = run_turn(engine, caches, agent, short, SamplingParams(max_tokens=1))
         caches.flush()
-        written.append(caches.store.bytes_written - before)
+        written.append(caches.disk.store.bytes_written - before)
         short_tokens.append(short_turn.prefilled_tokens)
-        on_disk.append(caches.store.info(agent, loaded.name)["bytes"])
+        on_disk.append(caches.disk.store.info(agent, loaded.name)["bytes"])
     med = statistics.median
     return {"tokens": tokens, "cold": med(cold), "hot": med(hot), "warm": med(warm), "load": med(load_ms),
             "written": med(written), "short_tokens": med(short_tokens), "on_disk": med(on_disk)}

@@ -2,6 +2,15 @@
 budget) and warm (on disk), with least-recently-used demotion and shared
 read-only prefixes.
 
+``AgentCaches`` is the hot set: one ``AgentEntry`` per agent it knows of --
+its cache in memory, whether a turn holds it, whether its file is being read
+and what came back, whether it is newer than its file and which write will
+make it durable -- and it is the only writer of them.  It reaches the disk
+through a ``CacheDisk`` given to its constructor: ``StoreDisk`` writes
+straight to a ``CacheStore`` on the caller's thread; the GPU actor's
+``WriteBehind`` hands the bytes to the persistence actor, whose answer comes
+back through ``written``.
+
 One owner calls it (the actor that owns the hot set, or a test): nothing here
 locks.  Every hot cache holds a reservation in a ``KVBudget``; a cache is
 admitted -- loaded from disk, or grown by a turn -- only after its blocks are
@@ -15,24 +24,30 @@ A request that cannot fit even with every idle owner freed fails with
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import re
 import time
+import weakref
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from .block_pool import KVBudget, default_budget
-from .cache_codec import HostCache
+from .cache_codec import HostCache, snapshot
 from .cache_file import CacheStore, model_key
-from .cache_records import FORMAT_VERSION, CacheRecord
+from .cache_records import BLOCK_TOKENS, FORMAT_VERSION, BlockUpdate, CacheRecord
 from .errors import SemanticError
 from .kv import SequenceCache
 from .model_spec import ModelCacheSpec
 
-__all__ = ["AgentMemory", "AgentCaches", "OutOfMemory", "SharedPrefix", "HOT", "WARM", "cache_model_id", "open_caches"]
+__all__ = ["AgentCaches", "AgentEntry", "AgentMemory", "CacheDisk", "OutOfMemory", "SharedPrefix", "StoreDisk",
+           "HOT", "WARM", "cache_model_id", "open_caches"]
 
 HOT, WARM = "hot", "warm"
+
+log = logging.getLogger("semantic.runtime")
 
 
 class OutOfMemory(SemanticError):
@@ -49,21 +64,70 @@ class AgentMemory:
     cache: SequenceCache  # (a list of layer caches is taken as one)
     created: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
-    dirty: bool = True  # newer than its file on disk
 
     def __post_init__(self):
         if not isinstance(self.cache, SequenceCache):
             self.cache = SequenceCache(self.cache)
 
     @property
-    def owner(self) -> str:  # its budget owner
-        return self.agent_id
-
-    @property
     def trimmable(self) -> int:
         """Tokens the cache can drop from its end (every full layer can drop all;
         a sliding layer those it holds beyond its window)."""
         return self.cache.trimmable_tokens
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """An agent's file as read for its next checkout (``cache`` None: there was none, or it was unusable)."""
+
+    cache: HostCache | None
+
+
+@dataclass(frozen=True)
+class OnDisk:
+    """The blocks of ``tokens`` of one cache are on disk or on their way, for as long as
+    that cache lives (``lineage``: its first layer; turns trim and extend it in place)."""
+
+    lineage: weakref.ref
+    tokens: list[int]
+
+    def blocks_of(self, memory: AgentMemory) -> int:
+        """How many leading blocks of ``memory``'s cache this covers: none of a recomputed cache."""
+        if not memory.cache or self.lineage() is not memory.cache[0]:
+            return 0
+        return _common_prefix(self.tokens, memory.tokens) // BLOCK_TOKENS
+
+
+@dataclass(eq=False)
+class AgentEntry:
+    """One agent's cache as its hot set knows it (only ``AgentCaches`` changes it)."""
+
+    agent_id: str
+    memory: AgentMemory | None = None  # in memory, idle (a turn that holds it has it)
+    busy: bool = False  # checked out for a turn: never demoted
+    dirty: bool = False  # its cache (idle or checked out) is newer than what is durable on disk
+    pending: int | None = None  # the write on its way that holds that cache (``CacheDisk.write``'s number)
+    on_disk: OnDisk | None = None  # what of the cache needs no writing again
+    reading: bool = False  # its file is being read for a turn
+    fetched: Fetched | None = None  # its file as read, until a checkout takes it
+
+    @property
+    def owner(self) -> str:  # its budget owner
+        return self.agent_id
+
+    @property
+    def updated(self) -> float:
+        return self.memory.updated if self.memory is not None else 0.0
+
+    @property
+    def idle(self) -> bool:
+        return self.memory is not None and not self.busy
+
+    @property
+    def empty(self) -> bool:
+        """Nothing left to know: no cache, no turn, no read or write on its way."""
+        return self.memory is None and not self.busy and not self.reading and self.fetched is None \
+            and self.pending is None
 
 
 @dataclass(eq=False)
@@ -76,46 +140,84 @@ class SharedPrefix:
     dirty = False  # it has no file: dropping it loses nothing the next cold agent cannot redo
 
 
+class CacheDisk(Protocol):
+    """Where a hot set's caches come from and go to."""
+
+    def exists(self, agent_id: str, model_id: str) -> bool:
+        """A file of the agent's cache is there."""
+
+    def read(self, agent_id: str, model_id: str, spec_hash: str) -> HostCache | None:
+        """The agent's cache for a checkout that found none read ahead (None: start cold)."""
+
+    def write(self, update: BlockUpdate) -> int | None:
+        """Take a version of a cache.  None: it is durable now; else the number of the
+        write, whose end the owner reports to ``AgentCaches.written``."""
+
+    def delete(self, agent_id: str, model_id: str) -> None:
+        """The agent is deleted: its files go."""
+
+
+@dataclass(frozen=True)
+class StoreDisk:
+    """Straight to a ``CacheStore``, on the caller's thread (tests, benchmarks)."""
+
+    store: CacheStore
+
+    def exists(self, agent_id: str, model_id: str) -> bool:
+        return self.store.exists(agent_id, model_id)
+
+    def read(self, agent_id: str, model_id: str, spec_hash: str) -> HostCache | None:
+        return self.store.read(agent_id, model_id, spec_hash)
+
+    def write(self, update: BlockUpdate) -> None:
+        self.store.write(update)
+
+    def delete(self, agent_id: str, model_id: str) -> None:
+        self.store.delete(agent_id, model_id)
+
+
 class AgentCaches:
     """Hot and warm caches of every agent for one model."""
 
-    def __init__(self, store: CacheStore, model_id: str, spec: ModelCacheSpec, budget: KVBudget, *,
-                 on_load: Callable[[AgentMemory], None] = lambda memory: None, demotions: int = 0,
-                 prefix_drops: int = 0):
-        """``on_load``: told of each cache loaded from its blocks (all on disk);
+    def __init__(self, disk: CacheDisk | CacheStore, model_id: str, spec: ModelCacheSpec, budget: KVBudget, *,
+                 demotions: int = 0, prefix_drops: int = 0):
+        """``disk``: a ``CacheStore`` is reached straight (``StoreDisk``).
         ``demotions``, ``prefix_drops``: where the counters start (they never go back)."""
-        self.store = store
+        self.disk = StoreDisk(disk) if isinstance(disk, CacheStore) else disk
         self.model_id = model_id
         self.spec = spec
         self.budget = budget
-        self._hot: OrderedDict[str, AgentMemory] = OrderedDict()  # least recently used first
-        self._busy: set[str] = set()  # checked out for a turn: never demoted
+        self._entries: OrderedDict[str, AgentEntry] = OrderedDict()  # least recently used cache first
         self._prefixes: dict[tuple[str, int], SharedPrefix] = {}  # by owner
         self._prefix_ids = itertools.count()
-        self.on_load = on_load
         self.demotions = demotions  # agents demoted to disk
         self.prefix_drops = prefix_drops  # shared prefixes dropped to make room
 
     # -- queries
 
     def tier(self, agent_id: str) -> str | None:
-        if agent_id in self._hot or agent_id in self._busy:
+        if (e := self._entries.get(agent_id)) is not None and (e.memory is not None or e.busy):
             return HOT
-        return WARM if self.store.exists(agent_id, self.model_id) else None
+        return WARM if self.disk.exists(agent_id, self.model_id) else None
 
     def hot_agents(self) -> list[str]:
-        return list(self._hot)
+        return [e.agent_id for e in self._entries.values() if e.idle]
 
     def peek(self, agent_id: str) -> AgentMemory | None:
         """The agent's hot (checked-in) cache, without touching its recency."""
-        return self._hot.get(agent_id)
+        e = self._entries.get(agent_id)
+        return e.memory if e is not None and e.idle else None
 
     def hot_memories(self) -> list[AgentMemory]:
         """Checked-in hot caches, least recently used first."""
-        return list(self._hot.values())
+        return [e.memory for e in self._entries.values() if e.idle]
+
+    def entry(self, agent_id: str) -> AgentEntry | None:
+        """What the hot set knows of the agent's cache, to read (None: nothing)."""
+        return self._entries.get(agent_id)
 
     def busy(self, agent_id: str) -> bool:
-        return agent_id in self._busy
+        return (e := self._entries.get(agent_id)) is not None and e.busy
 
     @property
     def hot_bytes(self) -> int:
@@ -124,14 +226,18 @@ class AgentCaches:
     # -- a turn's life: checkout, then checkin (or abandon)
 
     def checkout(self, agent_id: str) -> AgentMemory | None:
-        """Take an agent's cache for a turn: hot, else read from disk (warm),
-        else None (cold).  A warm cache's blocks are reserved before its MLX
-        arrays are made.  Raises OutOfMemory when it can never fit."""
-        self._busy.add(agent_id)
-        if (memory := self._hot.pop(agent_id, None)) is not None:
+        """Take an agent's cache for a turn: hot, else read from disk (warm; read
+        ahead, or now), else None (cold).  A warm cache's blocks are reserved
+        before its MLX arrays are made.  Raises OutOfMemory when it can never fit."""
+        e = self._entry(agent_id)
+        assert not e.busy, "two turns of one agent at once: the agent actor serialises them"
+        e.busy = True
+        if (memory := e.memory) is not None:
+            e.memory = None
             return memory
+        fetched, e.fetched, e.reading = e.fetched, None, False
         try:
-            host = self.read(agent_id)
+            host = fetched.cache if fetched is not None else self.disk.read(agent_id, self.model_id, self.spec.hash)
             if host is None:  # none on disk, or unusable (quarantined): start cold
                 return None
             self._admit(agent_id, len(host.tokens))
@@ -139,21 +245,18 @@ class AgentCaches:
         except BaseException:
             self.abandon(agent_id)
             raise
-        memory = AgentMemory(agent_id, record.tokens, record.text, record.cache, record.created, record.updated, False)
-        if record.format_version == FORMAT_VERSION:
-            self.on_load(memory)
+        memory = AgentMemory(agent_id, record.tokens, record.text, record.cache, record.created, record.updated)
+        e.dirty = False
+        if record.format_version == FORMAT_VERSION:  # made from its blocks: all on disk
+            e.on_disk = OnDisk(weakref.ref(memory.cache[0]), list(memory.tokens)) if memory.cache else None
         return memory
-
-    def read(self, agent_id: str) -> HostCache | None:
-        """The agent's warm cache from disk, in host memory (None: none, or unusable)."""
-        return self.store.read(agent_id, self.model_id, self.spec.hash)
 
     def grow(self, agent_id: str, tokens: int, choice: int = 0) -> None:
         """Reserve room for a running turn's cache to grow to ``tokens``, with its
         float working copy if the engine keeps one (freeing idle owners).
         ``choice``: that of a turn's other replies (1, 2, ...: each a cache of
         its own until it ends, ``release_choice``)."""
-        assert agent_id in self._busy, "grow() is for a checked-out cache"
+        assert self.busy(agent_id), "grow() is for a checked-out cache"
         self._admit(("choice", agent_id, choice) if choice else agent_id, tokens, running=True)
 
     def release_choice(self, agent_id: str, choice: int) -> None:
@@ -161,104 +264,175 @@ class AgentCaches:
         self._release(("choice", agent_id, choice))
 
     def checkin(self, memory: AgentMemory) -> None:
-        """Return an agent's cache after its turn; it becomes the most recently used."""
-        self._busy.discard(memory.agent_id)
+        """Return an agent's cache after its turn; it becomes the most recently used,
+        newer than its file (``hand_over`` starts writing it)."""
+        e = self._entry(memory.agent_id)
         self._release(memory.agent_id)  # shrink the turn's reservation to what is held
         self._admit(memory.agent_id, len(memory.tokens))
         memory.updated = time.time()
-        self._hot[memory.agent_id] = memory
+        e.memory, e.busy, e.dirty, e.pending = memory, False, True, None
+        self._entries.move_to_end(memory.agent_id)
 
     def putback(self, agent_id: str, memory: AgentMemory | None) -> None:
         """Undo a checkout that did not run: the agent keeps the cache it had (if any)."""
         if memory is None:
             self.abandon(agent_id)
-        else:
-            self._busy.discard(agent_id)
-            self._release(agent_id)
-            self._admit(agent_id, len(memory.tokens))  # it held this much before: it fits
-            self._hot[agent_id] = memory  # its ``updated`` is unchanged: it was not used
+            return
+        e = self._entries[agent_id]
+        self._release(agent_id)
+        self._admit(agent_id, len(memory.tokens))  # it held this much before: it fits
+        e.memory, e.busy = memory, False  # its ``updated`` is unchanged: it was not used
+        self._entries.move_to_end(agent_id)
 
     def abandon(self, agent_id: str) -> None:
         """A turn failed without a cache to return: forget the hot copy (disk keeps the last good one)."""
-        self._busy.discard(agent_id)
+        if (e := self._entries.get(agent_id)) is not None:
+            e.busy, e.dirty = False, False
+            self._tidy(e)
         self._release(agent_id)
 
-    def idle_owners(self) -> list[AgentMemory | SharedPrefix]:
+    def idle_owners(self) -> list[AgentEntry | SharedPrefix]:
         """Hot caches no turn holds, and shared prefixes: least recently used first
         (what admission frees first)."""
-        return sorted([*self._hot.values(), *self._prefixes.values()], key=lambda o: o.updated)
+        idle = [e for e in self._entries.values() if e.idle]
+        return sorted([*idle, *self._prefixes.values()], key=lambda o: o.updated)
 
     def prefixes(self) -> list[SharedPrefix]:
         return list(self._prefixes.values())
 
+    # -- reading ahead (the owner reads a waiting turn's file while others run)
+
+    def want(self, agent_id: str) -> bool:
+        """Should the agent's file be read ahead (no cache in memory, none read or on
+        its way)?  If so it is marked on its way: the owner reads it, then ``arrived``."""
+        e = self._entries.get(agent_id)
+        if e is not None and (e.memory is not None or e.busy or e.reading or e.fetched is not None):
+            return False
+        self._entry(agent_id).reading = True
+        return True
+
+    def reading(self, agent_id: str) -> bool:
+        return (e := self._entries.get(agent_id)) is not None and e.reading
+
+    def arrived(self, agent_id: str, cache: HostCache | None) -> None:
+        """The file asked for was read: kept for the agent's next checkout (unless nobody waits any more)."""
+        if (e := self._entries.get(agent_id)) is not None and e.reading:
+            e.reading, e.fetched = False, Fetched(cache)
+
+    def unwant(self, agent_id: str) -> None:
+        """Whoever asked left before using it: drop it (or its answer, when it comes)."""
+        if (e := self._entries.get(agent_id)) is not None:
+            e.reading, e.fetched = False, None
+            self._tidy(e)
+
+    # -- writing
+
+    def hand_over(self, agent_id: str) -> bool:
+        """Start writing the agent's idle cache if it is newer than its file and no
+        write of it is on its way.  True if a write began (or ended)."""
+        e = self._entries.get(agent_id)
+        if e is None or not e.idle or not e.dirty or e.pending is not None:
+            return False
+        memory = e.memory
+        record = CacheRecord(memory.agent_id, self.model_id, self.spec.hash, list(memory.tokens), memory.text,
+                             memory.created, memory.updated, memory.cache)
+        try:
+            update = snapshot(record, e.on_disk.blocks_of(memory) if e.on_disk is not None else 0)
+        except Exception:
+            log.exception("could not copy out the cache of %s; it stays dirty", agent_id)
+            return False
+        e.pending = self.disk.write(update)
+        e.on_disk = OnDisk(weakref.ref(memory.cache[0]), record.tokens) if memory.cache else None
+        e.dirty = e.pending is not None
+        return True
+
+    def written(self, agent_id: str, number: int, ok: bool, stale: bool = False) -> bool:
+        """The disk's write ``number`` ended: ``ok``, durable; else not (``stale``: refused
+        because the blocks before it are not on disk: the cache is written whole
+        again).  True when a cache became clean."""
+        e = self._entries.get(agent_id)
+        if e is None or e.pending != number:
+            return False  # superseded by a newer version, or the agent was deleted
+        e.pending = None
+        if ok:
+            e.dirty = False
+        else:
+            e.on_disk = None  # what it carried may not be on disk
+            if e.idle and stale:
+                self.hand_over(agent_id)  # whole, this time
+            elif e.memory is None and not e.busy:  # demoted: the next turn resumes from the file
+                log.warning("the newest cache of %s could not be written and has left memory; its file keeps "
+                            "the last good version", agent_id)
+        self._tidy(e)
+        return ok
+
+    def flush(self) -> int:
+        """Start writing every dirty idle cache no write holds yet; return how many."""
+        return sum(self.hand_over(e.agent_id) for e in list(self._entries.values()))
+
     # -- tiers
 
     def demote(self, owner) -> None:
-        """Free an idle owner's blocks: an agent goes hot -> warm (written if
-        dirty); a shared prefix is dropped."""
+        """Free an idle owner's blocks: an agent goes hot -> warm (its write
+        begins if it is dirty); a shared prefix is dropped."""
         if owner in self._prefixes:
             del self._prefixes[owner]
             self._release(owner)
             self.prefix_drops += 1
             return
-        memory = self._hot.pop(owner)
-        if memory.dirty:
-            self.write(memory)
+        e = self._entries[owner]
+        assert e.idle, "demote() is for an idle cache"
+        self.hand_over(owner)
+        e.memory, e.dirty, e.on_disk = None, False, None
+        self._tidy(e)
         self._release(owner)
         self.demotions += 1
-
-    def write(self, memory: AgentMemory) -> None:
-        record = CacheRecord(
-            memory.agent_id, self.model_id, self.spec.hash, list(memory.tokens), memory.text,
-            memory.created, memory.updated, memory.cache,
-        )
-        self.store.save(record)
-        memory.dirty = False
-
-    def flush(self) -> int:
-        """Write every dirty hot cache; return how many were written."""
-        dirty = [m for m in self._hot.values() if m.dirty]
-        for memory in dirty:
-            self.write(memory)
-        return len(dirty)
 
     def drop_all(self) -> None:
         """Forget every hot cache and shared prefix (their memory goes with them).
         Call only when none is dirty and no turn holds one."""
-        assert not self._busy, "drop_all() with turns in progress: their caches would be lost"
-        for owner in [*self._hot, *self._prefixes]:
+        assert not any(e.busy for e in self._entries.values()), \
+            "drop_all() with turns in progress: their caches would be lost"
+        for owner in [*self._entries, *self._prefixes]:
             self._release(owner)
-        self._hot.clear()
+        self._entries.clear()
         self._prefixes.clear()
 
     def delete(self, agent_id: str) -> None:
-        """Forget the agent's cache: the hot copy and its files for this model."""
-        self.forget(agent_id)
-        self.store.delete(agent_id, self.model_id)
-
-    def forget(self, agent_id: str) -> None:
-        """Forget the hot copy only (its files stay)."""
-        if agent_id in self._hot:
-            del self._hot[agent_id]
+        """Forget all of the agent's cache: the hot copy, its reads and writes on
+        their way (their answers are ignored), and its files for this model."""
+        self._entries.pop(agent_id, None)
         self._release(agent_id)
+        self.disk.delete(agent_id, self.model_id)
+
+    def _entry(self, agent_id: str) -> AgentEntry:
+        if (e := self._entries.get(agent_id)) is None:
+            e = self._entries[agent_id] = AgentEntry(agent_id)
+        return e
+
+    def _tidy(self, e: AgentEntry) -> None:
+        """Forget an entry with nothing left to know (the hot set stays as small as what it holds)."""
+        if e.empty and self._entries.get(e.agent_id) is e:
+            del self._entries[e.agent_id]
 
     def _release(self, owner: str) -> None:
         if owner in self.budget:
             self.budget.release(owner)
 
-    def _admit(self, agent_id: str, tokens: int, running: bool = False) -> None:
+    def _admit(self, owner, tokens: int, running: bool = False) -> None:
         need = _mib(self.budget.bytes_for(tokens, running))
         if not self.budget.fits(tokens, running):
             raise OutOfMemory(
                 f"{tokens} tokens of KV cache need {need}; the whole KV budget is {_mib(self.budget.budget_bytes)}"
             )
-        while not self.budget.reserve(agent_id, tokens, running):
-            victims = [o for o in self.idle_owners() if o is not self._hot.get(agent_id)]
+        while not self.budget.reserve(owner, tokens, running):
+            victims = self.idle_owners()
             if not victims:
-                held = ", ".join(f"{a} {_mib(self.budget.bytes_of(a))}" for a in self._busy if a in self.budget)
+                busy = [e.agent_id for e in self._entries.values() if e.busy]
+                held = ", ".join(f"{a} {_mib(self.budget.bytes_of(a))}" for a in busy if a in self.budget)
                 raise OutOfMemory(
-                    f"no room for {tokens} tokens of KV cache ({need}) for {agent_id}: the KV budget of "
-                    f"{_mib(self.budget.budget_bytes)} is held by {len(self._busy)} turn(s) in progress "
+                    f"no room for {tokens} tokens of KV cache ({need}) for {owner}: the KV budget of "
+                    f"{_mib(self.budget.budget_bytes)} is held by {len(busy)} turn(s) in progress "
                     f"({held}); retry when they finish"
                 )
             self.demote(victims[0].owner)
@@ -298,6 +472,12 @@ class AgentCaches:
         return AgentMemory(agent_id, list(prefix.tokens), prefix.text, prefix.cache.clone())
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    if b[: len(a)] == a:  # the usual case: the cache only grew
+        return len(a)
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -326,15 +506,16 @@ def cache_layouts(root: Path, model_name: str, kv_bits: int = 4) -> set[int]:
     return found
 
 
-def open_caches(loaded, root=None, budget_bytes: int | None = None, working_copy: bool = False,
-                cls: type[AgentCaches] = AgentCaches, kv_bits: int = 4, **options) -> AgentCaches:
-    """The agent caches (a ``cls``) of a loaded model (``runtime.models.LoadedModel``)
-    in ``root``, a directory or a ``CacheStore`` (default: the user's cache directory), in ``budget_bytes`` of hot
-    memory (default: device memory less the weights less headroom).
+def open_caches(loaded, root: CacheDisk | CacheStore | os.PathLike | str | None = None, budget_bytes: int | None = None,
+                working_copy: bool = False, kv_bits: int = 4, **options) -> AgentCaches:
+    """The agent caches of a loaded model (``runtime.models.LoadedModel``) on ``root``:
+    a ``CacheDisk``, or a ``CacheStore`` or its directory (default: the user's cache
+    directory) to reach straight; in ``budget_bytes`` of hot memory (default:
+    device memory less the weights less headroom).
     ``working_copy``: running turns attend through a float copy of their full
     layers (``Engine.float_attention``), which their reservations include;
     sink models always do.  ``kv_bits``: the cache's quantization (4 or 8), as the engine's.
-    ``options``: the rest of ``cls``'s constructor's keywords."""
+    ``options``: the rest of ``AgentCaches``'s keywords."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -348,5 +529,6 @@ def open_caches(loaded, root=None, budget_bytes: int | None = None, working_copy
     working = loaded.dtype.size if working_copy or loaded.spec.attends_in_float else 0
     budget = KVBudget(loaded.spec, budget_bytes, bits=kv_bits, sliding_dtype_bytes=loaded.dtype.size,
                       working_dtype_bytes=working)
-    store = root if isinstance(root, CacheStore) else CacheStore(root or agents_dir())
-    return cls(store, cache_model_id(loaded.name, kv_bits, loaded.spec.shard), loaded.spec, budget, **options)
+    if root is None or isinstance(root, (str, os.PathLike)):
+        root = CacheStore(root or agents_dir())
+    return AgentCaches(root, cache_model_id(loaded.name, kv_bits, loaded.spec.shard), loaded.spec, budget, **options)

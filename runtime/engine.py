@@ -348,8 +348,9 @@ class Engine:
             logits = self.model(mx.array(chunks[0])[None], cache=picks[0][0].view)
         else:  # only cache writes are read: no logits are computed
             lengths = [len(c) for c in chunks]
-            self.model(mx.array([t for c in chunks for t in c])[None],
-                       cache=[PrefillBatch(layer, lengths) for layer in zip(*(seq.view for seq, _, _ in picks))])
+            with row_plans.chunked(lengths):
+                self.model(mx.array([t for c in chunks for t in c])[None],
+                           cache=[PrefillBatch(layer, lengths) for layer in zip(*(seq.view for seq, _, _ in picks))])
         for _ in picks:
             self._prefilling.popleft()
         deltas = []
@@ -597,8 +598,9 @@ class Engine:
                 views = [view(rng.choice(prefixes)) for _ in sizes]
                 chunks.insert(at, chunk)
                 views.insert(at, view(cached))
-                self.model(mx.array([t for c in chunks for t in c])[None],
-                           cache=[PrefillBatch(layer, [len(c) for c in chunks]) for layer in zip(*views)])
+                with row_plans.chunked([len(c) for c in chunks]):
+                    self.model(mx.array([t for c in chunks for t in c])[None],
+                               cache=[PrefillBatch(layer, [len(c) for c in chunks]) for layer in zip(*views)])
                 mx.eval(views[at].arrays())
                 agree[n] &= all(mx.array_equal(a, b).item() for a, (_, b) in
                                 zip(want, tree_flatten(views[at].arrays())))

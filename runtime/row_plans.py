@@ -17,6 +17,13 @@ what that shape needs, one of three ways:
 * ``floor``: pad fewer rows up to the smallest count from which every count
   agrees (a 576x1536 matmul at M = 1 runs at 2).
 
+A prefill forward that holds several sequences' prompt chunks (``chunked``)
+runs each linear layer's matmul once per chunk, on that chunk's rows alone:
+the call its sequence makes when it prefills alone, so its rows are the
+same by construction -- whatever the kernel does with the row count or a
+row's place (OpenBLAS's Prescott kernels, picked on CPUs that OpenBLAS 0.3.21
+does not know, compute the last row of a thread's share of M its own way).
+
 ``measure`` finds each weight shape's classes with random rows (kernels are
 picked by shape, never by the numbers), at every count 1..max and at the
 first, middle and last row, keeps the ways under which the probe row then
@@ -35,12 +42,15 @@ import math
 import random
 import statistics
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["WAYS", "RowPlan", "apply", "measure", "shape_key"]
+__all__ = ["WAYS", "RowPlan", "apply", "chunked", "measure", "shape_key"]
 
 _PLANNED = (nn.Linear, nn.QuantizedLinear)  # exactly these classes: subclasses may compute otherwise
 _ALIGN = 16  # column tiles are multiples of this wide: kernels handle a ragged tail their own way
@@ -93,15 +103,29 @@ def shape_key(layer: nn.Module) -> str:
 
 
 def apply(model: nn.Module, plans: tuple[RowPlan, ...]) -> None:
-    """Give each linear layer of ``model`` the plan of its shape (none: it runs
-    as mlx-lm's). In place; the layer keeps its parameters and names."""
+    """Give each linear layer of ``model`` the plan of its shape (none: its rows
+    run as mlx-lm's) and its matmuls per chunk in a ``chunked`` forward. In
+    place; the layer keeps its parameters and names."""
     by_shape = {p.shape: p for p in plans}
     for layer in _linears(model):
-        plan = by_shape.get(shape_key(layer))
-        base = _base(type(layer))
-        layer.__class__ = base if plan is None else _planned_class(base)
-        object.__setattr__(layer, "row_plan", plan)
+        layer.__class__ = _planned_class(_base(type(layer)))
+        object.__setattr__(layer, "row_plan", by_shape.get(shape_key(layer)))
         layer.__dict__.pop("_tiles", None)
+
+
+_chunks: ContextVar[tuple[int, ...]] = ContextVar("prefill_chunks", default=())
+
+
+@contextmanager
+def chunked(lengths: Sequence[int]) -> Iterator[None]:
+    """Within it, a forward's rows (1, sum(lengths), width) are these prompt
+    chunks one after another: each linear layer (given a plan by ``apply``)
+    runs its matmul once per chunk."""
+    token = _chunks.set(tuple(lengths))
+    try:
+        yield
+    finally:
+        _chunks.reset(token)
 
 
 def measure(model: nn.Module, max_rows: int, seed: int = 0) -> tuple[RowPlan, ...]:
@@ -240,12 +264,19 @@ class _Planned:
 
 @functools.cache
 def _planned_class(cls: type) -> type:
-    def __call__(self, x):
+    def rows(self, x):
         *lead, width = x.shape
         m = math.prod(lead)
-        if self.row_plan.whole(m):
+        if self.row_plan is None or self.row_plan.whole(m):
             return cls.__call__(self, x)
         out = _call(self, self.row_plan, x.reshape(m, width))
         return out.reshape(*lead, out.shape[-1])
+
+    def __call__(self, x):
+        lengths = _chunks.get()
+        if len(lengths) < 2 or x.ndim != 3 or x.shape[:2] != (1, sum(lengths)):
+            return rows(self, x)
+        starts = itertools.accumulate(lengths, initial=0)
+        return mx.concatenate([rows(self, x[:, a : a + n]) for a, n in zip(starts, lengths)], axis=1)
 
     return type(cls.__name__, (_Planned, cls), {"__call__": __call__, "__module__": cls.__module__})

@@ -7,6 +7,7 @@ package, ``semantic``, whose folders are the repo's."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -109,8 +110,21 @@ def test_no_code_outside_runtime_kv_asks_a_layer_cache_its_kind():
 
 
 # What actors and caches are wired with: given in their constructors, never set from outside afterwards.
-COLLABORATORS = {"gpu", "live", "hot", "batch", "on_pruned", "hand_over", "on_load", "target", "row_counts",
-                 "demotions", "prefix_drops"}
+COLLABORATORS = {"gpu", "live", "hot", "batch", "on_pruned", "disk", "target", "row_counts", "demotions",
+                 "prefix_drops"}
+
+
+def _assigned(tree: ast.AST, names: set[str]):
+    """The attributes named ``names`` that ``tree`` assigns, with the name each is reached from."""
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        for target in targets:
+            for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(t, ast.Attribute) and t.attr in names:
+                    root = t
+                    while isinstance(root, ast.Attribute):
+                        root = root.value
+                    yield node, t, root.id if isinstance(root, ast.Name) else None
 
 
 def test_actors_get_their_collaborators_in_their_constructors():
@@ -118,14 +132,23 @@ def test_actors_get_their_collaborators_in_their_constructors():
     for path, tree in _python(*PACKAGES):
         if path.is_relative_to(ROOT / "runtime" / "kv"):  # a kind's ``rebuild`` fills the cache it made
             continue
-        for node in ast.walk(tree):
-            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
-            for target in targets:
-                for t in target.elts if isinstance(target, ast.Tuple) else [target]:
-                    if isinstance(t, ast.Attribute) and t.attr in COLLABORATORS:
-                        root = t
-                        while isinstance(root, ast.Attribute):
-                            root = root.value
-                        if not (isinstance(root, ast.Name) and root.id in ("self", "cls")):
-                            found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(t)}")
+        for node, t, root in _assigned(tree, COLLABORATORS):
+            if root not in ("self", "cls"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(t)}")
+    assert found == []
+
+
+# What the hot set knows of one agent's cache (``runtime.agent_cache.AgentEntry``).
+ENTRY = {"memory", "busy", "dirty", "pending", "on_disk", "reading", "fetched"}
+
+
+def test_one_writer_of_an_agents_cache_state():
+    """An agent's cache state on the GPU thread is one record, and only the hot set
+    (``runtime/agent_cache.py``) changes it: no other module assigns its fields."""
+    from semantic.runtime.agent_cache import AgentEntry
+
+    assert {f.name for f in dataclasses.fields(AgentEntry)} == ENTRY | {"agent_id"}
+    owner = ROOT / "runtime" / "agent_cache.py"
+    found = [f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(t)}"
+             for path, tree in _python(*PACKAGES) if path != owner for node, t, _ in _assigned(tree, ENTRY)]
     assert found == []

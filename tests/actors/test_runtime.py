@@ -29,6 +29,7 @@ from semantic.runtime.engine import Engine, SamplingParams
 from semantic.runtime.prefix import encode
 from semantic.runtime.row_counts import cached
 from semantic.runtime.turns import render, run_turn
+from tests.actors.test_choices import ENDLESS
 
 pytestmark = [pytest.mark.model, pytest.mark.anyio]
 
@@ -267,8 +268,8 @@ async def test_shutdown_mid_generation_keeps_every_completed_turn(open_runtime, 
                 completed[agent.id] = await agent.reply("Name a colour.", max_tokens=4)
             generating = {agent.id: anyio.Event() for agent in agents}
 
-            async def generate(agent):
-                async for _ in agent.send("Tell me a very long story.", max_tokens=300):
+            async def generate(agent):  # a story that cannot end before the runtime is cancelled
+                async for _ in agent.send("Tell me a very long story.", max_tokens=300, grammar=ENDLESS):
                     generating[agent.id].set()
 
             async with anyio.create_task_group() as tg:
@@ -423,12 +424,12 @@ async def test_a_follow_up_hands_over_and_writes_only_its_new_blocks(open_runtim
     of context as after ~300."""
     from pathlib import Path
 
-    from semantic.actors import write_behind
+    from semantic.runtime import agent_cache
     from semantic.runtime.cache_records import BLOCK_TOKENS
 
     handed = []  # (tokens, first block copied out) per hand-over
-    real = write_behind.snapshot
-    monkeypatch.setattr(write_behind, "snapshot", lambda record, first=0: handed.append((len(record.tokens), first))
+    real = agent_cache.snapshot
+    monkeypatch.setattr(agent_cache, "snapshot", lambda record, first=0: handed.append((len(record.tokens), first))
                         or real(record, first))
     words = (Path(__file__).parents[2] / "bench" / "data" / "lighthouses.txt").read_text().split()
     written, whole = {}, {}

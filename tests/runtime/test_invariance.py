@@ -11,6 +11,7 @@ divide a padding (softmax lanes, BLAS k-loops).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 
@@ -286,3 +287,23 @@ def test_calibration_keeps_apart_chunks_whose_rows_would_differ(logits_by_params
     together = lambda counts, seed: _prefill_together(model, tok, logits_by_params, counts, seed, max_chunk=32)[0]
     assert not any(together(counts, seed) for seed in range(2))
     assert any(together(dataclasses.replace(counts, prefill_from=1), seed) for seed in range(2))
+
+
+def test_chunks_sharing_a_forward_take_their_matmuls_alone(logits_by_params, monkeypatch):
+    """Matmuls whose rows depend on the row count (as under OpenBLAS's Prescott
+    kernels, which compute the last row of a thread's share of M their own
+    way): chunks that share a prefill forward still get the logits they get
+    alone, because each linear layer runs once per chunk (``row_plans.chunked``)
+    -- and without that they do not."""
+    from semantic.runtime import row_plans
+
+    plain = nn.Linear.__call__
+    monkeypatch.setattr(nn.Linear, "__call__", lambda self, x: plain(self, x) + 1e-3 * (x.shape[-2] % 5))
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    counts = dataclasses.replace(measured(model, tok), prefill_from=1)  # every chunk may share a forward
+    together = lambda seed: _prefill_together(model, tok, logits_by_params, counts, seed, max_chunk=32)
+    for seed in range(2):
+        differ, shared = together(seed)
+        assert not differ and shared, (seed, differ, shared)
+    monkeypatch.setattr(row_plans, "chunked", lambda lengths: contextlib.nullcontext())
+    assert any(together(seed)[0] for seed in range(2))

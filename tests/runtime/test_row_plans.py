@@ -60,8 +60,9 @@ def test_applied_plans_run_through_the_model_and_come_off_again():
     assert len(tiles) == len(plan.calls(5, layer.weight.shape[0]))
     assert all(w.shape[0] == 128 for _, w, _, _ in tiles.values())  # transposed: (in, tile's columns)
     assert mx.array_equal(layer(x), layer(x)).item() and layer.__dict__["_tiles"] is tiles
-    row_plans.apply(model, ())
-    assert type(layer) is nn.Linear and layer.row_plan is None and "_tiles" not in layer.__dict__
+    row_plans.apply(model, ())  # no plan: its rows run as mlx-lm's (per chunk in a ``chunked`` forward)
+    assert isinstance(layer, nn.Linear) and layer.row_plan is None and "_tiles" not in layer.__dict__
+    assert mx.array_equal(layer(x), nn.Linear.__call__(layer, x)).item()
 
 
 def test_a_shape_whose_rows_depend_on_the_count_gets_a_plan_that_makes_them_agree(monkeypatch):
