@@ -19,6 +19,10 @@ are demoted to disk, shared prefixes are dropped (they only ever fill free
 room, and the next cold agent with that system prompt registers it again).
 A request that cannot fit even with every idle owner freed fails with
 ``OutOfMemory``, naming what holds the memory.
+
+(Long on purpose: the hot set, its one record per agent and the disk
+protocol it writes through change together; splitting them would expose
+the record to a second writer.)
 """
 
 from __future__ import annotations
