@@ -95,6 +95,11 @@ class OnDisk:
     lineage: weakref.ref
     tokens: list[int]
 
+    @classmethod
+    def of(cls, memory: AgentMemory) -> OnDisk | None:
+        """All of ``memory``'s cache (None: a cache of no layers, nothing to track)."""
+        return cls(weakref.ref(memory.cache[0]), list(memory.tokens)) if memory.cache else None
+
     def blocks_of(self, memory: AgentMemory) -> int:
         """How many leading blocks of ``memory``'s cache this covers: none of a recomputed cache."""
         if not memory.cache or self.lineage() is not memory.cache[0]:
@@ -252,7 +257,7 @@ class AgentCaches:
         memory = AgentMemory(agent_id, record.tokens, record.text, record.cache, record.created, record.updated)
         e.dirty = False
         if record.format_version == FORMAT_VERSION:  # made from its blocks: all on disk
-            e.on_disk = OnDisk(weakref.ref(memory.cache[0]), list(memory.tokens)) if memory.cache else None
+            e.on_disk = OnDisk.of(memory)
         return memory
 
     def grow(self, agent_id: str, tokens: int, choice: int = 0) -> None:
@@ -346,7 +351,7 @@ class AgentCaches:
             log.exception("could not copy out the cache of %s; it stays dirty", agent_id)
             return False
         e.pending = self.disk.write(update)
-        e.on_disk = OnDisk(weakref.ref(memory.cache[0]), record.tokens) if memory.cache else None
+        e.on_disk = OnDisk.of(memory)
         e.dirty = e.pending is not None
         return True
 

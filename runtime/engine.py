@@ -598,9 +598,10 @@ class Engine:
                 views = [view(rng.choice(prefixes)) for _ in sizes]
                 chunks.insert(at, chunk)
                 views.insert(at, view(cached))
-                with row_plans.chunked([len(c) for c in chunks]):
+                lengths = [len(c) for c in chunks]
+                with row_plans.chunked(lengths):
                     self.model(mx.array([t for c in chunks for t in c])[None],
-                               cache=[PrefillBatch(layer, [len(c) for c in chunks]) for layer in zip(*views)])
+                               cache=[PrefillBatch(layer, lengths) for layer in zip(*views)])
                 mx.eval(views[at].arrays())
                 agree[n] &= all(mx.array_equal(a, b).item() for a, (_, b) in
                                 zip(want, tree_flatten(views[at].arrays())))
