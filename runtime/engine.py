@@ -504,19 +504,35 @@ class Engine:
         first, middle and last slot; and from which size prompt chunks may
         share a prefill forward (``_prefill_from``). Returns the class
         ``choose`` picks, with what was measured; does not change the engine
-        (``use_row_counts`` does) and leaves its sequences alone."""
+        (``use_row_counts`` does) and leaves its sequences alone.
+
+        Where the class stops short of ``max_rows``, both are measured again
+        for its counts alone: a plan that makes counts agree which the
+        forward as a whole never will costs the counts in use for nothing
+        (under OpenBLAS's Prescott kernels, SmolLM2's 576x1536 matmul padded
+        a lone agent's row to 8 for counts 5-8 that its logits rule out). The
+        second measurement is kept where it finds the same counts."""
         start = time.perf_counter()
-        rng = random.Random(seed)
-        max_rows = max_rows or self.decode_rows
-        plans = row_plans.measure(self.model, max_rows, seed)
+        upto, found = max_rows or self.decode_rows, None
         before = self.row_counts
-        self.use_row_counts(RowCounts((max_rows,), plans=plans))
         try:
-            return self._calibrate(max_rows, rng, start)
+            while True:
+                self.use_row_counts(RowCounts((upto,), plans=row_plans.measure(self.model, upto, seed)))
+                again = self._calibrate(upto, random.Random(seed))
+                if found is not None and again.counts != found.counts:
+                    break
+                found = again
+                if found.counts[-1] == upto:
+                    break
+                upto = found.counts[-1]
+            self.use_row_counts(found)
+            prefill_from = self._prefill_from(random.Random(seed))
+            return replace(found, seconds=round(time.perf_counter() - start, 3), prefill_from=prefill_from)
         finally:
             self.use_row_counts(before)
 
-    def _calibrate(self, max_rows: int, rng: random.Random, start: float) -> RowCounts:
+    def _calibrate(self, max_rows: int, rng: random.Random) -> RowCounts:
+        """The classes of counts 1..``max_rows`` with the plans in use, and the one ``choose`` picks."""
         prompt = lambda n: [rng.randrange(1, 256) for _ in range(n)]  # every vocabulary has 255 ids after 0
         probe, neighbours = self._prefilled(prompt(24)), [self._prefilled(prompt(rng.randrange(1, 48)))
                                                            for _ in range(max_rows - 1)]
@@ -552,9 +568,7 @@ class Engine:
             else:
                 classes[same] += (m,)
         counts = choose(classes, ms)  # (1,) is always a class: one row sits in one place
-        prefill_from = self._prefill_from(rng)
-        return RowCounts(counts, tuple(classes), tuple(round(t, 2) for t in ms),
-                         round(time.perf_counter() - start, 3), self.row_counts.plans, prefill_from)
+        return RowCounts(counts, tuple(classes), tuple(round(t, 2) for t in ms), plans=self.row_counts.plans)
 
     def _prefill_from(self, rng: random.Random) -> int | None:
         """The fewest tokens from which a prompt chunk writes its sequence's

@@ -168,15 +168,18 @@ def test_rows_agree_as_neighbours_come_and_go_smollm2(smollm2, logits_by_params)
 
 class _RowCountDependent(nn.Module):
     """A final norm whose rows shift by a count-dependent amount in forwards of
-    ``bad`` rows: a reduction whose blocking follows M, as BLAS kernels do."""
+    ``bad`` rows (``by_place``: and by their place): a reduction whose
+    blocking follows M, as BLAS kernels do."""
 
-    def __init__(self, norm: nn.Module, bad: set[int]):
+    def __init__(self, norm: nn.Module, bad: set[int], by_place: bool = False):
         super().__init__()
-        self.norm, self.bad = norm, bad
+        self.norm, self.bad, self.by_place = norm, bad, by_place
 
     def __call__(self, x):
         y = self.norm(x)
-        return y + 1e-3 * x.shape[1] if x.shape[1] in self.bad else y
+        if x.shape[1] not in self.bad:
+            return y
+        return y + 1e-3 * (mx.arange(x.shape[1])[:, None] if self.by_place else x.shape[1])
 
 
 def test_calibration_rejects_row_counts_whose_rows_differ(logits_by_params):
@@ -193,6 +196,24 @@ def test_calibration_rejects_row_counts_whose_rows_differ(logits_by_params):
     assert not _come_and_go(model, tok, logits_by_params, counts)
     every = RowCounts(tuple(range(1, 9)))
     assert any(_come_and_go(model, tok, logits_by_params, every, seed) for seed in range(3))
+
+
+def test_plans_are_measured_again_for_the_counts_the_forward_allows(monkeypatch):
+    """Matmuls whose rows change from 5 rows on (as where OpenBLAS splits M
+    between threads), in a forward whose rows at 5-8 depend on their place
+    (no plan covers the norm): the counts are 1-4, and a plan that makes the
+    matmul's 5-8 agree, which would cost the counts in use, is not kept --
+    1-4 need none."""
+    plain, logits = nn.Linear.__call__, nn.Embedding.as_linear
+    one_by_one = lambda f: lambda self, x: mx.concatenate(  # each row alone: no rule of this machine's kernels
+        [f(self, x[..., i : i + 1, :]) for i in range(x.shape[-2])], axis=-2)
+    monkeypatch.setattr(nn.Embedding, "as_linear", one_by_one(logits))
+    monkeypatch.setattr(nn.Linear, "__call__", lambda self, x: one_by_one(plain)(self, x) + 1e-3 * (5 <= x.shape[-2] <= 8))
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    model.model.norm = _RowCountDependent(model.model.norm, bad={5, 6, 7, 8}, by_place=True)
+    counts = Engine(model, tok, speculation=False).calibrate()
+    assert counts.classes == ((1, 2, 3, 4),) and counts.counts == (1, 2, 3, 4), counts
+    assert counts.plans == (), counts.plans
 
 
 def _prefill_together(model, tokenizer, seen, row_counts, seed: int = 0, max_chunk: int = 96) -> tuple[list[str], int]:
