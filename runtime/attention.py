@@ -3,9 +3,9 @@
 MLX's CPU ``exp`` runs one element at a time, so softmax was most of
 attention there (a 1K-token prefill of SmolLM2 spent half its time in it).
 Here scores are scaled by log2(e) with the queries and the softmax takes
-``runtime.fastmath.exp2``, vectorised. Masked scores give 2**-126 instead of
-0: below float32's resolution of a row sum that holds at least 1 (the row's
-maximum), so they change nothing.
+``runtime.fastmath.exp2``, vectorised. Masked scores give 0, and so does a
+score more than ~125 below its row's maximum (never a subnormal weight: the
+matmul with the values would take Intel CPUs' slow path for them).
 
 Every step is elementwise or reduces one row of one sequence, so a score's
 value depends on its own row alone: ``attend_each`` runs the exp once over
