@@ -500,11 +500,11 @@ class Engine:
         ``decode_rows``) give a sequence the same logits, bit for bit: first
         how each weight shape's matmul takes its rows (``row_plans.measure``),
         then, with those plans, a probe sequence through the real decode
-        forward alone and beside random neighbours at every count and at its
-        first, middle and last slot; and from which size prompt chunks may
-        share a prefill forward (``_prefill_from``). Returns the class
-        ``choose`` picks, with what was measured; does not change the engine
-        (``use_row_counts`` does) and leaves its sequences alone.
+        forward alone and beside random neighbours at every count and every
+        slot; and from which size prompt chunks may share a prefill forward
+        (``_prefill_from``). Returns the class ``choose`` picks, with what was
+        measured; does not change the engine (``use_row_counts`` does) and
+        leaves its sequences alone.
 
         Where the class stops short of ``max_rows``, both are measured again
         for its counts alone: a plan that makes counts agree which the
@@ -549,7 +549,8 @@ class Engine:
             mx.eval(row, [c.arrays for c in caches], [x.arrays for c in caches for x in c.caches])
             return row
 
-        rows = {m: [forward(batch(m, at), at) for at in sorted({0, m // 2, m - 1})] for m in range(1, max_rows + 1)}
+        # Every slot: a kernel may treat one inside row its own way (Prescott's 9 rows: the third).
+        rows = {m: [forward(batch(m, at), at) for at in range(m)] for m in range(1, max_rows + 1)}
         ms = [float("inf")] * max_rows
         for _ in range(3):  # rounds over every count, so a load that comes and goes weighs on all alike
             for m in range(1, max_rows + 1):

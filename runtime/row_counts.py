@@ -8,7 +8,7 @@ it depends on the machine. ``runtime.row_plans`` first gives each weight
 shape whose rows differ a way to take them that agrees at every count; then
 nothing more is assumed: ``Engine.calibrate`` runs a probe sequence through
 the real decode forward alone and beside random neighbours at every count
-1..max and at several positions, and compares its logits bitwise. Counts
+1..max and at every position, and compares its logits bitwise. Counts
 whose rows agree form a class; the server decodes only at the counts of one
 class (``choose``), padding a forward up to the next count of the class or
 splitting the batch. Within a class a sequence's logits do not depend on how
@@ -174,7 +174,7 @@ def key(engine) -> str:
         "class": type(engine.model).__module__,
         "kv": [engine.kv_bits, engine.kv_group_size, engine.float_attention],
         "max_rows": engine.decode_rows,
-        "measured": "per weight shape, the decode forward, again for the counts chosen, prompt chunks together; CPU attention, RoPE tables, lean norms",  # older: less
+        "measured": "per weight shape and the decode forward at every slot, again for the counts chosen, prompt chunks together; CPU attention, RoPE tables, lean norms",  # older: less
         "device": str(mx.default_device()),
         "machine": machine(),
     }

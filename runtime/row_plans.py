@@ -25,10 +25,10 @@ row's place (OpenBLAS's Prescott kernels, picked on CPUs that OpenBLAS 0.3.21
 does not know, compute the last row of a thread's share of M its own way).
 
 ``measure`` finds each weight shape's classes with random rows (kernels are
-picked by shape, never by the numbers), at every count 1..max and at the
-first, middle and last row, keeps the ways under which the probe row then
-agrees at every count, times them, and picks the set of ways whose matmuls
-together slow down least at their worst count. ``apply`` installs plans on a
+picked by shape, never by the numbers), at every count 1..max and every
+row, keeps the ways under which the probe row then agrees at every count,
+times them, and picks the set of ways whose matmuls together slow down
+least at their worst count. ``apply`` installs plans on a
 model's linear layers; the engine's whole-forward calibration
 (``Engine.calibrate``) then checks the result, so a plan is never trusted
 alone.
@@ -174,11 +174,11 @@ def _agree(rows: dict[int, list[mx.array]]) -> bool:
 
 
 def _rows(layer: nn.Module, plan: RowPlan | None, x: mx.array, m: int) -> list[mx.array]:
-    """The probe's (``x[0]``) output row at the first, middle and last of ``m``
-    rows, the others ``x[1:]``."""
+    """The probe's (``x[0]``) output row at each place of ``m`` rows, the
+    others ``x[1:]``."""
     probe, others = x[:1], x[1:]
     outs = [_call(layer, plan, mx.concatenate([others[:at], probe, others[at : m - 1]]))[at]
-            for at in sorted({0, m // 2, m - 1})]
+            for at in range(m)]
     mx.eval(outs)
     return outs
 

@@ -168,17 +168,19 @@ def test_rows_agree_as_neighbours_come_and_go_smollm2(smollm2, logits_by_params)
 
 class _RowCountDependent(nn.Module):
     """A final norm whose rows shift by a count-dependent amount in forwards of
-    ``bad`` rows (``by_place``: and by their place): a reduction whose
-    blocking follows M, as BLAS kernels do."""
+    ``bad`` rows (``by_place``: by their place; ``only``: that row alone): a
+    reduction whose blocking follows M, as BLAS kernels do."""
 
-    def __init__(self, norm: nn.Module, bad: set[int], by_place: bool = False):
+    def __init__(self, norm: nn.Module, bad: set[int], by_place: bool = False, only: int | None = None):
         super().__init__()
-        self.norm, self.bad, self.by_place = norm, bad, by_place
+        self.norm, self.bad, self.by_place, self.only = norm, bad, by_place, only
 
     def __call__(self, x):
         y = self.norm(x)
         if x.shape[1] not in self.bad:
             return y
+        if self.only is not None:
+            return y + 1e-3 * (mx.arange(x.shape[1]) == self.only)[:, None]
         return y + 1e-3 * (mx.arange(x.shape[1])[:, None] if self.by_place else x.shape[1])
 
 
@@ -204,16 +206,34 @@ def test_plans_are_measured_again_for_the_counts_the_forward_allows(monkeypatch)
     (no plan covers the norm): the counts are 1-4, and a plan that makes the
     matmul's 5-8 agree, which would cost the counts in use, is not kept --
     1-4 need none."""
-    plain, logits = nn.Linear.__call__, nn.Embedding.as_linear
-    one_by_one = lambda f: lambda self, x: mx.concatenate(  # each row alone: no rule of this machine's kernels
-        [f(self, x[..., i : i + 1, :]) for i in range(x.shape[-2])], axis=-2)
-    monkeypatch.setattr(nn.Embedding, "as_linear", one_by_one(logits))
-    monkeypatch.setattr(nn.Linear, "__call__", lambda self, x: one_by_one(plain)(self, x) + 1e-3 * (5 <= x.shape[-2] <= 8))
+    _matmuls_row_by_row(monkeypatch, shift=lambda m: 1e-3 * (5 <= m <= 8))
     model, tok = tiny_model("llama"), ByteTokenizer()
     model.model.norm = _RowCountDependent(model.model.norm, bad={5, 6, 7, 8}, by_place=True)
     counts = Engine(model, tok, speculation=False).calibrate()
     assert counts.classes == ((1, 2, 3, 4),) and counts.counts == (1, 2, 3, 4), counts
     assert counts.plans == (), counts.plans
+
+
+def test_calibration_checks_every_slot(monkeypatch):
+    """A forward whose second row of four comes out its own way (as Prescott's
+    kernels compute the third of 9 rows): 4 is never used, though its first,
+    middle and last slots agree with every other count."""
+    _matmuls_row_by_row(monkeypatch)
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    model.model.norm = _RowCountDependent(model.model.norm, bad={4}, only=1)
+    counts = Engine(model, tok, speculation=False).calibrate()
+    assert counts.classes == ((1, 2, 3, 5, 6, 7, 8),), counts.classes
+
+
+def _matmuls_row_by_row(monkeypatch, shift=lambda m: 0.0) -> None:
+    """Every linear layer and tied embedding's logits computed one row at a
+    time (no rule of this machine's kernels), linear layers' rows shifted by
+    ``shift(row count)``."""
+    plain, logits = nn.Linear.__call__, nn.Embedding.as_linear
+    one_by_one = lambda f: lambda self, x: mx.concatenate(
+        [f(self, x[..., i : i + 1, :]) for i in range(x.shape[-2])], axis=-2)
+    monkeypatch.setattr(nn.Embedding, "as_linear", one_by_one(logits))
+    monkeypatch.setattr(nn.Linear, "__call__", lambda self, x: one_by_one(plain)(self, x) + shift(x.shape[-2]))
 
 
 def _prefill_together(model, tokenizer, seen, row_counts, seed: int = 0, max_chunk: int = 96) -> tuple[list[str], int]:
