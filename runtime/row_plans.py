@@ -22,7 +22,8 @@ runs each linear layer's matmul once per chunk, on that chunk's rows alone:
 the call its sequence makes when it prefills alone, so its rows are the
 same by construction -- whatever the kernel does with the row count or a
 row's place (OpenBLAS's Prescott kernels, picked on CPUs that OpenBLAS 0.3.21
-does not know, compute the last row of a thread's share of M its own way).
+does not know, run each thread's share of M in pairs of rows, and a row left
+over its own way).
 
 ``measure`` finds each weight shape's classes with random rows (kernels are
 picked by shape, never by the numbers), at every count 1..max and every
