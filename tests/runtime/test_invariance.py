@@ -168,12 +168,12 @@ def test_rows_agree_as_neighbours_come_and_go_smollm2(smollm2, logits_by_params)
 
 class _RowCountDependent(nn.Module):
     """A final norm whose rows shift by a count-dependent amount in forwards of
-    ``bad`` rows (``by_place``: by their place; ``only``: that row alone): a
-    reduction whose blocking follows M, as BLAS kernels do."""
+    ``bad`` rows (``only``: that row alone): a reduction whose blocking
+    follows M, as BLAS kernels do."""
 
-    def __init__(self, norm: nn.Module, bad: set[int], by_place: bool = False, only: int | None = None):
+    def __init__(self, norm: nn.Module, bad: set[int], only: int | None = None):
         super().__init__()
-        self.norm, self.bad, self.by_place, self.only = norm, bad, by_place, only
+        self.norm, self.bad, self.only = norm, bad, only
 
     def __call__(self, x):
         y = self.norm(x)
@@ -181,7 +181,7 @@ class _RowCountDependent(nn.Module):
             return y
         if self.only is not None:
             return y + 1e-3 * (mx.arange(x.shape[1]) == self.only)[:, None]
-        return y + 1e-3 * (mx.arange(x.shape[1])[:, None] if self.by_place else x.shape[1])
+        return y + 1e-3 * x.shape[1]
 
 
 def test_calibration_rejects_row_counts_whose_rows_differ(logits_by_params):
@@ -208,7 +208,7 @@ def test_plans_are_measured_again_for_the_counts_the_forward_allows(monkeypatch)
     1-4 need none."""
     _matmuls_row_by_row(monkeypatch, shift=lambda m: 1e-3 * (5 <= m <= 8))
     model, tok = tiny_model("llama"), ByteTokenizer()
-    model.model.norm = _RowCountDependent(model.model.norm, bad={5, 6, 7, 8}, by_place=True)
+    model.model.norm = _RowCountDependent(model.model.norm, bad={5, 6, 7, 8}, only=1)
     counts = Engine(model, tok, speculation=False).calibrate()
     assert counts.classes == ((1, 2, 3, 4),) and counts.counts == (1, 2, 3, 4), counts
     assert counts.plans == (), counts.plans
