@@ -333,9 +333,9 @@ def test_calibration_keeps_apart_chunks_whose_rows_would_differ(logits_by_params
 def test_chunks_sharing_a_forward_take_their_matmuls_alone(logits_by_params, monkeypatch):
     """Matmuls whose rows depend on the row count (as under OpenBLAS's Prescott
     kernels, which run each thread's share of M in pairs of rows and a row
-    left over their own way): chunks that share a prefill forward still get the logits they get
-    alone, because each linear layer runs once per chunk (``row_plans.chunked``)
-    -- and without that they do not."""
+    left over their own way): chunks that share a prefill forward still get
+    the logits they get alone, because each linear layer runs once per chunk
+    (``row_plans.chunked``) -- and without that they do not."""
     from semantic.runtime import row_plans
 
     plain = nn.Linear.__call__
