@@ -35,6 +35,8 @@ def doctor(as_json: bool) -> int:
     if not fast or not report["blas_fast"]:
         note = report["blas_note"] or "slow BLAS"
         out.print(f"             [yellow]{note}; the fast path needs OpenBLAS: {blas.INSTALL_HINT}[/]")
+    elif report["blas_note"]:
+        out.print(f"             {report['blas_note']}")
     out.print(f"cache dir    {report['cache_dir']}")
     state = ok if report["model_ready"] else "[yellow]not prepared yet (prepared on first use, or `semantic prepare`)[/]"
     out.print(f"model        {embedded.NAME} {report['model_dir']} {state}")

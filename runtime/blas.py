@@ -7,6 +7,13 @@ matmul on two cores).  Loading an optimised BLAS into the global symbol scope
 
 Set ``SEMANTIC_BLAS`` to a library path to choose one, or to ``reference`` to
 keep the bundled BLAS.
+
+OpenBLAS picks its kernels by CPU model, and a release that does not know a
+CPU may fall back to its SSE3 (Prescott) kernels: Debian's 0.3.21 does on
+newer Xeons with AVX-512, where a float32 matmul then runs ~5x slower (35
+against 175 GFLOP/s, measured).  When OpenBLAS would do that, this names the
+kernels the CPU's features allow, as newer OpenBLAS releases do for CPUs they
+do not know.  ``OPENBLAS_CORETYPE``, when set, is left alone.
 """
 
 from __future__ import annotations
@@ -14,10 +21,12 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import platform
+import subprocess
 import sys
 from dataclasses import dataclass
 
-__all__ = ["BlasStatus", "activate", "kernel", "status", "INSTALL_HINT"]
+__all__ = ["BlasStatus", "activate", "best_kernel", "kernel", "status", "INSTALL_HINT"]
 
 INSTALL_HINT = "sudo apt-get install libopenblas0-pthread"
 
@@ -48,6 +57,63 @@ def _find_library() -> str | None:
     return None
 
 
+# OpenBLAS's x86 kernel sets that use no AVX: what it falls back to on a CPU it does not know.
+_SSE_KERNELS = frozenset({"Katmai", "Coppermine", "Northwood", "Prescott", "Banias", "Atom", "Core2",
+                          "Penryn", "Dunnington", "Nehalem", "Athlon", "Opteron", "Opteron_SSE3",
+                          "Barcelona", "Nano", "Bobcat"})
+_AVX512 = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
+
+
+def best_kernel(flags: set[str]) -> str | None:
+    """The OpenBLAS kernel set a CPU with these ``/proc/cpuinfo`` flags can run best:
+    the ladder OpenBLAS itself climbs for CPUs it does not know."""
+    if _AVX512 <= flags:
+        return "Cooperlake" if "avx512_bf16" in flags else "SkylakeX"
+    if {"avx2", "fma"} <= flags:
+        return "Haswell"
+    return "Sandybridge" if "avx" in flags else None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _kernel_picked_by(path: str) -> str | None:
+    """The kernel set OpenBLAS at ``path`` picks on its own, asked in a child process:
+    it picks once, when loaded, so this process must not load it before choosing."""
+    probe = ("import ctypes, sys; f = ctypes.CDLL(sys.argv[1]).openblas_get_corename; "
+             "f.restype = ctypes.c_char_p; print(f().decode())")
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    try:
+        out = subprocess.run([sys.executable, "-I", "-S", "-c", probe, path], env=env,
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _choose_kernel(path: str) -> str:
+    """Name better kernels in ``OPENBLAS_CORETYPE`` where OpenBLAS would fall back to
+    SSE ones on an AVX CPU; return a note saying so, or ""."""
+    if "OPENBLAS_CORETYPE" in os.environ or platform.machine() not in ("x86_64", "AMD64"):
+        return ""
+    best = best_kernel(_cpu_flags())
+    if best is None:
+        return ""
+    picked = _kernel_picked_by(path)
+    if picked not in _SSE_KERNELS:
+        return ""
+    os.environ["OPENBLAS_CORETYPE"] = best  # children (servers, peers) inherit it
+    return f"OpenBLAS would pick its {picked} kernels on this CPU; using {best} (OPENBLAS_CORETYPE overrides)"
+
+
 def activate() -> BlasStatus:
     """Load an optimised BLAS once, if this platform needs and has one."""
     global _status
@@ -70,13 +136,14 @@ def activate() -> BlasStatus:
                 "reference", None, False, f"no OpenBLAS found; install it: {INSTALL_HINT}"
             )
         else:
+            name = "openblas" if "openblas" in path else path
+            note = _choose_kernel(path) if name == "openblas" else ""
             try:
                 ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             except OSError as e:
                 _status = BlasStatus("reference", None, False, f"could not load {path}: {e}")
             else:
-                name = "openblas" if "openblas" in path else path
-                _status = BlasStatus(name, path, True)
+                _status = BlasStatus(name, path, True, note)
     return _status
 
 

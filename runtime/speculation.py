@@ -35,6 +35,7 @@ __all__ = ["Drafter", "NGRAMS", "StepCosts", "allot"]
 NGRAMS = (4, 3, 2)  # the history's last tokens looked up, longest first
 _KEEP = 0.7  # weight of the acceptance counts so far at each verify (recent drafts count most)
 _FORGET = 0.95  # at each step without drafts: a sequence whose drafts failed long ago is tried again
+_PRIOR = 1.5  # drafts taken of 2 before any verdict
 
 
 class Drafter:
@@ -76,8 +77,11 @@ class Drafter:
 
     @property
     def rate(self) -> float:
-        """The chance the next draft is taken, from recent verdicts (1/2 before any)."""
-        return (self.accepted + 1) / (self.proposed + 2)
+        """The chance the next draft is taken, from recent verdicts (3/4 before any:
+        about what drafts from a matched n-gram are taken in ``bench speculation``,
+        and enough that a fresh sequence beside others tries its drafts and
+        learns its own rate)."""
+        return (self.accepted + _PRIOR) / (self.proposed + 2)
 
     def settle(self, proposed: int, accepted: int) -> None:
         """Count a step's verdict: ``accepted`` of ``proposed`` drafts taken (none
