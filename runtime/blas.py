@@ -19,6 +19,7 @@ do not know.  ``OPENBLAS_CORETYPE``, when set, is left alone.
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import os
 import platform
@@ -26,7 +27,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-__all__ = ["BlasStatus", "activate", "best_kernel", "kernel", "status", "INSTALL_HINT"]
+__all__ = ["BlasStatus", "activate", "best_kernel", "cpu_info", "kernel", "status", "INSTALL_HINT"]
 
 INSTALL_HINT = "sudo apt-get install libopenblas0-pthread"
 
@@ -74,15 +75,24 @@ def best_kernel(flags: set[str]) -> str | None:
     return "Sandybridge" if "avx" in flags else None
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def cpu_info() -> dict[str, str]:
+    """The first CPU's vendor, family, model, name and flags in ``/proc/cpuinfo``
+    ({} where there is none)."""
+    first: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
+                name, _, value = line.partition(":")
+                if name.strip() in ("vendor_id", "cpu family", "model", "model name", "flags"):
+                    first.setdefault(name.strip(), value.strip())
     except OSError:
         pass
-    return set()
+    return first
+
+
+def _cpu_flags() -> set[str]:
+    return set(cpu_info().get("flags", "").split())
 
 
 def _kernel_picked_by(path: str) -> str | None:

@@ -190,16 +190,8 @@ def machine() -> dict:
 
 
 def _cpu() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    first: dict[str, str] = {}
-    for line in lines:
-        name, _, value = line.partition(":")
-        if name.strip() in ("vendor_id", "cpu family", "model", "model name", "flags"):
-            first.setdefault(name.strip(), value.strip())
-    return json.dumps(first, sort_keys=True)
+    info = blas.cpu_info()
+    return json.dumps(info, sort_keys=True) if info else platform.processor()
 
 
 def _version(package: str) -> str:

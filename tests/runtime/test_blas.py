@@ -50,11 +50,15 @@ def test_openblas_coretype_set_by_the_user_is_kept(monkeypatch):
     assert os.environ["OPENBLAS_CORETYPE"] == "Prescott"
 
 
-def kernel_in_a_fresh_process(env: dict) -> str:
-    code = "from semantic.runtime import blas; print(blas.kernel())"
+def kernel_in_a_fresh_process(env: dict) -> tuple[str, str, str]:
+    """The kernel set a fresh process runs, what its BLAS status notes, and its
+    ``OPENBLAS_CORETYPE`` after loading it."""
+    code = ("import os; from semantic.runtime import blas; print(blas.kernel()); print(blas.status().note); "
+            "print(os.environ.get('OPENBLAS_CORETYPE', ''))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env=env, check=True)
-    return out.stdout.strip()
+    kernel, note, coretype = out.stdout.split("\n")[:3]
+    return kernel, note, coretype
 
 
 @pytest.mark.skipif(blas.status().name != "openblas", reason="needs OpenBLAS")
@@ -62,7 +66,11 @@ def test_a_fresh_process_runs_avx_kernels_on_an_avx_cpu():
     """On this machine, whatever OpenBLAS release and CPU it is: never SSE kernels where AVX
     ones run (the case this guards: Debian's 0.3.21 on a Xeon it does not know)."""
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
-    picked = kernel_in_a_fresh_process(env)
+    picked, note, coretype = kernel_in_a_fresh_process(env)
     if blas.best_kernel(blas._cpu_flags()) is not None:
         assert picked not in blas._SSE_KERNELS, picked
-    assert kernel_in_a_fresh_process({**env, "OPENBLAS_CORETYPE": "Nehalem"}) == "Nehalem"
+    if coretype:  # chosen here, not by OpenBLAS: the note `semantic doctor` shows says so
+        assert coretype == picked and f"using {picked}" in note, note
+    else:
+        assert note == ""
+    assert kernel_in_a_fresh_process({**env, "OPENBLAS_CORETYPE": "Nehalem"}) == ("Nehalem", "", "Nehalem")
