@@ -45,10 +45,12 @@ in ``runtime.speculation``, ``runtime.row_counts`` and ``runtime.sampling``.)
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Sequence as Seq
 
@@ -57,6 +59,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .batch_cache import BatchQuantizedKVCache, PrefillBatch
+from .evaluator import Evaluator
 from .kv import LayerCache, SequenceCache, make_sequence_cache
 from . import row_plans
 from .grammar import Grammars
@@ -143,10 +146,25 @@ class _Step:
     states: list[tuple[LayerCache, int, list]]  # recurrent layers before it (they cannot be cut back)
     contexts: list[int]  # tokens each row's cache held before it
     started: float  # ``perf_counter`` when its build began
+    evaluation: Future | None  # what to wait on before reading its tokens (``Evaluator.start``)
 
     @property
     def layers(self) -> list[tuple[BatchQuantizedKVCache, int]]:
         return [layer for _, layers in self.tiles for layer in layers]
+
+
+def _settled(method):
+    """An engine command: it waits for the decode step computing ahead, if any
+    (it may read or change what that step computes), and builds its graphs
+    on the evaluator's stream."""
+
+    @functools.wraps(method)
+    def command(self, *args, **kwargs):
+        self._evaluator.settle()
+        with mx.stream(self._evaluator.stream):
+            return method(self, *args, **kwargs)
+
+    return command
 
 
 class Engine:
@@ -220,6 +238,7 @@ class Engine:
         # they hold the newest tokens' Q4 rows until ``_flush`` writes them to the records.
         self._batches: dict[tuple[int, ...], list[BatchQuantizedKVCache]] = {}
         self._ahead: _Step | None = None  # the decode step started on tokens not yet read
+        self._evaluator = Evaluator()  # where steps compute: a step ahead, while the next is built
         self._held: set[int] = set()  # sequences whose next step verifies no drafts (``hold_drafts``)
 
     # -- queries ---------------------------------------------------------
@@ -258,6 +277,7 @@ class Engine:
 
     # -- commands --------------------------------------------------------
 
+    @_settled
     def add(
         self,
         prompt: Seq[int],
@@ -294,6 +314,7 @@ class Engine:
         self._prefilling.append(seq)
         return seq.id
 
+    @_settled
     def add_choices(self, seq_id: int, count: int) -> list[int]:
         """``count`` more replies to the prompt of a sequence still prefilling;
         their ids. The prompt is prefilled once: when it is in, each choice
@@ -336,6 +357,7 @@ class Engine:
             c.fed, c.reused = list(seq.fed), len(seq.fed)
         return choices
 
+    @_settled
     def prefill_step(self) -> list[Delta]:
         """Run the next pending prefill's next chunk -- with the chunks of the
         ones after it that may join it (``_picks``), in one forward; [] when
@@ -416,7 +438,13 @@ class Engine:
         built and started on these tokens before they are read (``_launch``),
         so the model's graph is built while the last step computes. A
         sequence that still finishes (end of turn, a stop string), joins or
-        leaves drops that step (``_drop_ahead``): nothing it computed is kept."""
+        leaves drops that step (``_drop_ahead``): nothing it computed is kept.
+        The step ahead computes on the evaluator's thread (``runtime.evaluator``)
+        while this returns and the next call builds the one after it."""
+        with mx.stream(self._evaluator.stream):
+            return self._step()
+
+    def _step(self) -> list[Delta]:
         if not self._decoding:
             return []
         if self._ahead is not None and self._ahead.rows != self._decoding:
@@ -429,6 +457,8 @@ class Engine:
             # (not when a sequence is about to join or reach its length, nor when a grammar's
             # next mask or a sequence's drafts wait on these tokens)
             self._ahead = self._launch(after=step)
+        if step.evaluation is not None:
+            step.evaluation.result()
         tokens = step.tokens.tolist()
         if any(step.drafts):  # (a step with drafts is never built ahead: this is its whole time)
             self._costs.timed([1 + len(d) for d in step.drafts], step.contexts, (time.perf_counter() - step.started) * 1e3)
@@ -495,6 +525,7 @@ class Engine:
         self._row_counts = counts
         self._costs = StepCosts(counts)  # what a step costs, for ``allot``
 
+    @_settled
     def calibrate(self, max_rows: int | None = None, seed: int = 0) -> RowCounts:
         """Measure which decode row counts 1..``max_rows`` (default
         ``decode_rows``) give a sequence the same logits, bit for bit: first
@@ -624,6 +655,7 @@ class Engine:
             return None
         return min(n for n in ladder if all(agree[m] for m in ladder if m >= n))
 
+    @_settled
     def cancel(self, seq_id: int, reason: str = CANCELLED) -> Delta | None:
         """Drop a sequence; its final delta says ``reason`` (``cancelled``, or
         ``length`` when its owner cannot let it grow).  None if unknown.
@@ -634,6 +666,7 @@ class Engine:
         seq = self._take(seq_id)
         return None if seq is None else Delta(seq.id, (), "", self._finished(seq, reason))
 
+    @_settled
     def preempt(self, seq_id: int) -> Finished | None:
         """Take a running sequence out of the engine so its cache can be freed;
         ``Finished(preempted)`` hands the cache over (it covers ``cache_tokens``).
@@ -646,6 +679,7 @@ class Engine:
         self._preempted[seq.id] = seq
         return finished
 
+    @_settled
     def resume(self, seq_id: int, cache: Seq | None = None, cached_tokens: int = 0) -> None:
         """Put a preempted sequence back.  ``cache`` holds the K/V of the first
         ``cached_tokens`` of its ``cache_tokens`` (the preempted cache itself,
@@ -735,9 +769,12 @@ class Engine:
         logprobs = [d.logprobs for d in draws]
         held = [b.arrays for batch in self._batches.values() for b in batch]
         self._costs.built((time.perf_counter() - start) * 1e3)
-        mx.async_eval(tokens, [lp for lp in logprobs if lp is not None], [seq.view.arrays() for seq in rows], held)
+        # A step built ahead computes on the evaluator's thread; any other may hold the caller's
+        # arrays (a cache given to ``add``), on its streams: it starts here.
+        evaluation = self._evaluator.start(tokens, [lp for lp in logprobs if lp is not None],
+                                           [seq.view.arrays() for seq in rows], held, here=after is None)
         return _Step(rows, drafts, tokens, logprobs, [(tile, w) for (tile, _, _), w in zip(tiles, written)], states,
-                     contexts, start)
+                     contexts, start, evaluation)
 
     def _draft_room(self, seq: _Sequence) -> int:
         """The most drafts a sequence may verify in its next step."""
@@ -771,6 +808,7 @@ class Engine:
         step, self._ahead = self._ahead, None
         if step is None:
             return
+        self._evaluator.settle()
         for seq in step.rows:
             seq.fed.pop()
             seq.sampler.undo()

@@ -248,14 +248,15 @@ def _columns(layer: nn.Module, x: mx.array, c: int, d: int) -> mx.array:
 def _tile(layer: nn.Module, c: int, d: int) -> tuple:
     """Rows ``c:d`` of the layer's bias, weight (transposed, unless quantized),
     scales and biases: views of its own arrays, made once (two ops a tile a
-    call otherwise)."""
+    call otherwise) and evaluated with the first forward that takes them
+    (never here: a forward may be built while another thread evaluates the
+    last, ``runtime.evaluator``)."""
     tiles = layer.__dict__.setdefault("_tiles", {})
     if (c, d) not in tiles:
         part = {name: layer[name][c:d] if name in layer else None for name in ("bias", "weight", "scales", "biases")}
         if not isinstance(layer, nn.QuantizedLinear):
             part["weight"] = part["weight"].T
         tiles[c, d] = tuple(part.values())
-        mx.eval([t for t in tiles[c, d] if t is not None])
     return tiles[c, d]
 
 

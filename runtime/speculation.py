@@ -46,7 +46,7 @@ class Drafter:
         self._array = np.zeros(len(history) + 256, np.int64)  # ``tokens`` as an array (searched), grown by half
         self._array[: len(history)] = history
         self._synced = len(history)
-        self.proposed = self.accepted = 0.0  # drafts verified and taken, decayed (``rate``)
+        self.proposed = self.accepted = 0.0  # drafts judged and taken, decayed (``rate``)
 
     def extend(self, token: int) -> None:
         self.tokens.append(token)
@@ -84,10 +84,13 @@ class Drafter:
         return (self.accepted + _PRIOR) / (self.proposed + 2)
 
     def settle(self, proposed: int, accepted: int) -> None:
-        """Count a step's verdict: ``accepted`` of ``proposed`` drafts taken (none
-        proposed: the counts fade towards the prior)."""
+        """Count a step's verdict: the first ``accepted`` of ``proposed`` drafts
+        taken (none proposed: the counts fade towards the prior). Drafts after
+        the first refused were never judged, so they are not counted: ``rate``
+        is the chance of a draft whose predecessors were taken, as ``allot``
+        uses it."""
         if proposed:
-            self.proposed = _KEEP * self.proposed + proposed
+            self.proposed = _KEEP * self.proposed + min(proposed, accepted + 1)
             self.accepted = _KEEP * self.accepted + accepted
         else:
             self.proposed *= _FORGET

@@ -281,6 +281,24 @@ def test_fresh_sequences_beside_others_try_their_drafts():
     assert missed.rate == 0.5
 
 
+def test_drafts_after_the_first_refused_are_not_counted():
+    """Drafts are judged in order and the first refused ends the verdict: those
+    after it say nothing of the chance a draft is taken once its
+    predecessors were (``rate``, as ``allot`` uses it). Counted as refused,
+    one early miss of seven drafts set a rate near 1/5 that kept an
+    echoing agent from drafting for some 25 steps (``bench speculation``'s
+    edit)."""
+    missed_first, missed_one = Drafter([]), Drafter([])
+    missed_first.settle(7, 0)
+    missed_one.settle(1, 0)
+    assert missed_first.rate == missed_one.rate == 0.5
+    taken, four_of_seven = Drafter([]), Drafter([])
+    taken.settle(4, 4)
+    four_of_seven.settle(7, 4)  # the fifth refused: five judged
+    assert taken.rate == (4 + 1.5) / (4 + 2)
+    assert four_of_seven.rate == (4 + 1.5) / (5 + 2)
+
+
 def test_pack_keeps_a_sequences_slots_in_one_forward():
     counts = RowCounts((1, 2, 4, 8))
     assert counts.pack([1] * 11) == counts.forwards(11) == [(8, 8), (3, 4)]

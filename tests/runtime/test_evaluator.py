@@ -1,0 +1,93 @@
+"""Decode steps evaluated on a thread of their own (``runtime.evaluator``):
+the next step is built on a step still computing, and nothing changes."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from semantic.runtime.engine import Engine, SamplingParams
+from semantic.runtime.evaluator import Evaluator
+from tests.runtime.test_engine import ByteTokenizer, busy_batch_equals_alone, drain, prompts
+from tests.tiny import tiny_model
+
+pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the evaluator's thread is for the CPU")
+
+
+def test_the_next_graph_is_built_on_one_computing_and_both_come_out_exact():
+    evaluator = Evaluator()
+    with mx.stream(evaluator.stream):
+        a = mx.random.normal((256, 256), key=mx.random.key(0))
+        b = a @ a
+        started = evaluator.start(b)
+        assert started is not None  # on the evaluator's thread
+        c = (b @ a).sum(axis=0)  # built while ``b`` computes there
+        evaluator.start(c)
+        evaluator.settle()
+    assert started.done()
+    expected = mx.random.normal((256, 256), key=mx.random.key(0))
+    assert mx.array_equal(b, expected @ expected).item()
+    assert mx.array_equal(c, ((expected @ expected) @ expected).sum(axis=0)).item()
+
+
+def test_a_graph_holding_the_callers_own_arrays_starts_here():
+    """MLX evaluates a graph on another thread only when it is on a stream any
+    thread may use: an array of the caller's own default stream fails there
+    (raised by ``settle``), and starts on the caller's thread with ``here``."""
+    evaluator = Evaluator()
+    mine = mx.arange(8) * 2  # the caller's default stream
+    evaluator.start(mine)
+    with pytest.raises(RuntimeError, match="Stream"):
+        evaluator.settle()
+    mine = mx.arange(8) * 2
+    assert evaluator.start(mine, here=True) is None
+    assert mine.tolist() == list(range(0, 16, 2))
+
+
+def test_steps_computed_on_the_evaluators_thread_change_no_token(monkeypatch):
+    """Greedy tokens with steps built ahead and evaluated on the thread equal
+    those of steps built and read one at a time, alone and in a busy batch
+    (a cache given to ``add`` starts ``here``: a lazy copy of the caller's)."""
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    on_thread = []
+    start = Evaluator.start
+
+    def counted(self, *trees, here=False):
+        started = start(self, *trees, here=here)
+        on_thread.append(started is not None)
+        return started
+
+    monkeypatch.setattr(Evaluator, "start", counted)
+    runs = []
+    for ahead in (True, False):
+        engine = Engine(model, tok, speculation=False)
+        engine.compute_ahead = ahead
+        ids = [engine.add(p, SamplingParams(max_tokens=12)) for p in prompts(3, seed=5)]
+        done = drain(engine)
+        runs.append([done[i].output_tokens for i in ids])
+    assert runs[0] == runs[1]
+    assert any(on_thread)
+    busy_batch_equals_alone(model, tok)
+
+
+def test_an_evaluators_stream_serves_the_next_once_it_is_gone():
+    """MLX keeps a thread for every stream it made: engines made and dropped over
+    a server's life (a model swapped, unloaded when idle and loaded again)
+    take the streams of those gone, once their graphs are done."""
+    import gc
+    import time
+
+    first = Evaluator()
+    with mx.stream(first.stream):
+        first.start(mx.random.normal((64, 64), key=mx.random.key(1)) @ mx.random.normal((64, 64)))
+    stream = first.stream
+    del first
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        second = Evaluator()
+        if second.stream == stream:
+            break
+        del second  # (its new stream is a spare now too)
+        time.sleep(0.01)
+    assert second.stream == stream
