@@ -16,8 +16,8 @@ when it starts on them, under the GIL: if the engine's thread has updated one
 in place by then (``x[a:b] = y``, building the next step), it evaluates that
 newer node, made on the step's, with it -- the step's values are the same.
 (Copies taken at ``start`` would avoid that; measured, they cost 6-14 ms a
-step here.) Off the CPU, ``async_eval`` is asynchronous
-already: a step starts there, on the caller's thread.
+step here.) Off the CPU, ``async_eval`` is asynchronous already: a step
+starts there, on the caller's thread.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 __all__ = ["Evaluator"]
 
@@ -70,7 +69,7 @@ class Evaluator:
             self.settle()
             mx.async_eval(*trees)
             return None
-        self._running = self._thread.submit(mx.eval, [a for _, a in tree_flatten(list(trees)) if isinstance(a, mx.array)])
+        self._running = self._thread.submit(mx.eval, *trees)
         return self._running
 
     def settle(self) -> None:
