@@ -132,8 +132,9 @@ def parser() -> argparse.ArgumentParser:
 
     p = bench.add_parser("speculation", help="decode tokens/s with speculation (drafts from history) on vs off")
     _add_model(p)
-    p.add_argument("--quick", action="store_true", help="2 rounds (a few minutes on 2 cores)")
-    p.add_argument("--rounds", type=parse_positive_int, help="rounds of each, alternating (default 3; --quick 2)")
+    p.add_argument("--quick", action="store_true", help="2 rounds (about 8 minutes on 2 cores)")
+    p.add_argument("--rounds", type=parse_positive_int,
+                   help="rounds of each, alternating (default 3; --quick 2); shorter workloads take more")
     p.add_argument("--peer", action="store_true",
                    help="also `semantic serve` against mlx_lm.server over HTTP on the same workloads")
     _add_json(p, "the results")

@@ -17,6 +17,9 @@ def test_speculation_bench_times_every_workload_on_and_off():
             assert 0 <= side["accepted"] <= side["drafted"]
         assert w["off"]["drafted"] == 0 and w["ratio"] > 0 and w["target"] == TARGETS[name]
     assert result["row_counts"]["counts"] and result["row_counts"]["ms"]
+    rounds = {name: w["rounds"] for name, w in result["workloads"].items()}
+    # the shorter workloads run more rounds: about as many tokens timed as the edit's
+    assert rounds["edit"] == rounds["edit x4"] == 1 and rounds["multi-turn"] == rounds["prose"] == 3
 
 
 def test_speculation_bench_is_a_subcommand():
