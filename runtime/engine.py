@@ -770,7 +770,7 @@ class Engine:
         held = [b.arrays for batch in self._batches.values() for b in batch]
         self._costs.built((time.perf_counter() - start) * 1e3)
         # A step built ahead computes on the evaluator's thread; any other may hold the caller's
-        # arrays (a cache given to ``add``), on its streams: it starts here.
+        # arrays on its own streams (a cache given to ``resume``, decoded at once): it starts here.
         evaluation = self._evaluator.start(tokens, [lp for lp in logprobs if lp is not None],
                                            [seq.view.arrays() for seq in rows], held, here=after is None)
         return _Step(rows, drafts, tokens, logprobs, [(tile, w) for (tile, _, _), w in zip(tiles, written)], states,

@@ -46,8 +46,7 @@ def test_a_graph_holding_the_callers_own_arrays_starts_here():
 
 def test_steps_computed_on_the_evaluators_thread_change_no_token(monkeypatch):
     """Greedy tokens with steps built ahead and evaluated on the thread equal
-    those of steps built and read one at a time, alone and in a busy batch
-    (a cache given to ``add`` starts ``here``: a lazy copy of the caller's)."""
+    those of steps built and read one at a time, alone and in a busy batch."""
     model, tok = tiny_model("llama"), ByteTokenizer()
     on_thread = []
     start = Evaluator.start
@@ -68,6 +67,34 @@ def test_steps_computed_on_the_evaluators_thread_change_no_token(monkeypatch):
     assert runs[0] == runs[1]
     assert any(on_thread)
     busy_batch_equals_alone(model, tok)
+
+
+def test_a_cache_resumed_lazy_on_the_callers_stream_decodes_on_its_thread():
+    """A preempted sequence resumes straight into decoding: its next step is the
+    first to read the cache given to ``resume``, which may be lazy on the
+    caller's own stream, so that step (never built ahead) starts on the
+    caller's thread -- on the evaluator's it fails (the test above) -- and
+    the sequence says what it would have said uninterrupted."""
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    greedy = SamplingParams(max_tokens=16)
+    expected = []
+    for resumed in (False, True):
+        engine = Engine(model, tok, speculation=False)
+        ids = [engine.add(p, greedy) for p in prompts(2, seed=5)]
+        out = {}
+
+        def act(step):
+            if resumed and step == 4:
+                out["preempted"] = engine.preempt(ids[0])
+            if resumed and step == 6:
+                f = out["preempted"]
+                for c in f.cache:  # each record a lazy copy, on this thread's default stream
+                    c.keys, c.values = tuple(k + 0 for k in c.keys), tuple(v + 0 for v in c.values)
+                engine.resume(ids[0], f.cache, len(f.cache_tokens))
+
+        done = drain(engine, act)
+        expected.append([done[i].output_tokens for i in ids])
+    assert expected[1] == expected[0]
 
 
 def test_an_evaluators_stream_serves_the_next_once_it_is_gone():
