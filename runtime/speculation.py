@@ -33,8 +33,10 @@ from .row_counts import RowCounts
 __all__ = ["Drafter", "NGRAMS", "StepCosts", "allot"]
 
 NGRAMS = (4, 3, 2)  # the history's last tokens looked up, longest first
-_KEEP = 0.7  # weight of the acceptance counts so far at each verify (recent drafts count most)
-_FORGET = 0.95  # at each step without drafts: a sequence whose drafts failed long ago is tried again
+# Echoed text fails where the model changes a little (a line re-indented) and then echoes on:
+# one miss should not stop a run, and a sequence whose drafts failed should soon try again.
+_KEEP = 0.85  # weight of the acceptance counts so far at each verify (recent drafts count most)
+_FORGET = 0.9  # at each step without drafts: a sequence whose drafts failed is tried again
 _PRIOR = 1.5  # drafts taken of 2 before any verdict
 
 

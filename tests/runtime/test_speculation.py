@@ -281,6 +281,31 @@ def test_fresh_sequences_beside_others_try_their_drafts():
     assert missed.rate == 0.5
 
 
+def test_a_miss_between_runs_costs_little_and_a_pause_is_short():
+    """Echoed text fails where the model changes a little (the embedded model
+    re-indents code it quotes) and then echoes on. At the Intel Xeon's step
+    costs for an agent at 500 tokens: one miss after a run of taken drafts
+    leaves the rate where a step verifies all 7 drafts, and a sequence whose
+    drafts failed three times drafts again after 10 steps without (weights
+    0.7 and 0.95 took 4 drafts and 18 steps, and multi-turn decoded 10%
+    slower: docs/benchmarks.md)."""
+    costs = StepCosts(RowCounts(tuple(range(1, 9)), ms=(62.9, 73.1, 80.4, 89.5, 97.4, 104.5, 113.4, 116.2)))
+    costs.build_ms, costs.key_ms = 15.0, 0.03
+    echo = Drafter([])
+    for _ in range(5):
+        echo.settle(3, 3)
+    echo.settle(3, 1)
+    assert allot([[1] * 7], [echo.rate], [500], costs) == [7]
+    failed = Drafter([])
+    for _ in range(3):
+        failed.settle(2, 0)
+    pause = 0
+    while allot([[1] * 7], [failed.rate], [500], costs) == [0]:
+        failed.settle(0, 0)
+        pause += 1
+    assert pause == 10
+
+
 def test_drafts_after_the_first_refused_are_not_counted():
     """Drafts are judged in order and the first refused ends the verdict: those
     after it say nothing of the chance a draft is taken once its
