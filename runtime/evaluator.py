@@ -51,6 +51,7 @@ class Evaluator:
 
     def __init__(self):
         self._running: Future | None = None
+        self._here: tuple = ()  # what ``start`` began on the caller's thread, until it is done
         if mx.default_device() != mx.cpu:
             self.stream, self._thread = mx.default_stream(mx.default_device()), None
             return
@@ -68,13 +69,22 @@ class Evaluator:
         if here or self._thread is None:
             self.settle()
             mx.async_eval(*trees)
+            self._here = trees if self._thread is not None else ()
             return None
+        self._finish_here()  # (its stream takes one thread at a time: two segfaulted)
         self._running = self._thread.submit(mx.eval, *trees)
         return self._running
 
     def settle(self) -> None:
-        """Wait for the graphs started on this evaluator's thread, if any (an
-        error of theirs is raised here)."""
+        """Wait for the graphs started on this evaluator's thread and on the
+        caller's, if any (an error of theirs is raised here)."""
         running, self._running = self._running, None
         if running is not None:
             running.result()
+        self._finish_here()
+
+    def _finish_here(self) -> None:
+        """Finish, on the caller's thread, what ``start`` began there."""
+        here, self._here = self._here, ()
+        if here:
+            mx.eval(*here)

@@ -3,6 +3,8 @@ the next step is built on a step still computing, and nothing changes."""
 
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
 import pytest
 
@@ -118,3 +120,27 @@ def test_an_evaluators_stream_serves_the_next_once_it_is_gone():
         del second  # (its new stream is a spare now too)
         time.sleep(0.01)
     assert second.stream == stream
+
+
+def test_a_graph_started_here_is_finished_here_before_the_thread_takes_the_next(monkeypatch):
+    """The stream takes one thread at a time. A step started on the caller's
+    thread (``here``: ``mx.async_eval``, which returns with the graph's tail
+    still running) is finished there before the step built on its tokens
+    goes to the evaluator's thread; CI segfaulted once when the caller read
+    the first step's tokens while the thread evaluated the second."""
+    evaluator = Evaluator()
+    calls = []
+    real = mx.eval
+
+    def recording(*trees):
+        calls.append(threading.current_thread() is threading.main_thread())
+        return real(*trees)
+
+    with mx.stream(evaluator.stream):
+        a = mx.random.normal((64, 64))
+        first = a @ a
+        second = first @ first
+    monkeypatch.setattr(mx, "eval", recording)
+    evaluator.start(first, here=True)
+    evaluator.start(second).result()
+    assert calls == [True, False]  # the first finished on the caller's thread, then the thread took the second
