@@ -51,7 +51,6 @@ class Evaluator:
 
     def __init__(self):
         self._running: Future | None = None
-        self._here: tuple = ()  # what ``start`` began on the caller's thread, until it is done
         if mx.default_device() != mx.cpu:
             self.stream, self._thread = mx.default_stream(mx.default_device()), None
             return
@@ -63,28 +62,21 @@ class Evaluator:
         """Begin evaluating the arrays in ``trees``: on this evaluator's thread,
         after the graph running there (queued now, so that thread goes on at
         once, without waiting for the GIL), or (``here``: a graph that may hold
-        arrays of the caller's own streams) with ``mx.async_eval`` on the
-        caller's, once that graph finished. Returns what to wait on before
-        reading them (None: read them as usual)."""
+        arrays of the caller's own streams) on the caller's, once that graph
+        finished: to its end on the CPU, with ``mx.async_eval`` elsewhere.
+        Returns what to wait on before reading them (None: read them as usual)."""
         if here or self._thread is None:
             self.settle()
-            mx.async_eval(*trees)
-            self._here = trees if self._thread is not None else ()
+            # On the CPU ``async_eval`` returns with the graph's tail still running, and the step
+            # built on it would go to this thread meanwhile: the stream takes one thread at a time.
+            (mx.async_eval if self._thread is None else mx.eval)(*trees)
             return None
-        self._finish_here()  # (its stream takes one thread at a time: two segfaulted)
         self._running = self._thread.submit(mx.eval, *trees)
         return self._running
 
     def settle(self) -> None:
-        """Wait for the graphs started on this evaluator's thread and on the
-        caller's, if any (an error of theirs is raised here)."""
+        """Wait for the graphs started on this evaluator's thread, if any (an
+        error of theirs is raised here)."""
         running, self._running = self._running, None
         if running is not None:
             running.result()
-        self._finish_here()
-
-    def _finish_here(self) -> None:
-        """Finish, on the caller's thread, what ``start`` began there."""
-        here, self._here = self._here, ()
-        if here:
-            mx.eval(*here)

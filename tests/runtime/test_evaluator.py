@@ -124,10 +124,11 @@ def test_an_evaluators_stream_serves_the_next_once_it_is_gone():
 
 def test_a_graph_started_here_is_finished_here_before_the_thread_takes_the_next(monkeypatch):
     """The stream takes one thread at a time. A step started on the caller's
-    thread (``here``: ``mx.async_eval``, which returns with the graph's tail
-    still running) is finished there before the step built on its tokens
-    goes to the evaluator's thread; CI segfaulted once when the caller read
-    the first step's tokens while the thread evaluated the second."""
+    thread (``here``) is evaluated to its end there (``mx.async_eval``
+    returns with the graph's tail still running) before the step built on
+    its tokens goes to the evaluator's thread; CI segfaulted once when the
+    caller read the first step's tokens while the thread evaluated the
+    second."""
     evaluator = Evaluator()
     calls = []
     real = mx.eval
