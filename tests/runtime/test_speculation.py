@@ -299,10 +299,10 @@ def test_a_miss_between_runs_costs_little_and_a_pause_is_short():
     failed = Drafter([])
     for _ in range(3):
         failed.settle(2, 0)
-    pause = 0
-    while allot([[1] * 7], [failed.rate], [500], costs) == [0]:
+    for pause in range(50):  # (bounded: a rate that never returns fails, not hangs)
+        if allot([[1] * 7], [failed.rate], [500], costs) != [0]:
+            break
         failed.settle(0, 0)
-        pause += 1
     assert pause == 10
 
 
