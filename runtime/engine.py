@@ -67,7 +67,7 @@ from .lean import lean
 from .row_counts import RowCounts, choose
 from .rowwise import rowwise
 from .sampling import Draw, Sampler, SamplingParams, TokenLogprob
-from .speculation import Drafter, StepCosts, allot
+from .speculation import Drafter, Indents, StepCosts, allot
 
 __all__ = ["Engine", "Delta", "Finished", "SamplingParams", "TokenLogprob"]
 
@@ -241,6 +241,10 @@ class Engine:
         self._evaluator = Evaluator()  # where steps compute: a step ahead, while the next is built
         self._held: set[int] = set()  # sequences whose next step verifies no drafts (``hold_drafts``)
 
+    @functools.cached_property
+    def _indents(self) -> Indents:
+        return Indents.of(self.tokenizer)  # (for drafts: only an engine that speculates looks)
+
     # -- queries ---------------------------------------------------------
 
     @property
@@ -344,7 +348,7 @@ class Engine:
             fed=prompt[:cached_tokens],
             reused=cached_tokens,
             prompt_tokens=len(prompt),
-            drafter=Drafter(prompt) if self.speculation else None,
+            drafter=Drafter(prompt, self._indents) if self.speculation else None,
         )
 
     def _fork_choices(self, seq: _Sequence) -> list[_Sequence]:

@@ -5,7 +5,12 @@ Agents mostly write what they have seen: a file shown to them with a line
 changed, tool output quoted, identifiers repeated. A sequence's ``Drafter``
 indexes its token history (the conversation it was prompted with and what it
 has written since) by its last few tokens; where they occurred before, the
-tokens that followed are offered as drafts. No draft model.
+tokens that followed are offered as drafts. No draft model. Code quoted at
+another depth than it was shown (a method quoted on its own, a block moved
+into an ``if``) differs only in its indentation tokens: where the last tokens
+occurred nowhere as they are, they are looked up with every line break's
+indentation taken as the same (``Indents``), and the drafts' indentations
+are shifted by what the quote's differ from the original's there.
 
 The engine feeds a drafting sequence its next input and the drafts in
 consecutive token slots of one decode forward (``runtime.batch_cache``): each
@@ -30,7 +35,7 @@ import numpy as np
 
 from .row_counts import RowCounts
 
-__all__ = ["Drafter", "NGRAMS", "StepCosts", "allot"]
+__all__ = ["Drafter", "Indents", "NGRAMS", "StepCosts", "allot"]
 
 NGRAMS = (4, 3, 2)  # the history's last tokens looked up, longest first
 # Echoed text fails where the model changes a little (a line re-indented) and then echoes on:
@@ -40,14 +45,52 @@ _FORGET = 0.9  # at each step without drafts: a sequence whose drafts failed is 
 _PRIOR = 1.5  # drafts taken of 2 before any verdict
 
 
+class Indents:
+    """A tokenizer's indentation tokens: each single token that is a line break
+    (or two) and a run of spaces or of tabs, by its kind and width, both ways."""
+
+    WIDEST = 64  # spaces or tabs looked up after a line break
+
+    def __init__(self, widths: dict[int, tuple[str, int]]):
+        self.widths = widths  # token -> (line breaks and the character, width)
+        self._tokens = {kind_width: token for token, kind_width in widths.items()}
+        kinds = sorted({kind for kind, _ in widths.values()})
+        # An indentation's key in a lookup: its kind alone (negative: never a token id).
+        self.keys = {token: -1 - kinds.index(kind) for token, (kind, _) in widths.items()}
+
+    @classmethod
+    def of(cls, tokenizer) -> Indents:
+        widths: dict[int, tuple[str, int]] = {}
+        for breaks in ("\n", "\n\n"):
+            for char in " \t":
+                for width in range(cls.WIDEST + 1):
+                    ids = tokenizer.encode(breaks + char * width, add_special_tokens=False)
+                    if len(ids) == 1:
+                        widths.setdefault(ids[0], (breaks + char, width))  # (width 0: the same token for both)
+        return cls(widths)
+
+    def shifted(self, token: int, shift: int) -> int | None:
+        """``token``, if an indentation, ``shift`` wider (None: no such token)."""
+        if token not in self.widths:
+            return token
+        kind, width = self.widths[token]
+        return self._tokens.get((kind, width + shift))
+
+
+NO_INDENTS = Indents({})
+
+
 class Drafter:
     """One sequence's token history, searched for drafts, and how its drafts fared."""
 
-    def __init__(self, history: list[int]):
+    def __init__(self, history: list[int], indents: Indents = NO_INDENTS):
         self.tokens = list(history)
-        self._array = np.zeros(len(history) + 256, np.int64)  # ``tokens`` as an array (searched), grown by half
-        self._array[: len(history)] = history
-        self._synced = len(history)
+        self.indents = indents
+        # ``tokens`` as arrays, searched (grown by half): as they are, and with indentations as their kind
+        self._array = np.zeros(len(history) + 256, np.int64)
+        self._keys = np.zeros(len(history) + 256, np.int64)
+        self._synced = 0
+        self.shift = 0  # how much wider the latest quote's indentations are than the original's
         self.proposed = self.accepted = 0.0  # drafts judged and taken, decayed (``rate``)
 
     def extend(self, token: int) -> None:
@@ -55,27 +98,45 @@ class Drafter:
 
     def offer(self, limit: int) -> list[int]:
         """Up to ``limit`` tokens that followed the latest earlier occurrence
-        of the history's last ``NGRAMS`` tokens, the longest that occurred."""
+        of the history's last ``NGRAMS`` tokens, the longest that occurred,
+        as they are or else with any indentation; the drafts' indentations
+        shifted by how the two occurrences' differ (where they hold none: as
+        the last that did)."""
         n_tokens = len(self.tokens)
         if limit < 1 or n_tokens <= min(NGRAMS):
             return []
-        if n_tokens > len(self._array):
-            self._array = np.concatenate([self._array, np.zeros(n_tokens // 2 + 256, np.int64)])
-        self._array[self._synced : n_tokens] = self.tokens[self._synced :]
-        self._synced = n_tokens
-        a = self._array[:n_tokens]
+        self._sync()
+        tokens, keys = self._array[:n_tokens], self._keys[:n_tokens]
         for n in NGRAMS:
             if n_tokens <= n:
                 continue
-            # j: where an earlier n-gram starts that has a follower (j + n < n_tokens) and equals the last n
-            same = a[n - 1 : n_tokens - 1] == a[-1]
-            for back in range(1, n):
-                same &= a[n - 1 - back : n_tokens - 1 - back] == a[-1 - back]
-            found = np.flatnonzero(same)
-            if found.size:
-                after = int(found[-1]) + n
-                return self.tokens[after : after + limit]
+            j = _latest(tokens, n)
+            if j is None and any(t in self.indents.keys for t in self.tokens[-n:]):
+                j = _latest(keys, n)
+            if j is None:
+                continue
+            for original, quote in zip(self.tokens[j : j + n], self.tokens[-n:]):
+                if original in self.indents.widths:
+                    self.shift = self.indents.widths[quote][1] - self.indents.widths[original][1]
+            drafts = []
+            for token in self.tokens[j + n : j + n + limit]:
+                token = self.indents.shifted(token, self.shift)
+                if token is None:
+                    break
+                drafts.append(token)
+            return drafts
         return []
+
+    def _sync(self) -> None:
+        n_tokens = len(self.tokens)
+        if n_tokens > len(self._array):
+            grown = n_tokens // 2 + 256
+            self._array = np.concatenate([self._array, np.zeros(grown, np.int64)])
+            self._keys = np.concatenate([self._keys, np.zeros(grown, np.int64)])
+        new = self.tokens[self._synced :]
+        self._array[self._synced : n_tokens] = new
+        self._keys[self._synced : n_tokens] = [self.indents.keys.get(t, t) for t in new]
+        self._synced = n_tokens
 
     @property
     def rate(self) -> float:
@@ -133,6 +194,16 @@ class StepCosts:
             return
         attention = max(0.0, ms - self.build_ms - self._forwards(widths))
         self.key_ms += 0.2 * (attention / _keys(widths, contexts) - self.key_ms)
+
+
+def _latest(a: np.ndarray, n: int) -> int | None:
+    """Where the latest earlier occurrence of ``a``'s last ``n`` starts that has
+    a follower (it ends before the last), if any."""
+    same = a[n - 1 : -1] == a[-1]
+    for back in range(1, n):
+        same &= a[n - 1 - back : len(a) - 1 - back] == a[-1 - back]
+    found = np.flatnonzero(same)
+    return int(found[-1]) if found.size else None
 
 
 def _keys(widths: list[int], contexts: list[int]) -> int:

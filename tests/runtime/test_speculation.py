@@ -17,7 +17,7 @@ from semantic.runtime.kv import StateCache
 from semantic.runtime.engine import Engine, SamplingParams
 from semantic.runtime.row_counts import RowCounts
 from semantic.runtime.sampling import Sampler
-from semantic.runtime.speculation import Drafter, StepCosts, allot
+from semantic.runtime.speculation import NO_INDENTS, Drafter, Indents, StepCosts, allot
 from tests.runtime.test_engine import ByteTokenizer, drain, measured
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
@@ -53,7 +53,7 @@ class SteadyCosts(StepCosts):
 def run(model, tokenizer, prompts, params, counts, speculation=True, oracle=None, monkeypatch=None, act=None):
     """Each prompt's ``Finished``, all added at once (``act(engine, step)`` may add and cancel more)."""
     if oracle is not None:
-        monkeypatch.setattr(engine_module, "Drafter", lambda history: Oracle(history, *oracle[tuple(history)]))
+        monkeypatch.setattr(engine_module, "Drafter", lambda history, _indents: Oracle(history, *oracle[tuple(history)]))
         monkeypatch.setattr(engine_module, "StepCosts", SteadyCosts)
     engine = Engine(model, tokenizer, row_counts=counts, speculation=speculation)
     ids = [engine.add(p, q) for p, q in zip(prompts, params)]
@@ -155,7 +155,7 @@ def drafting(monkeypatch, arch: str, seed: int, max_tokens: int, wrong: int):
     model, tok = tiny_model(arch), ByteTokenizer()
     prompt, params = prompts_for(seed, 1)[0], SamplingParams(max_tokens=max_tokens)
     want = run(model, tok, [prompt], [params], RowCounts.fixed(8), speculation=False)[0]
-    monkeypatch.setattr(engine_module, "Drafter", lambda h: Oracle(h, prompt + list(want.output_tokens), wrong))
+    monkeypatch.setattr(engine_module, "Drafter", lambda h, _indents: Oracle(h, prompt + list(want.output_tokens), wrong))
     engine = Engine(model, tok, row_counts=RowCounts.fixed(8))
     return engine, engine.add(prompt, params), want
 
@@ -243,6 +243,56 @@ def test_drafts_from_history():
     assert d.offer(2) == [4, 7]  # (2, 3) occurred twice: the latest was followed by 4, 7
     assert Drafter([5, 5]).offer(3) == []
     assert d.offer(0) == []
+
+
+def test_drafts_across_another_indentation_are_shifted():
+    """Where the last tokens occurred only at another indentation, the lookup
+    takes every line break's indentation as the same, and the drafts'
+    indentations are shifted by the difference; they stop at one with no
+    token that wide."""
+    indents = Indents({100: ("\n ", 0), 104: ("\n ", 4), 108: ("\n ", 8)})
+    block = [7, 8, 104, 9, 108, 10, 104, 11, 100, 12]
+    assert Drafter([*block, 7, 8, 100], indents).offer(5) == [9, 104, 10, 100, 11]  # quoted 4 less deep
+    assert Drafter([*block, 7, 8, 108], indents).offer(5) == [9]  # 4 deeper: no token for 12 spaces
+    wider = Indents({**indents.widths, 112: ("\n ", 12)})
+    assert Drafter([*block, 7, 8, 108], wider).offer(5) == [9, 112, 10, 108, 11]
+    assert Drafter([*block, 7, 8, 100], NO_INDENTS).offer(5) == []
+
+
+def test_a_method_quoted_at_another_depth_is_drafted_across_its_line_breaks():
+    """Code quoted one level less indented than the file it was shown in:
+    once the quote's first indented line tells how much less, no draft is
+    refused at a later line break (the embedded model's tokenizer); taking
+    indentations as they are, every indented one is."""
+    import textwrap
+
+    from tests.tiny import embedded_tokenizer
+
+    tok = embedded_tokenizer()
+    source = ("class Clock:\n    def tick(self):\n        if self.alarm_armed:\n            self.ring_bell()\n"
+              "        self.seconds_counted += 1\n        return self.minute_ended()\n")
+    quote = textwrap.dedent(source[source.index("    def") :])
+    history = tok.encode(f"```python\n{source}```\n", add_special_tokens=False)
+    reply = tok.encode(f"```python\n{quote}", add_special_tokens=False)
+    breaks = [i for i, t in enumerate(reply) if "\n" in tok.decode([t])]
+    first = next(i for i in breaks if tok.decode([reply[i]]).strip(" \n") == "" and " " in tok.decode([reply[i]]))
+
+    def refused(indents: Indents) -> list[bool]:
+        """Whether a draft was refused at each line break after the first indented one."""
+        drafter, refusals, at = Drafter(history, indents), set(), 0
+        while at < len(reply):
+            offer, n = drafter.offer(7), 0
+            while n < len(offer) and at + n < len(reply) and offer[n] == reply[at + n]:
+                n += 1
+            if n < len(offer):
+                refusals.add(at + n)
+            for token in reply[at : at + n + 1]:
+                drafter.extend(token)
+            at += n + 1
+        return [i in refusals for i in breaks if i > first]
+
+    assert refused(Indents.of(tok)) == [False] * 4
+    assert refused(NO_INDENTS) == [True, True, True, False]  # (the last, a bare line break, is the same at any depth)
 
 
 def test_allot_pays_only_for_drafts_worth_their_slots():

@@ -29,8 +29,8 @@ class Recalling(Drafter):
     seen: list[Drafter] = []
     rate = 0.99  # claimed, so that its drafts are verified (``allot``)
 
-    def __init__(self, history):
-        super().__init__(history)
+    def __init__(self, history, indents):
+        super().__init__(history, indents)
         Recalling.seen.append(self)
 
     def offer(self, limit):
