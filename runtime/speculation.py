@@ -47,7 +47,9 @@ _PRIOR = 1.5  # drafts taken of 2 before any verdict
 
 class Indents:
     """A tokenizer's indentation tokens: each single token that is a line break
-    (or two) and a run of spaces or of tabs, by its kind and width, both ways."""
+    (or two) and a run of spaces or of tabs, by its kind and width, both ways
+    (a bare line break is none: taken as one, it matched the history's
+    line breaks to any indentation, and the shift it left was wrong)."""
 
     WIDEST = 64  # spaces or tabs looked up after a line break
 
@@ -55,18 +57,18 @@ class Indents:
         self.widths = widths  # token -> (line breaks and the character, width)
         self._tokens = {kind_width: token for token, kind_width in widths.items()}
         kinds = sorted({kind for kind, _ in widths.values()})
-        # An indentation's key in a lookup: its kind alone (negative: never a token id).
-        self.keys = {token: -1 - kinds.index(kind) for token, (kind, _) in widths.items()}
+        # What an indentation is looked up as: its kind alone (negative: never a token id).
+        self.kinds = {token: -1 - kinds.index(kind) for token, (kind, _) in widths.items()}
 
     @classmethod
     def of(cls, tokenizer) -> Indents:
         widths: dict[int, tuple[str, int]] = {}
         for breaks in ("\n", "\n\n"):
             for char in " \t":
-                for width in range(cls.WIDEST + 1):
+                for width in range(1, cls.WIDEST + 1):
                     ids = tokenizer.encode(breaks + char * width, add_special_tokens=False)
                     if len(ids) == 1:
-                        widths.setdefault(ids[0], (breaks + char, width))  # (width 0: the same token for both)
+                        widths[ids[0]] = (breaks + char, width)
         return cls(widths)
 
     def shifted(self, token: int, shift: int) -> int | None:
@@ -86,9 +88,9 @@ class Drafter:
     def __init__(self, history: list[int], indents: Indents = NO_INDENTS):
         self.tokens = list(history)
         self.indents = indents
-        # ``tokens`` as arrays, searched (grown by half): as they are, and with indentations as their kind
+        # ``tokens`` as arrays, searched (grown by half): as they are, and each indentation as its kind
         self._array = np.zeros(len(history) + 256, np.int64)
-        self._keys = np.zeros(len(history) + 256, np.int64)
+        self._loose = np.zeros(len(history) + 256, np.int64)
         self._synced = 0
         self.shift = 0  # how much wider the latest quote's indentations are than the original's
         self.proposed = self.accepted = 0.0  # drafts judged and taken, decayed (``rate``)
@@ -106,13 +108,13 @@ class Drafter:
         if limit < 1 or n_tokens <= min(NGRAMS):
             return []
         self._sync()
-        tokens, keys = self._array[:n_tokens], self._keys[:n_tokens]
+        tokens, loose = self._array[:n_tokens], self._loose[:n_tokens]
         for n in NGRAMS:
             if n_tokens <= n:
                 continue
             j = _latest(tokens, n)
-            if j is None and any(t in self.indents.keys for t in self.tokens[-n:]):
-                j = _latest(keys, n)
+            if j is None and any(t in self.indents.kinds for t in self.tokens[-n:]):
+                j = _latest(loose, n)
             if j is None:
                 continue
             for original, quote in zip(self.tokens[j : j + n], self.tokens[-n:]):
@@ -128,14 +130,15 @@ class Drafter:
         return []
 
     def _sync(self) -> None:
+        """Copy the tokens written since the last offer into the arrays searched."""
         n_tokens = len(self.tokens)
         if n_tokens > len(self._array):
-            grown = n_tokens // 2 + 256
+            grown = n_tokens - len(self._array) + n_tokens // 2 + 256
             self._array = np.concatenate([self._array, np.zeros(grown, np.int64)])
-            self._keys = np.concatenate([self._keys, np.zeros(grown, np.int64)])
+            self._loose = np.concatenate([self._loose, np.zeros(grown, np.int64)])
         new = self.tokens[self._synced :]
         self._array[self._synced : n_tokens] = new
-        self._keys[self._synced : n_tokens] = [self.indents.keys.get(t, t) for t in new]
+        self._loose[self._synced : n_tokens] = [self.indents.kinds.get(t, t) for t in new]
         self._synced = n_tokens
 
     @property

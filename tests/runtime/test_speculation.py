@@ -243,6 +243,10 @@ def test_drafts_from_history():
     assert d.offer(2) == [4, 7]  # (2, 3) occurred twice: the latest was followed by 4, 7
     assert Drafter([5, 5]).offer(3) == []
     assert d.offer(0) == []
+    grown = Drafter([1, 2, 3])
+    for t in range(3000):  # more at once than the arrays searched hold, grown by half
+        grown.extend(10 + t % 7)
+    assert grown.offer(3) == [14, 15, 16]
 
 
 def test_drafts_across_another_indentation_are_shifted():
@@ -250,13 +254,15 @@ def test_drafts_across_another_indentation_are_shifted():
     takes every line break's indentation as the same, and the drafts'
     indentations are shifted by the difference; they stop at one with no
     token that wide."""
-    indents = Indents({100: ("\n ", 0), 104: ("\n ", 4), 108: ("\n ", 8)})
-    block = [7, 8, 104, 9, 108, 10, 104, 11, 100, 12]
-    assert Drafter([*block, 7, 8, 100], indents).offer(5) == [9, 104, 10, 100, 11]  # quoted 4 less deep
-    assert Drafter([*block, 7, 8, 108], indents).offer(5) == [9]  # 4 deeper: no token for 12 spaces
-    wider = Indents({**indents.widths, 112: ("\n ", 12)})
-    assert Drafter([*block, 7, 8, 108], wider).offer(5) == [9, 112, 10, 108, 11]
-    assert Drafter([*block, 7, 8, 100], NO_INDENTS).offer(5) == []
+    indents = Indents({104: ("\n ", 4), 108: ("\n ", 8), 112: ("\n ", 12)})
+    block = [7, 8, 108, 9, 112, 10, 108, 11, 104, 12]
+    quoted = Drafter([*block, 7, 8, 104], indents)  # 4 less deep
+    assert quoted.offer(5) == [9, 108, 10, 104, 11]
+    assert quoted.offer(9) == [9, 108, 10, 104, 11]  # (no token for a line break alone: not an indentation)
+    assert Drafter([*block, 7, 8, 112], indents).offer(5) == [9]  # 4 deeper: no token for 16 spaces
+    wider = Indents({**indents.widths, 116: ("\n ", 16)})
+    assert Drafter([*block, 7, 8, 112], wider).offer(5) == [9, 116, 10, 112, 11]
+    assert Drafter([*block, 7, 8, 104], NO_INDENTS).offer(5) == []
 
 
 def test_a_method_quoted_at_another_depth_is_drafted_across_its_line_breaks():
