@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .prefix import encode
 from .row_counts import RowCounts
 
 __all__ = ["Drafter", "Indents", "NGRAMS", "StepCosts", "allot"]
@@ -66,7 +67,7 @@ class Indents:
         for breaks in ("\n", "\n\n"):
             for char in " \t":
                 for width in range(1, cls.WIDEST + 1):
-                    ids = tokenizer.encode(breaks + char * width, add_special_tokens=False)
+                    ids = encode(tokenizer, breaks + char * width)
                     if len(ids) == 1:
                         widths[ids[0]] = (breaks + char, width)
         return cls(widths)

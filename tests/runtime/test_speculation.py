@@ -281,7 +281,7 @@ def test_a_method_quoted_at_another_depth_is_drafted_across_its_line_breaks():
     history = tok.encode(f"```python\n{source}```\n", add_special_tokens=False)
     reply = tok.encode(f"```python\n{quote}", add_special_tokens=False)
     breaks = [i for i, t in enumerate(reply) if "\n" in tok.decode([t])]
-    first = next(i for i in breaks if tok.decode([reply[i]]).strip(" \n") == "" and " " in tok.decode([reply[i]]))
+    first = next(i for i in breaks if tok.decode([reply[i]]).startswith("\n "))
 
     def refused(indents: Indents) -> list[bool]:
         """Whether a draft was refused at each line break after the first indented one."""
