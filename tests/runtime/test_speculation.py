@@ -263,6 +263,8 @@ def test_drafts_across_another_indentation_are_shifted():
     wider = Indents({**indents.widths, 116: ("\n ", 16)})
     assert Drafter([*block, 7, 8, 112], wider).offer(5) == [9, 116, 10, 112, 11]
     assert Drafter([*block, 7, 8, 104], NO_INDENTS).offer(5) == []
+    # Tokens that occurred as they are draft as they did there, before a later match at another depth:
+    assert Drafter([7, 8, 104, 30, 7, 8, 108, 40, 7, 8, 104], indents).offer(4) == [30, 7, 8, 108]
 
 
 def test_a_method_quoted_at_another_depth_is_drafted_across_its_line_breaks():
