@@ -229,14 +229,17 @@ def test_two_agents_on_three_ranks_keep_their_shards_across_a_restart(tmp_path):
 
 
 def _unhealthy(url: str, proc: subprocess.Popen) -> dict:
-    """/health once it says 503 (rank 0 says it is unhealthy before it ends the group)."""
+    """/health once it says 503 (rank 0 says it is unhealthy for 5 s before it ends
+    the group).  Polled over one kept-alive connection, as a monitor would: a new
+    connection per poll took 0.1-1.5 s here (a busy CI machine once missed the window)."""
     import httpx
 
-    while proc.poll() is None:
-        r = httpx.get(url + "/health", timeout=5)
-        if r.status_code == 503:
-            return r.json()
-        time.sleep(0.3)
+    with httpx.Client(base_url=url, timeout=5) as monitor:
+        while proc.poll() is None:
+            r = monitor.get("/health")
+            if r.status_code == 503:
+                return r.json()
+            time.sleep(0.2)
     raise AssertionError("rank 0 ended without saying it was unhealthy")
 
 
