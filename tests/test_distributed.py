@@ -143,24 +143,32 @@ def _start_group(cache: Path, log: Path, starts: int, *options: str) -> tuple[su
     return proc, urls[-1]
 
 
-def _turns(url: str, questions: dict[str, str]) -> dict[str, dict]:
-    """One turn of each agent, all at once (the batch holds both)."""
+def _turns(url: str, questions: dict[str, str], log: Path | None = None) -> dict[str, dict]:
+    """One turn of each agent, all at once (the batch holds both); a failed one
+    fails the test with the ranks' ``log``."""
     import httpx
 
     out: dict[str, dict] = {}
+    errors: dict[str, str] = {}
 
     def turn(agent: str, question: str) -> None:
-        with httpx.Client(base_url=url, timeout=300) as http:
-            r = http.post(f"/v1/agents/{agent}/messages", json={"content": question, "max_tokens": 6})
-            assert r.status_code == 200, r.text
+        try:
+            with httpx.Client(base_url=url, timeout=300) as http:
+                r = http.post(f"/v1/agents/{agent}/messages", json={"content": question, "max_tokens": 6})
+        except httpx.HTTPError as e:
+            errors[agent] = repr(e)
+            return
+        if r.status_code == 200:
             out[agent] = r.json()
+        else:
+            errors[agent] = f"{r.status_code} {r.text}"
 
     threads = [threading.Thread(target=turn, args=item) for item in questions.items()]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert out.keys() == questions.keys(), "a turn failed"
+    assert not errors, (errors, log.read_text()[-3000:] if log else None)
     return out
 
 
@@ -169,13 +177,13 @@ QUESTIONS = [{"ann": "What is a river?", "bob": "Name a colour."},
              {"ann": "Name a long one.", "bob": "Which is darker?"}]
 
 
-def _conversation(url: str, turns: list[dict]) -> list[dict]:
+def _conversation(url: str, turns: list[dict], log: Path | None = None) -> list[dict]:
     import httpx
 
     with httpx.Client(base_url=url, timeout=60) as http:
         for agent in ("ann", "bob"):
             assert http.post("/v1/agents", json={"id": agent, "system": "You are terse."}).status_code in (200, 201)
-    return [_turns(url, questions) for questions in turns]
+    return [_turns(url, questions, log) for questions in turns]
 
 
 def test_two_agents_on_three_ranks_keep_their_shards_across_a_restart(tmp_path):
@@ -188,7 +196,7 @@ def test_two_agents_on_three_ranks_keep_their_shards_across_a_restart(tmp_path):
     cache, log = tmp_path / "cache", tmp_path / "ranks.log"
     proc, url = _start_group(cache, log, 1)
     try:
-        before = _conversation(url, QUESTIONS[:2])
+        before = _conversation(url, QUESTIONS[:2], log)
     finally:
         _stop_group(proc, log)
     assert "rank 1 stopped" in log.read_text() and "rank 2 stopped" in log.read_text()
@@ -199,7 +207,7 @@ def test_two_agents_on_three_ranks_keep_their_shards_across_a_restart(tmp_path):
 
     proc, url = _start_group(cache, log, 2)
     try:
-        after = _turns(url, QUESTIONS[2])
+        after = _turns(url, QUESTIONS[2], log)
     finally:
         _stop_group(proc, log)
     for agent in ("ann", "bob"):
@@ -228,7 +236,7 @@ def test_two_agents_on_three_ranks_keep_their_shards_across_a_restart(tmp_path):
         print(f"{agent}: sharded {sharded}\n{agent}: single  {whole}\n{agent}: first divergence: turn {first}")
 
 
-def _unhealthy(url: str, proc: subprocess.Popen) -> dict:
+def _unhealthy(url: str, proc: subprocess.Popen, log: Path) -> dict:
     """/health once it says 503 (rank 0 says it is unhealthy for 5 s before it ends
     the group).  Polled over one kept-alive connection, as a monitor would: a new
     connection per poll took 0.1-1.5 s here (a busy CI machine once missed the window)."""
@@ -236,11 +244,14 @@ def _unhealthy(url: str, proc: subprocess.Popen) -> dict:
 
     with httpx.Client(base_url=url, timeout=5) as monitor:
         while proc.poll() is None:
-            r = monitor.get("/health")
+            try:
+                r = monitor.get("/health")
+            except httpx.TransportError as e:
+                raise AssertionError(f"/health failed before it said 503: {e!r}\n{log.read_text()[-3000:]}") from e
             if r.status_code == 503:
                 return r.json()
             time.sleep(0.2)
-    raise AssertionError("rank 0 ended without saying it was unhealthy")
+    raise AssertionError(f"rank 0 ended without saying it was unhealthy\n{log.read_text()[-3000:]}")
 
 
 @pytest.mark.parametrize("fault", ["dies", "hangs"])
@@ -257,7 +268,7 @@ def test_a_rank_that_fails_mid_turn_ends_the_group_and_the_agent_goes_on_after_a
     cache, log = tmp_path / "cache", tmp_path / "ranks.log"
     proc, url = _start_group(cache, log, 1, "--rank-timeout", "10s")
     try:
-        first = _conversation(url, QUESTIONS[:1])[0]["ann"]
+        first = _conversation(url, QUESTIONS[:1], log)[0]["ann"]
         with httpx.Client(base_url=url, timeout=120) as http:
             with http.stream("POST", "/v1/agents/ann/messages",
                              json={"content": "Tell me a long story.", "max_tokens": 400, "stream": True}) as r:
@@ -267,7 +278,7 @@ def test_a_rank_that_fails_mid_turn_ends_the_group_and_the_agent_goes_on_after_a
                 os.kill(follower, signal.SIGKILL if fault == "dies" else signal.SIGSTOP)
                 started = time.monotonic()
                 if fault == "hangs":
-                    health = _unhealthy(url, proc)
+                    health = _unhealthy(url, proc, log)
                     assert health["error"].startswith("rank 0: the other ranks have not answered for 10 s"), health
                 with pytest.raises(httpx.HTTPError):  # the stream ends without its done event
                     for line in lines:
@@ -288,7 +299,7 @@ def test_a_rank_that_fails_mid_turn_ends_the_group_and_the_agent_goes_on_after_a
 
     proc, url = _start_group(cache, log, 2)
     try:
-        after = _turns(url, {"ann": "Where does it start?"})["ann"]
+        after = _turns(url, {"ann": "Where does it start?"}, log)["ann"]
     finally:
         _stop_group(proc, log)
     u = first["usage"]
