@@ -127,10 +127,15 @@ def _rank_pid(proc: subprocess.Popen, rank: int) -> int:
     raise AssertionError(f"no rank {rank}")
 
 
+def _tail(log: Path) -> str:
+    """The end of the ranks' log, for a failure's message."""
+    return log.read_text()[-3000:]
+
+
 def _stop_group(proc: subprocess.Popen, log: Path) -> None:
     """SIGINT to rank 0, as to any ``semantic serve``: it stops every rank in order, and mlx.launch ends."""
     os.kill(_rank_pid(proc, 0), signal.SIGINT)
-    assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    assert proc.wait(timeout=120) == 0, _tail(log)
 
 
 def _start_group(cache: Path, log: Path, starts: int, *options: str) -> tuple[subprocess.Popen, str]:
@@ -138,7 +143,7 @@ def _start_group(cache: Path, log: Path, starts: int, *options: str) -> tuple[su
                    log=log)
     deadline = time.monotonic() + 180
     while len(urls := re.findall(r"listening on (http://\S+)", log.read_text())) < starts:
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        assert proc.poll() is None and time.monotonic() < deadline, _tail(log)
         time.sleep(0.2)
     return proc, urls[-1]
 
@@ -168,7 +173,7 @@ def _turns(url: str, questions: dict[str, str], log: Path | None = None) -> dict
         t.start()
     for t in threads:
         t.join()
-    assert not errors, (errors, log.read_text()[-3000:] if log else None)
+    assert not errors and out.keys() == questions.keys(), (errors, _tail(log) if log else None)
     return out
 
 
@@ -247,11 +252,11 @@ def _unhealthy(url: str, proc: subprocess.Popen, log: Path) -> dict:
             try:
                 r = monitor.get("/health")
             except httpx.TransportError as e:
-                raise AssertionError(f"/health failed before it said 503: {e!r}\n{log.read_text()[-3000:]}") from e
+                raise AssertionError(f"/health failed before it said 503: {e!r}\n{_tail(log)}") from e
             if r.status_code == 503:
                 return r.json()
             time.sleep(0.2)
-    raise AssertionError(f"rank 0 ended without saying it was unhealthy\n{log.read_text()[-3000:]}")
+    raise AssertionError(f"rank 0 ended without saying it was unhealthy\n{_tail(log)}")
 
 
 @pytest.mark.parametrize("fault", ["dies", "hangs"])
