@@ -281,7 +281,9 @@ class Bench:
 
     def _concurrent_round(self, side: str, c: int, rep: int) -> dict:
         p = self.plan
-        texts = [f"{self.texts.passage(p.context - 30, 'cc', side, c, rep, j)}\n\n{RETELL}" for j in range(c)]
+        # The same prompts on both sides, as every other part: a reply that ends early
+        # lowers its round's tokens, not its time, so different texts would weigh unequally.
+        texts = [f"{self.texts.passage(p.context - 30, 'cc', c, rep, j)}\n\n{RETELL}" for j in range(c)]
         barrier = threading.Barrier(c)
         s = self.servers[side]
 

@@ -25,7 +25,9 @@ from .fastmath import LOG2E, exp2
 
 __all__ = ["attend", "attend_each"]
 
-BLOCK = 128  # query rows of a prompt chunk attended at once (their scores' memory; masked keys skipped)
+BLOCK = 128  # the most query rows of a prompt chunk attended at once (masked keys skipped)
+SCORES_BYTES = 2 << 20  # about what a block's scores take over long keys (``_block_rows``)
+MIN_BLOCK = 4  # the fewest rows a block (over 16K keys and more)
 LONG = 1024  # keys from which a decode step's attention is ours (below: MLX's SDPA, fewer ops; measured here)
 
 
@@ -35,21 +37,33 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, ma
     mlx-lm passes it (None, ``"causal"``, a boolean array, or one added to
     the scores).
 
-    The queries run ``BLOCK`` rows at a time, so the scores in memory stay a
-    block's size (under ``"causal"`` a block skips the keys after its last
-    row); the query heads that share a key head are the rows of one
-    matmul."""
+    The queries run a block of rows at a time (``_block_rows``), so the
+    scores in memory stay a block's size (under ``"causal"`` a block skips
+    the keys after its last row); the query heads that share a key head are
+    the rows of one matmul. A block's size follows the chunk's own shape,
+    so a sequence's result never depends on others'."""
     S, L = queries.shape[2], keys.shape[2]
     causal = isinstance(mask, str)  # mlx-lm's "causal": a row sees no key after its own position
     if causal:
         mask = create_causal_mask(S, L - S)
     outs = []
-    for a in range(0, S, BLOCK):
-        b = min(S, a + BLOCK)
+    rows = _block_rows(queries.shape[1], L)
+    for a in range(0, S, rows):
+        b = min(S, a + rows)
         seen = L - S + b if causal else L
         block = None if mask is None else mask[..., a:b, :seen]
         outs.append(_attend_block(queries[:, :, a:b], keys[:, :, :seen], values[:, :, :seen], scale, block))
     return mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
+
+
+def _block_rows(heads: int, keys: int) -> int:
+    """Query rows attended at once: ``BLOCK``, fewer over long keys, so that a
+    block's scores (``heads`` x rows x ``keys`` floats) stay near
+    ``SCORES_BYTES``: each op of a block reads and writes all its scores, and
+    beyond a cache's size (or glibc's 32 MB, above which every new array
+    faults in each page) that cost an 8K-token prompt a sixth of its
+    prefill."""
+    return max(MIN_BLOCK, min(BLOCK, SCORES_BYTES // (4 * heads * keys)))
 
 
 def _attend_block(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
