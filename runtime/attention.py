@@ -26,8 +26,8 @@ from .fastmath import LOG2E, exp2
 __all__ = ["attend", "attend_each"]
 
 BLOCK = 128  # the most query rows of a prompt chunk attended at once (masked keys skipped)
-SCORES_BYTES = 2 << 20  # about what a block's scores take over long keys (``_block_rows``)
-MIN_BLOCK = 4  # the fewest rows a block (over 16K keys and more)
+SCORES_BYTES = 4 << 20  # about what a block's scores take over long keys (``_block_rows``)
+MIN_BLOCK = 4  # the fewest rows a block, however many keys
 LONG = 1024  # keys from which a decode step's attention is ours (below: MLX's SDPA, fewer ops; measured here)
 
 
@@ -59,10 +59,11 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, ma
 def _block_rows(heads: int, keys: int) -> int:
     """Query rows attended at once: ``BLOCK``, fewer over long keys, so that a
     block's scores (``heads`` x rows x ``keys`` floats) stay near
-    ``SCORES_BYTES``: each op of a block reads and writes all its scores, and
-    beyond a cache's size (or glibc's 32 MB, above which every new array
-    faults in each page) that cost an 8K-token prompt a sixth of its
-    prefill."""
+    ``SCORES_BYTES``. Each op of a block reads and writes all its scores:
+    once they and the keys and values outgrow the CPU's cache (or glibc's
+    32 MB, above which every new array faults in its pages), a chunk over
+    4-8K keys took about twice as long; fewer rows over shorter keys cost
+    more ops than they save (measured: ``docs/benchmarks.md``)."""
     return max(MIN_BLOCK, min(BLOCK, SCORES_BYTES // (4 * heads * keys)))
 
 

@@ -29,7 +29,7 @@ def _qkv(heads: int, kv_heads: int, S: int, L: int, seed: int):
 
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4), (2, 1)])
 @pytest.mark.parametrize("S, L", [(1, 1), (1, 300), (17, 17), (40, 333), (128, 1100), (300, 300), (257, 700),
-                                  (40, 9000)])  # (the last: blocks of 6-29 rows, a shorter one last)
+                                  (40, 9000)])  # (the last: blocks of 12 or 29 rows, a shorter one last)
 @pytest.mark.parametrize("mask", ["none", "causal", "window", "additive"])
 def test_attend_computes_what_mlx_sdpa_computes(heads, kv_heads, S, L, mask):
     q, k, v = _qkv(heads, kv_heads, S, L, seed=S + L)
