@@ -111,10 +111,12 @@ class Log:
 
 
 class Texts:
-    """Passages of about n tokens of ``bench/data/lighthouses.txt``, stable per key."""
+    """Passages of about n tokens of ``bench/data/lighthouses.txt``, stable per key;
+    different keys start at different words."""
 
     def __init__(self, tokenizer_json: Path | None):
         self.words = TEXT.read_text().split()
+        self.starts: dict[tuple, int] = {}
         self.tok = None
         if tokenizer_json is not None and tokenizer_json.is_file():
             from tokenizers import Tokenizer
@@ -125,13 +127,24 @@ class Texts:
         return len(self.tok.encode(text).ids) if self.tok else int(len(text.split()) * 1.3)
 
     def passage(self, tokens: int, *key) -> str:
-        start = zlib.crc32(repr(key).encode()) % len(self.words)
+        start = self._start(key)
         n = max(8, int(tokens / 1.4))
         text = " ".join(self.words[(start + i) % len(self.words)] for i in range(n))
         while self.count(text) < tokens:
             n += 8
             text = " ".join(self.words[(start + i) % len(self.words)] for i in range(n))
         return text
+
+    def _start(self, key: tuple) -> int:
+        """The key's first word. Two keys on one word would be one prompt twice (1 client's
+        rounds 2 and 3 were), which the peer's prompt cache serves across agents."""
+        if key not in self.starts:
+            start = zlib.crc32(repr(key).encode()) % len(self.words)
+            taken = set(self.starts.values())
+            while start in taken:
+                start = (start + 1) % len(self.words)
+            self.starts[key] = start
+        return self.starts[key]
 
 
 # --- the runs -----------------------------------------------------------------------

@@ -141,6 +141,17 @@ def test_texts_are_stable_and_about_the_size_asked():
     assert 200 <= texts.count(a) <= 230
 
 
+def test_texts_of_different_keys_never_start_alike():
+    """Two keys whose hash lands on one word (the 1-client rounds 2 and 3 of a
+    quick run did) still get different prompts: else the second is a prompt
+    the peer's prompt cache already holds, from another agent."""
+    texts = Texts(None)
+    keys = [("cc", c, rep, j) for c in (1, 2, 4, 8) for rep in range(3) for j in range(c)]
+    firsts = [texts.passage(50, *k).split()[:3] for k in keys]
+    assert len({tuple(f) for f in firsts}) == len(keys)
+    assert texts.passage(50, *keys[1]).split()[:3] == firsts[1]  # and each key keeps its own
+
+
 def sse(*events, keepalive=True):
     body = b": keepalive 1/2\n\n" if keepalive else b""
     for e in events:
