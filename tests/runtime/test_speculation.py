@@ -13,6 +13,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from semantic.runtime import engine as engine_module
+from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.cache_records import CacheRecord
 from semantic.runtime.kv import StateCache
 from semantic.runtime.engine import Engine, SamplingParams
 from semantic.runtime.row_counts import RowCounts
@@ -149,10 +151,16 @@ def test_stop_strings_and_length_cut_where_they_would(monkeypatch):
         assert got.accepted_tokens > 0
 
 
-def drafting(monkeypatch, arch: str, seed: int, max_tokens: int, wrong: int):
+class EndlessTokenizer(ByteTokenizer):
+    """No end-of-turn token: a reply runs to its length, whatever the model says."""
+
+    eos_token_ids = set()
+
+
+def drafting(monkeypatch, arch: str, seed: int, max_tokens: int, wrong: int, tok=None):
     """An engine with one sequence added whose drafts come from its reply
     without drafts (``Oracle``): (engine, its id, that reply)."""
-    model, tok = tiny_model(arch), ByteTokenizer()
+    model, tok = tiny_model(arch), tok or ByteTokenizer()
     prompt, params = prompts_for(seed, 1)[0], SamplingParams(max_tokens=max_tokens)
     want = run(model, tok, [prompt], [params], RowCounts.fixed(8), speculation=False)[0]
     monkeypatch.setattr(engine_module, "Drafter", lambda h, _indents: Oracle(h, prompt + list(want.output_tokens), wrong))
@@ -171,6 +179,25 @@ def test_preempted_and_resumed_while_drafting(monkeypatch):
     got = drain(engine)[sid]
     assert got.output_tokens == want.output_tokens and got.cache_tokens == want.cache_tokens
     assert got.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
+def test_a_reply_taken_out_while_drafting_goes_on_from_its_file(arch, monkeypatch, tmp_path):
+    """Preempted mid-reply while drafting, its cache written to disk and read
+    back (what a restart reads), a reply goes on as if it had never left --
+    every cache kind's rolled-back drafts included."""
+    engine, sid, want = drafting(monkeypatch, arch, seed=4, max_tokens=30, wrong=6, tok=EndlessTokenizer())
+    emitted = 0
+    while emitted < len(want.output_tokens) // 2:
+        emitted += sum(len(d.tokens) for d in engine.prefill_step() or engine.step_once() if d.seq_id == sid)
+    out = engine.preempt(sid)
+    store = CacheStore(tmp_path)
+    store.save(CacheRecord("a", f"tiny/{arch}", "s", list(out.cache_tokens), "", 0.0, 0.0, list(out.cache)))
+    back = store.load("a", f"tiny/{arch}", "s")
+    engine.resume(sid, back.cache, len(back.tokens))
+    got = drain(engine)[sid]
+    assert got.output_tokens == want.output_tokens and got.cache_tokens == want.cache_tokens
+    assert out.accepted_tokens > 0  # it had drafted, and taken some, before it left
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
