@@ -17,7 +17,9 @@ alternating A B A B (the order swaps from one step to the next).  Workloads:
   caches in memory, so beyond 10 agents a round-robin follow-up finds its
   history gone and prefills it all again;
 * **concurrency** -- 1, 2, 4, 8 fresh clients at once, ``context``-token
-  prompts, ``tokens`` output tokens: system and per-stream tokens/s;
+  prompts, ``tokens`` output tokens: system and per-stream tokens/s (a
+  round where a reply on either side ends short runs again on other
+  prompts);
 * **memory** -- each server's resident memory (VmRSS of its process tree)
   after the many-agents workload, its growth per history token, our cache
   files' bytes per token, and the peer once more with ``--kv-bits 4`` (a
@@ -31,6 +33,7 @@ in ``--out`` (default ``docs/benchmarks``); ``--json`` prints the document.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -41,6 +44,7 @@ import tempfile
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -57,6 +61,7 @@ SYSTEM = "You are a careful reader who answers briefly."
 FOLLOW_UP = "Thank you. In one short sentence: which detail above matters most to a ship's captain, and why?"
 RETELL = "Retell the text above in detail, paragraph by paragraph."
 OURS, PEER = report.OURS, report.PEER
+RERUNS = 3  # concurrency rounds run again on other prompts where a reply ended short (``_full_round``)
 TIMEOUT = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
 
 
@@ -283,14 +288,30 @@ class Bench:
     def concurrency(self) -> dict:
         p = self.plan
         raw = {OURS: {c: [] for c in p.clients}, PEER: {c: [] for c in p.clients}}
+        spare = itertools.count(p.repeats)  # the keys of rounds run again
         for rep in range(p.repeats):
             for c in p.clients:
-                for side in self.order():
-                    row = self._concurrent_round(side, c, rep)
+                for side, row in self._full_round(c, rep, spare).items():
                     raw[side][c].append(row)
                 self.log(f"concurrency round {rep + 1}/{p.repeats}, {c} client(s): system tok/s "
                          + ", ".join(f"{s} {raw[s][c][-1]['system_tps']:.1f}" for s in raw))
         return raw
+
+    def _full_round(self, c: int, rep: int, spare: Iterator[int]) -> dict[str, dict]:
+        """Both sides' round of ``c`` clients on the same prompts, run again on
+        other prompts (``RERUNS`` times at most) while a reply on either side
+        ended before ``tokens``: a reply that ends early lowers its round's
+        tokens but hardly its time, so such a round weighs the two models'
+        reply lengths, not the servers' speed (Q4 and float K/V may end a
+        reply at different tokens)."""
+        for rerun in range(RERUNS + 1):
+            rows = {side: self._concurrent_round(side, c, rep) for side in self.order()}
+            short = [side for side, row in rows.items() if row["tokens"] < c * self.plan.tokens]
+            if not short or rerun == RERUNS:
+                return {side: {**row, "reruns": rerun} for side, row in rows.items()}
+            self.log(f"concurrency, {c} client(s): a reply of {' and '.join(short)} ended before "
+                     f"{self.plan.tokens} tokens; the round again on other prompts")
+            rep = next(spare)
 
     def _concurrent_round(self, side: str, c: int, rep: int) -> dict:
         p = self.plan

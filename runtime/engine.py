@@ -361,13 +361,16 @@ class Engine:
             c.fed, c.reused = list(seq.fed), len(seq.fed)
         return choices
 
-    @_settled
     def prefill_step(self) -> list[Delta]:
         """Run the next pending prefill's next chunk -- with the chunks of the
         ones after it that may join it (``_picks``), in one forward; [] when
-        none is pending."""
-        if not self._prefilling:
-            return []
+        none is pending, at once: the decode step computing ahead goes on (a
+        server asks every step, and waiting here would build each next step
+        with nothing computing beside it)."""
+        return self._prefill() if self._prefilling else []
+
+    @_settled
+    def _prefill(self) -> list[Delta]:
         picks = self._picks()
         chunks = [seq.pending[:n] for seq, n, _ in picks]
         if len(picks) == 1:

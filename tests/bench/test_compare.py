@@ -9,7 +9,7 @@ import pytest
 
 from semantic.bench import report
 from semantic.bench.client import chat
-from semantic.bench.compare import Plan, Texts, disk_usage
+from semantic.bench.compare import RERUNS, Bench, Log, Plan, Texts, disk_usage
 from semantic.bench.servers import process_memory
 
 
@@ -246,3 +246,33 @@ def test_table_and_targets_from_the_written_json_match_the_live_ones():
     assert report.targets(written) == report.targets(summary)
     assert report.markdown_table(written, report.targets(written)) == report.markdown_table(summary, report.targets(summary))
     assert "turn 4 TTFT without a restart" in report.markdown_table(summary)
+
+
+def test_a_concurrency_round_with_a_short_reply_runs_again_on_other_prompts():
+    """Both sides answer each round's prompts; where a reply on either side
+    ends before the tokens asked, the round's tokens fall but not its time,
+    so both sides' round runs again on other prompts (a bounded number of
+    times), and what is kept is a round whose replies all went the length."""
+    plan = Plan.quick()
+    bench = Bench({}, plan, None, Log(quiet=True))
+    short = {("semantic", 4, 2), ("peer", 4, 3)}  # our round 3 ended a reply early, then the peer's rerun did
+    ran = []
+
+    def round_(side, c, rep):
+        ran.append((side, c, rep))
+        tokens = c * plan.tokens - (10 if (side, c, rep) in short else 0)
+        return {"system_tps": tokens / 5.0, "per_stream_tps": 1.0, "ttft": 1.0, "tokens": tokens}
+
+    bench._concurrent_round = round_
+    raw = bench.concurrency()
+    bench.close()
+    assert [rep for side, c, rep in ran if c == 4 and side == "semantic"] == [0, 1, 2, 3, 4]
+    assert [rep for side, c, rep in ran if c == 1 and side == "peer"] == [0, 1, 2]
+    for side in ("semantic", "peer"):
+        assert [row["tokens"] for row in raw[side][4]] == [4 * plan.tokens] * 3
+        assert [row["reruns"] for row in raw[side][4]] == [0, 0, 2]
+
+    always = Bench({}, plan, None, Log(quiet=True))
+    always._concurrent_round = lambda side, c, rep: {"system_tps": 1.0, "per_stream_tps": 1.0, "ttft": 1.0, "tokens": 1}
+    assert [row["reruns"] for row in always.concurrency()["peer"][4]] == [RERUNS] * 3  # bounded: kept as it is
+    always.close()

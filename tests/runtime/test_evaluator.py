@@ -145,3 +145,22 @@ def test_a_graph_started_here_is_finished_here_before_the_thread_takes_the_next(
     evaluator.start(first, here=True)
     evaluator.start(second).result()
     assert calls == [True, False]  # the first finished on the caller's thread, then the thread took the second
+
+
+def test_a_prefill_step_with_none_pending_leaves_the_step_ahead_computing(monkeypatch):
+    """A server asks for a prefill chunk every step: with none pending the
+    engine answers at once, and the step built ahead goes on computing (had
+    it waited for that step, each next one would be built with nothing
+    computing beside it)."""
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    engine = Engine(model, tok, speculation=False)
+    for p in prompts(2, seed=5):
+        engine.add(p, SamplingParams(max_tokens=12))
+    while engine.prefilling:
+        engine.prefill_step()
+    engine.step_once()  # reads the first step and starts the next on the evaluator's thread
+    waits = []
+    settle = Evaluator.settle
+    monkeypatch.setattr(Evaluator, "settle", lambda self: (waits.append(self), settle(self)))
+    assert engine.prefill_step() == []
+    assert not waits
