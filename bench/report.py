@@ -1,5 +1,5 @@
 """The pure half of ``semantic bench compare``: statistics, ours/peer ratios,
-the targets of issue 8, and the Markdown table.  No servers, no MLX.
+the targets (issues 30 and 8), and the Markdown table.  No servers, no MLX.
 
 Every ``ratio`` is **ours / peer** of the figure named: below 1 is better for
 times and bytes, above 1 is better for tokens/s.  ``speedup`` turns it into
@@ -215,14 +215,17 @@ def summarize(raw: dict) -> dict:
 # --- targets ----------------------------------------------------------------------
 
 TARGETS = {
-    # name: (what, goal text, test on the ratio ours/peer)
+    # name: (what, goal text, test on the ratio ours/peer). Issue 30's goals; many agents and
+    # restart keep issue 8's (issue 30 asks them no worse than one run it quotes: 0.114 at N = 16
+    # and 0.283).
     "many_agents_p50": ("many agents, p50 TTFT at the largest N (issue: N = 64)", "<= 0.2 (5x better)",
                         lambda r: r <= 0.2),
     "restart_turn4": ("restart, turn-4 TTFT", "<= 0.2 (5x better)", lambda r: r <= 0.2),
-    "multi_turn_ttft": ("multi-turn, TTFT of turns 2-6 (sum of medians)", "<= 1.1", lambda r: r <= 1.1),
-    "multi_turn_decode": ("multi-turn, decode time per token of turns 2-6 (median)", "<= 1.1",
-                          lambda r: r <= 1.1),
-    "concurrency_4": ("concurrency, system tok/s at 4 clients", ">= 0.8", lambda r: r >= 0.8),
+    "multi_turn_ttft": ("multi-turn, TTFT of turns 2-6 (sum of medians)", "<= 1.0", lambda r: r <= 1.0),
+    "multi_turn_decode": ("multi-turn, decode time per token of turns 2-6 (median)", "<= 1.0",
+                          lambda r: r <= 1.0),
+    "concurrency_1": ("concurrency, system tok/s at 1 client", ">= 1.0", lambda r: r >= 1.0),
+    "concurrency_4": ("concurrency, system tok/s at 4 clients", ">= 1.2", lambda r: r >= 1.2),
 }
 
 
@@ -234,7 +237,7 @@ def intkeys(x):
 
 
 def targets(summary: dict) -> dict:
-    """Each target of issue 8: its ratio, goal and whether this run met it."""
+    """Each target (``TARGETS``): its ratio, goal and whether this run met it."""
     summary = intkeys(summary)
     values: dict = {}
     if ma := summary.get("many_agents"):
@@ -246,8 +249,9 @@ def targets(summary: dict) -> dict:
         values["multi_turn_ttft"] = (mt["ratio"]["turns_2_on_ttft"], {})
         values["multi_turn_decode"] = (mt["ratio"].get("turns_2_on_decode_per_token"), {})
     if cc := summary.get("concurrency"):
-        if 4 in cc["ratio"]["system_tps"]:
-            values["concurrency_4"] = (cc["ratio"]["system_tps"][4], {"clients": 4})
+        for c in (1, 4):
+            if c in cc["ratio"]["system_tps"]:
+                values[f"concurrency_{c}"] = (cc["ratio"]["system_tps"][c], {"clients": c})
     out = {}
     for name, (value, extra) in values.items():
         what, goal, test = TARGETS[name]
@@ -338,7 +342,7 @@ def markdown_table(summary: dict, goals: dict | None = None, peer_name: str = "m
                          f"{_fmt(o['system_tps'][c])} / {_fmt(o['per_stream_tps'][c])}",
                          f"{_fmt(p['system_tps'].get(c))} / {_fmt(p['per_stream_tps'].get(c))}",
                          f"{_times(r['system_tps'][c], False)} / {_times(r['per_stream_tps'][c], False)}",
-                         goal("concurrency_4") if c == 4 else ""))
+                         goal(f"concurrency_{c}")))
     if mem := summary.get("memory"):
         o, p, r = mem.get(OURS, {}), mem.get(PEER, {}), mem["ratio"]
         rows.append(("memory", "server RSS after many agents, MiB", _mib(o.get("rss_bytes")),

@@ -95,7 +95,8 @@ def test_targets_met_and_missed():
     assert set(goals) == set(report.TARGETS)
     assert goals["many_agents_p50"]["met"] and goals["many_agents_p50"]["N"] == 64
     assert goals["restart_turn4"]["met"]
-    assert goals["concurrency_4"]["met"]  # 0.9 >= 0.8
+    assert goals["concurrency_1"]["clients"] == 1 and not goals["concurrency_1"]["met"]  # 0.9 < 1.0
+    assert not goals["concurrency_4"]["met"]  # 0.9 < 1.2
     raw = raw_fixture()
     raw["restart"]["semantic"]["turn4"] = [2.0, 2.0, 2.0]
     assert report.targets(report.summarize(raw))["restart_turn4"]["met"] is False
