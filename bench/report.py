@@ -249,9 +249,9 @@ def targets(summary: dict) -> dict:
         values["multi_turn_ttft"] = (mt["ratio"]["turns_2_on_ttft"], {})
         values["multi_turn_decode"] = (mt["ratio"].get("turns_2_on_decode_per_token"), {})
     if cc := summary.get("concurrency"):
-        for c in (1, 4):
-            if c in cc["ratio"]["system_tps"]:
-                values[f"concurrency_{c}"] = (cc["ratio"]["system_tps"][c], {"clients": c})
+        for c, r in cc["ratio"]["system_tps"].items():
+            if f"concurrency_{c}" in TARGETS:
+                values[f"concurrency_{c}"] = (r, {"clients": c})
     out = {}
     for name, (value, extra) in values.items():
         what, goal, test = TARGETS[name]
