@@ -10,8 +10,8 @@ matmul with the values would take Intel CPUs' slow path for them).
 Every step is elementwise or reduces one row of one sequence, so a score's
 value depends on its own row alone: ``attend_each`` runs the exp once over
 the scores of every sequence of a decode step with ``LONG`` keys or more (a
-shorter one takes MLX's SDPA, which costs fewer ops), and a sequence's result
-is bitwise what it is alone.
+shorter one takes MLX's softmax, which costs fewer ops), and a sequence's
+result is bitwise what it is alone.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ __all__ = ["attend", "attend_each"]
 BLOCK = 128  # the most query rows of a prompt chunk attended at once (masked keys skipped)
 SCORES_BYTES = 4 << 20  # about what a block's scores take over long keys (``_block_rows``)
 MIN_BLOCK = 4  # the fewest rows a block, however many keys
-LONG = 1024  # keys from which a decode step's attention is ours (below: MLX's SDPA, fewer ops; measured here)
+LONG = 1024  # keys from which a decode step's exp is ours (below: MLX's softmax, fewer ops; measured here)
 
 
 def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None) -> mx.array:
@@ -85,20 +85,25 @@ def attend_each(queries: mx.array, fetched: list[tuple[mx.array, mx.array]], sca
     (one token sees them all: no mask): ``queries`` (n, H, 1, D), ``fetched[i]``
     sequence ``i``'s (keys, values), (1, KVH, L_i, D). Returns (n, H, 1, D).
 
-    A sequence with fewer than ``LONG`` keys takes MLX's own SDPA, fewer ops
-    for a short row; the others one matmul a side, a max and a sum over their
-    own rows each, and one exp over all their scores."""
+    The query heads that share a key head are the rows of one matmul, as in
+    ``attend``. A sequence with fewer than ``LONG`` keys takes MLX's softmax,
+    the others a max and a sum over their own rows each and one exp over all
+    their scores. The scaling and reshaping run once for the whole step: a
+    decode step is thousands of small operations, each costing the thread
+    that dispatches them a few microseconds."""
     n, heads, _, D = queries.shape
     kv_heads = fetched[0][0].shape[1]
     group = heads // kv_heads
-    queries = mx.split(queries, n) if n > 1 else [queries]
+    by_key_head = queries.reshape(n, kv_heads, group, D)
+    scaled = by_key_head * scale
+    short = mx.split(scaled, n) if n > 1 else [scaled]
     outs: list = [None] * n
     long = []
-    for i, (q, (keys, values)) in enumerate(zip(queries, fetched)):
+    for i, (keys, values) in enumerate(fetched):
         if keys.shape[2] < LONG:
-            outs[i] = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
+            outs[i] = mx.softmax(short[i] @ keys.swapaxes(-1, -2), axis=-1, precise=True) @ values
         else:
-            scores = (q * (scale * LOG2E)).reshape(1, kv_heads, group, D) @ keys.swapaxes(-1, -2)
+            scores = (by_key_head[i : i + 1] * (scale * LOG2E)) @ keys.swapaxes(-1, -2)
             long.append((i, (scores - scores.max(axis=-1, keepdims=True)).reshape(-1)))
     if len(long) > 1:
         at = list(itertools.accumulate(s.size for _, s in long[:-1]))
@@ -108,5 +113,5 @@ def attend_each(queries: mx.array, fetched: list[tuple[mx.array, mx.array]], sca
     for (i, _), w in zip(long, weights):
         keys, values = fetched[i]
         w = w.reshape(1, kv_heads, group, keys.shape[2])
-        outs[i] = ((w @ values) / w.sum(axis=-1, keepdims=True)).reshape(1, heads, 1, D)
-    return mx.concatenate(outs) if n > 1 else outs[0]
+        outs[i] = (w @ values) / w.sum(axis=-1, keepdims=True)
+    return (mx.concatenate(outs) if n > 1 else outs[0]).reshape(n, heads, 1, D)

@@ -46,7 +46,7 @@ def test_each_sequence_of_a_step_is_bitwise_as_alone():
     sequence's output does not depend on who else is in the step, nor where
     it sits."""
     rng = random.Random(0)
-    lengths = [1, 63, 300, LONG - 1, LONG, LONG + 1, 1500, 2100, 7]  # short ones take MLX's SDPA
+    lengths = [1, 63, 300, LONG - 1, LONG, LONG + 1, 1500, 2100, 7]  # short ones take MLX's softmax
     fetched = [_qkv(9, 3, 1, n, seed=10 * i)[1:] for i, n in enumerate(lengths)]
     queries = mx.random.normal((len(lengths), 9, 1, 64), key=mx.random.key(99))
     alone = [attend_each(queries[i : i + 1], [fetched[i]], 0.125) for i in range(len(lengths))]
