@@ -121,7 +121,9 @@ KEPT = 32  # measurements kept (the newest): one per model shape, device and lib
 
 def kept(home: Path | None = None) -> dict[str, RowCounts]:
     """Every measurement kept under the cache home, by ``key``; a file that
-    cannot be read is left out (logged): its model is measured again."""
+    cannot be read is left out (logged): its model is measured again. One
+    that is not a measurement of this version's form (damaged, or written
+    by another version) is removed, so it is logged once, not at every start."""
     machine()
     found = {}
     for path in sorted((home or cache_home()).joinpath("row-counts").glob("*.json")):
@@ -129,8 +131,11 @@ def kept(home: Path | None = None) -> dict[str, RowCounts]:
             fields = {k: _tuples(v) for k, v in read_json(path.read_bytes(), path.name).items()}
             plans = tuple(RowPlan(**p) for p in fields.pop("plans", ()))
             found[path.stem] = RowCounts(**fields, plans=plans)
-        except (OSError, ValueError, TypeError, AttributeError) as e:  # AttributeError: JSON, not an object
+        except OSError as e:
             log.warning("row counts in %s unreadable (%s): measured again when that model loads", path, e)
+        except (ValueError, TypeError, AttributeError) as e:  # AttributeError: JSON, not an object
+            log.warning("row counts in %s unreadable (%s): removed, measured again when that model loads", path, e)
+            path.unlink(missing_ok=True)
     return found
 
 

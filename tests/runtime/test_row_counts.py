@@ -68,7 +68,7 @@ def test_only_the_newest_measurements_are_kept(tmp_path):
     folder.mkdir()
     for i in range(row_counts.KEPT + 5):
         old = folder / f"{i:016x}.json"
-        old.write_text("{}")
+        old.write_text(json.dumps(RowCounts((1,)).describe()))
         os.utime(old, (i, i))
     cached(Engine(tiny_model("llama"), ByteTokenizer()), home=tmp_path)
     assert len(list(folder.iterdir())) == row_counts.KEPT

@@ -86,8 +86,12 @@ def test_plans_are_kept_with_the_counts_and_read_back(tmp_path):
     counts = RowCounts((1, 2, 3), ((1, 2, 3),), (1.0, 2.0, 3.0), 0.5, plans)
     row_counts.keep("k", counts, home=tmp_path)
     assert row_counts.kept(tmp_path)["k"] == counts
-    (tmp_path / "row-counts" / "k.json").write_text('{"counts": [1], "plans": [{"shape": "s", "way": "halves"}]}')
+    bad = tmp_path / "row-counts" / "k.json"
+    bad.write_text('{"counts": [1], "plans": [{"shape": "s", "way": "halves"}]}')
     assert "k" not in row_counts.kept(tmp_path)  # unreadable: measured again
+    assert not bad.exists()  # and removed: warned of once, not at every start
+    bad.write_text('{"counts": [1], "plans": [{"shape": "s", "way": "tiles", "rows": 1, "upto": 8, "cells": 64}]}')
+    assert "k" not in row_counts.kept(tmp_path) and not bad.exists()  # another version's form
 
 
 @pytest.mark.parametrize("arch", TINY_CONFIGS)
