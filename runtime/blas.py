@@ -14,8 +14,6 @@ newer Xeons with AVX-512, where a float32 matmul then runs ~5x slower (35
 against 175 GFLOP/s, measured).  When OpenBLAS would do that, this names the
 kernels the CPU's features allow, as newer OpenBLAS releases do for CPUs they
 do not know.  ``OPENBLAS_CORETYPE``, when set, is left alone.
-
-It also shortens how long OpenBLAS's idle threads spin (``THREAD_TIMEOUT``).
 """
 
 from __future__ import annotations
@@ -32,16 +30,6 @@ from dataclasses import dataclass
 __all__ = ["BlasStatus", "activate", "best_kernel", "cpu_info", "kernel", "status", "INSTALL_HINT"]
 
 INSTALL_HINT = "sudo apt-get install libopenblas0-pthread"
-
-# OpenBLAS's idle threads spin on ``sched_yield`` for 2**n cycles before they
-# sleep. Its default, n = 28, is a tenth of a second: through a whole decode
-# step they never sleep, and on two cores the spinning thread takes turns with
-# the ones running MLX's other operations and building the next step. Measured
-# (SmolLM2, 2-core AMD EPYC, 2026-11-28, ``docs/benchmarks.md``): a decode
-# step of 4 rows 81 ms at n = 28, 73-76 ms at n = 4-20 (20 the fastest), of
-# 1 row 53 -> 50 ms; prefill unchanged. ``OPENBLAS_THREAD_TIMEOUT``, when
-# set, is left alone.
-THREAD_TIMEOUT = 20
 
 _CANDIDATES = (
     "/usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3",
@@ -160,8 +148,6 @@ def activate() -> BlasStatus:
         else:
             name = "openblas" if "openblas" in path else path
             note = _choose_kernel(path) if name == "openblas" else ""
-            if name == "openblas":
-                os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", str(THREAD_TIMEOUT))  # children inherit it
             try:
                 ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             except OSError as e:

@@ -74,21 +74,3 @@ def test_a_fresh_process_runs_avx_kernels_on_an_avx_cpu():
     else:
         assert note == ""
     assert kernel_in_a_fresh_process({**env, "OPENBLAS_CORETYPE": "Nehalem"}) == ("Nehalem", "", "Nehalem")
-
-
-def thread_timeout_in_a_fresh_process(env: dict) -> str:
-    """The spin timeout OpenBLAS read when a fresh process loaded it."""
-    code = ("import ctypes; from semantic.runtime import blas; f = ctypes.CDLL(blas.status().library)"
-            ".openblas_thread_timeout; f.restype = ctypes.c_int; print(f())")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env=env, check=True).stdout.strip()
-
-
-@pytest.mark.skipif(blas.status().name != "openblas", reason="needs OpenBLAS")
-def test_openblas_threads_spin_briefly_unless_the_user_says_otherwise():
-    """OpenBLAS reads ``OPENBLAS_THREAD_TIMEOUT`` once, when it loads: the
-    runtime names a short spin before that (children inherit it), and keeps
-    a value the user set."""
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
-    assert thread_timeout_in_a_fresh_process(env) == str(blas.THREAD_TIMEOUT)
-    assert thread_timeout_in_a_fresh_process({**env, "OPENBLAS_THREAD_TIMEOUT": "6"}) == "6"
