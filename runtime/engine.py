@@ -67,7 +67,7 @@ from .lean import lean
 from .row_counts import RowCounts, choose
 from .rowwise import rowwise
 from .sampling import Draw, Sampler, SamplingParams, TokenLogprob
-from .speculation import Drafter, Indents, StepCosts, allot
+from .speculation import TRY, Drafter, Indents, StepCosts, allot
 
 __all__ = ["Engine", "Delta", "Finished", "SamplingParams", "TokenLogprob"]
 
@@ -121,6 +121,9 @@ class _Sequence:
     stop_hit: str | None = None  # the stop string found in ``text``
     drafted: int = 0  # drafts verified
     accepted: int = 0  # drafts taken
+    # Its cache came from the caller (``add``, ``resume``) and may be lazy on the caller's own
+    # streams, which the evaluator's thread cannot evaluate: its next step starts on the caller's.
+    callers_cache: bool = False
 
     @property
     def pending(self) -> list[int]:
@@ -145,7 +148,7 @@ class _Step:
     tiles: list[tuple[list[_Sequence], list[tuple[BatchQuantizedKVCache, int]]]]
     states: list[tuple[LayerCache, int, list]]  # recurrent layers before it (they cannot be cut back)
     contexts: list[int]  # tokens each row's cache held before it
-    started: float  # ``perf_counter`` when its build began
+    launched: float  # ``perf_counter`` when its build was done and it started computing
     evaluation: Future | None  # what to wait on before reading its tokens (``Evaluator.start``)
 
     @property
@@ -315,6 +318,7 @@ class Engine:
             cached_tokens -= 1
         cache.mark()  # and where the turn starts: the conversation cached so far
         seq = self._sequence(prompt, sampling, cache, cached_tokens)
+        seq.callers_cache = cached_tokens > 0
         self._prefilling.append(seq)
         return seq.id
 
@@ -456,6 +460,7 @@ class Engine:
             return []
         if self._ahead is not None and self._ahead.rows != self._decoding:
             self._drop_ahead()  # a sequence joined: a fresh step feeds everyone
+        built_ahead = self._ahead is not None
         step, self._ahead = self._ahead or self._launch(), None
         self._held.clear()  # (for that step only)
         if self.compute_ahead and not self._prefilling and not any(step.drafts) and all(
@@ -464,11 +469,12 @@ class Engine:
             # (not when a sequence is about to join or reach its length, nor when a grammar's
             # next mask or a sequence's drafts wait on these tokens)
             self._ahead = self._launch(after=step)
-        if step.evaluation is not None:
-            step.evaluation.result()
+        computed = None if step.evaluation is None else step.evaluation.result()
         tokens = step.tokens.tolist()
-        if any(step.drafts):  # (a step with drafts is never built ahead: this is its whole time)
-            self._costs.timed([1 + len(d) for d in step.drafts], step.contexts, (time.perf_counter() - step.started) * 1e3)
+        if computed is None and not built_ahead:  # (not on the CPU: its time since it started)
+            computed = (time.perf_counter() - step.launched) * 1e3
+        if computed is not None:
+            self._costs.computed([1 + len(d) for d in step.drafts], step.contexts, computed)
         if self._ahead is not None:
             for seq, token in zip(step.rows, tokens):
                 seq.fed.append(token)  # what the step ahead feeds
@@ -702,6 +708,7 @@ class Engine:
             seq.prompt = seq.fed + seq.output[-1:]
         seq.fed = seq.fed[:cached_tokens]
         seq.cache, seq.view = cache, cache.view(self.float_attention)
+        seq.callers_cache = cached_tokens > 0
         # One token left is a decode input (as before it left); more are a prefill, chunked as before.
         (self._decoding.append if len(seq.pending) == 1 else self._prefilling.append)(seq)
 
@@ -737,7 +744,7 @@ class Engine:
         start = time.perf_counter()
         rows = list(self._decoding)
         contexts = [len(seq.fed) for seq in rows]
-        drafts = self._drafts_pay(rows) if after is None else [[] for _ in rows]
+        drafts = self._drafts_pay(rows, open=True) if after is None else [[] for _ in rows]
         tiles, at = [], 0
         for n, slots in self.row_counts.pack([1 + len(d) for d in drafts]):
             tiles.append((rows[at : at + n], drafts[at : at + n], slots))
@@ -775,13 +782,18 @@ class Engine:
         tokens = self.shared_tokens(mx.stack([d.token for d in draws]))
         logprobs = [d.logprobs for d in draws]
         held = [b.arrays for batch in self._batches.values() for b in batch]
-        self._costs.built((time.perf_counter() - start) * 1e3)
-        # A step built ahead computes on the evaluator's thread; any other may hold the caller's
-        # arrays on its own streams (a cache given to ``resume``, decoded at once): it starts here.
+        launched = time.perf_counter()
+        self._costs.built((launched - start) * 1e3)
+        # A step computes on the evaluator's thread, the next built meanwhile (none is where
+        # steps are not computed ahead: ranks wait on each other's), but one that may hold the
+        # caller's arrays on its own streams starts here.
+        here = not self.compute_ahead or any(seq.callers_cache for seq in rows)
         evaluation = self._evaluator.start(tokens, [lp for lp in logprobs if lp is not None],
-                                           [seq.view.arrays() for seq in rows], held, here=after is None)
+                                           [seq.view.arrays() for seq in rows], held, here=here)
+        for seq in rows:
+            seq.callers_cache = False
         return _Step(rows, drafts, tokens, logprobs, [(tile, w) for (tile, _, _), w in zip(tiles, written)], states,
-                     contexts, start, evaluation)
+                     contexts, launched, evaluation)
 
     def _draft_room(self, seq: _Sequence) -> int:
         """The most drafts a sequence may verify in its next step."""
@@ -789,15 +801,20 @@ class Engine:
             return 0
         return max(0, min(self.row_counts.counts[-1] - 1, seq.sampling.max_tokens - len(seq.output) - 1))
 
-    def _drafts_pay(self, rows: list[_Sequence]) -> list[list[int]]:
-        """The drafts each sequence verifies in its next step: what its history
-        offers, as many as ``allot`` finds pay for their slots."""
+    def _drafts_pay(self, rows: list[_Sequence], open: bool = False) -> list[list[int]]:
+        """The drafts each sequence verifies in its next step (``open``: one
+        built in the open whatever it feeds): what its history offers, as many
+        as ``allot`` finds pay for their slots -- and up to ``TRY`` where a
+        sequence's drafts were never judged: only verdicts tell its own rate,
+        and the rate before any cannot pay everywhere (four agents beside each
+        other)."""
         offers = [self._offer(seq) for seq in rows]
         if not any(offers):
             return offers
         counts = allot(offers, [0.0 if seq.drafter is None else seq.drafter.rate for seq in rows],
-                       [len(seq.fed) for seq in rows], self._costs)
-        return [offer[:n] for offer, n in zip(offers, counts)]
+                       [len(seq.fed) for seq in rows], self._costs, open)
+        untried = [seq.drafter is not None and not seq.drafter.verdicts for seq in rows]
+        return [offer[:max(n, TRY if fresh else 0)] for offer, n, fresh in zip(offers, counts, untried)]
 
     def _offer(self, seq: _Sequence) -> list[int]:
         """What a sequence's history offers as drafts, as far as its grammar allows them."""

@@ -22,6 +22,7 @@ starts there, on the caller's thread.
 
 from __future__ import annotations
 
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -41,6 +42,13 @@ def _release(thread: ThreadPoolExecutor, stream: mx.Stream) -> None:
     except RuntimeError:  # the interpreter is shutting down
         pass
     thread.shutdown(wait=False)
+
+
+def _evaluate(trees: tuple) -> float:
+    """Evaluate ``trees``; the ms it took."""
+    start = time.perf_counter()
+    mx.eval(*trees)
+    return (time.perf_counter() - start) * 1e3
 
 
 class Evaluator:
@@ -64,14 +72,19 @@ class Evaluator:
         once, without waiting for the GIL), or (``here``: a graph that may hold
         arrays of the caller's own streams) on the caller's, once that graph
         finished: to its end on the CPU, with ``mx.async_eval`` elsewhere.
-        Returns what to wait on before reading them (None: read them as usual)."""
-        if here or self._thread is None:
+        Returns what to wait on before reading them, whose result is the ms
+        the evaluation took (None, off the CPU: read them as usual)."""
+        if self._thread is None:
+            mx.async_eval(*trees)
+            return None
+        if here:
             self.settle()
             # On the CPU ``async_eval`` returns with the graph's tail still running, and the step
             # built on it would go to this thread meanwhile: the stream takes one thread at a time.
-            (mx.async_eval if self._thread is None else mx.eval)(*trees)
-            return None
-        self._running = self._thread.submit(mx.eval, *trees)
+            done = Future()
+            done.set_result(_evaluate(trees))
+            return done
+        self._running = self._thread.submit(_evaluate, trees)
         return self._running
 
     def settle(self) -> None:

@@ -24,9 +24,10 @@ speculative-sampling rule for a draft that is certain), so each token's
 distribution is exactly the model's.
 
 ``allot`` chooses how many drafts each sequence verifies in a step: the most
-expected tokens per unit of forward time, from each sequence's recent
-acceptance and the forward times measured at each row count; a sequence whose
-drafts keep failing gets none, so text that never repeats pays nothing.
+expected tokens per unit of time, from each sequence's recent acceptance and
+what steps cost (``StepCosts``: measured as steps go, and at load); a
+sequence whose drafts keep failing gets none, so text that never repeats
+pays nothing.
 """
 
 from __future__ import annotations
@@ -36,14 +37,15 @@ import numpy as np
 from .prefix import encode
 from .row_counts import RowCounts
 
-__all__ = ["Drafter", "Indents", "NGRAMS", "StepCosts", "allot"]
+__all__ = ["Drafter", "Indents", "NGRAMS", "StepCosts", "TRY", "allot"]
 
 NGRAMS = (4, 3, 2)  # the history's last tokens looked up, longest first
 # Echoed text fails where the model changes a little (a line re-indented) and then echoes on:
-# one miss should not stop a run, and a sequence whose drafts failed should soon try again.
+# one miss should not stop a run, and a sequence whose drafts failed may try again.
 _KEEP = 0.85  # weight of the acceptance counts so far at each verify (recent drafts count most)
-_FORGET = 0.9  # at each step without drafts: a sequence whose drafts failed is tried again
-_PRIOR = 1.5  # drafts taken of 2 before any verdict
+_FORGET = 0.9  # at each step without drafts: the counts fade towards the prior
+_PRIOR = 0.5  # drafts taken of 1 before any verdict
+TRY = 2  # drafts a sequence verifies before its first verdict, whatever they cost
 
 
 class Indents:
@@ -95,6 +97,7 @@ class Drafter:
         self._synced = 0
         self.shift = 0  # how much wider the latest quote's indentations are than the original's
         self.proposed = self.accepted = 0.0  # drafts judged and taken, decayed (``rate``)
+        self.verdicts = 0  # steps that judged its drafts
 
     def extend(self, token: int) -> None:
         self.tokens.append(token)
@@ -144,11 +147,10 @@ class Drafter:
 
     @property
     def rate(self) -> float:
-        """The chance the next draft is taken, from recent verdicts (3/4 before any:
-        about what drafts from a matched n-gram are taken in ``bench speculation``,
-        and enough that a fresh sequence beside others tries its drafts and
-        learns its own rate)."""
-        return (self.accepted + _PRIOR) / (self.proposed + 2)
+        """The chance the next draft is taken, from recent verdicts (1/2 before
+        any, weighing one draft: an echo's first ``TRY`` drafts taken make it
+        5/6, enough for four agents beside each other to draft on)."""
+        return (self.accepted + _PRIOR) / (self.proposed + 1)
 
     def settle(self, proposed: int, accepted: int) -> None:
         """Count a step's verdict: the first ``accepted`` of ``proposed`` drafts
@@ -157,6 +159,7 @@ class Drafter:
         is the chance of a draft whose predecessors were taken, as ``allot``
         uses it."""
         if proposed:
+            self.verdicts += 1
             self.proposed = _KEEP * self.proposed + min(proposed, accepted + 1)
             self.accepted = _KEEP * self.accepted + accepted
         else:
@@ -166,38 +169,69 @@ class Drafter:
 
 class StepCosts:
     """What a decode step costs (ms) by its sequences' slots (``widths``) and
-    how many tokens each holds (``contexts``): the forwards' times measured
-    at each row count (``RowCounts.ms``, at short contexts), the attention
-    of each slot over its sequence's tokens (``key_ms`` a token, learned
-    from drafting steps timed: it grows with the context, and a draft's slot
-    reads every key again), and building the step's graph when it has drafts
-    (a step without them is built while the last one computes). Forwards
-    count one each when the row counts were not measured."""
+    how many tokens each holds (``contexts``), for ``allot`` to weigh drafts.
+
+    A step without drafts is built while the last one computes
+    (``Engine._launch``): it costs its computation, measured at each row
+    count as steps go (``periods``; before any, the forward times measured at
+    load, ``RowCounts.ms``, and its attention). A step with drafts costs
+    that, its forwards' extra slots (from ``RowCounts.ms``) and their attention
+    over their sequences' tokens (``key_ms`` a token, learned from drafting
+    steps' computation: it grows with the context, and a draft's slot reads
+    every key again) -- and two builds in the open: its own, and the next step's,
+    which waits on its verdict. Where a step is built in the open whatever it
+    feeds (``open``), its own build is paid either way. Forwards count one
+    each when the row counts were not measured."""
 
     def __init__(self, counts: RowCounts):
         self.counts = counts
+        # A forward's time, by its slots: the line through the times measured (each count's own
+        # carries its measurement's noise: 113.0 and 109.9 ms at five and six rows, once).
+        slots = np.arange(1, len(counts.ms) + 1)
+        self._line = np.polyfit(slots, counts.ms, 1) if len(counts.ms) > 1 else (0.0, sum(counts.ms))
         self.build_ms = 0.0  # building a step's graph, recently
-        self.key_ms = 0.0  # a slot's attention, per token it attends over, recently
+        self.key_ms = 0.0  # a draft slot's attention, per token it attends over, recently
+        self.periods: dict[int, float] = {}  # computing a step without drafts, by its sequences, recently
 
-    def __call__(self, widths: list[int], contexts: list[int]) -> float:
+    def __call__(self, widths: list[int], contexts: list[int], open: bool = False) -> float:
         if not self.counts.ms:
             return float(len(self.counts.pack(widths)))
-        return (self._forwards(widths) + self.key_ms * _keys(widths, contexts)
-                + (self.build_ms if max(widths) > 1 else 0.0))
+        if max(widths) == 1:
+            return self._plain(contexts) + (self.build_ms if open else 0.0)
+        return self._plain(contexts) + self._drafts(widths, contexts) + 2 * self.build_ms
+
+    def _plain(self, contexts: list[int]) -> float:
+        """Computing a step of these sequences without drafts."""
+        ones = [1] * len(contexts)
+        if len(contexts) in self.periods:
+            return self.periods[len(contexts)]
+        return self._forwards(ones) + self.key_ms * _keys(ones, contexts)
+
+    def _drafts(self, widths: list[int], contexts: list[int]) -> float:
+        """What computing a step's drafts adds: their slots in its forwards, and their attention."""
+        ones = [1] * len(widths)
+        return (max(0.0, self._forwards(widths) - self._forwards(ones))
+                + self.key_ms * (_keys(widths, contexts) - _keys(ones, contexts)))
 
     def _forwards(self, widths: list[int]) -> float:
-        return sum(self.counts.ms[slots - 1] for _, slots in self.counts.pack(widths))
+        slope, intercept = self._line
+        return sum(float(intercept + slope * slots) for _, slots in self.counts.pack(widths))
 
     def built(self, ms: float) -> None:
         """A step's graph took ``ms`` to build."""
         self.build_ms += 0.2 * (ms - self.build_ms)
 
-    def timed(self, widths: list[int], contexts: list[int], ms: float) -> None:
-        """A drafting step took ``ms`` from the start of its build to its tokens."""
+    def computed(self, widths: list[int], contexts: list[int], ms: float) -> None:
+        """A step took ``ms`` to compute, from its start to its tokens."""
         if not self.counts.ms:
             return
-        attention = max(0.0, ms - self.build_ms - self._forwards(widths))
-        self.key_ms += 0.2 * (attention / _keys(widths, contexts) - self.key_ms)
+        n = len(widths)
+        if max(widths) == 1:
+            self.periods[n] = ms if n not in self.periods else self.periods[n] + 0.2 * (ms - self.periods[n])
+            return
+        ones = [1] * n
+        attention = max(0.0, ms - self._plain(contexts) - max(0.0, self._forwards(widths) - self._forwards(ones)))
+        self.key_ms += 0.2 * (attention / (_keys(widths, contexts) - _keys(ones, contexts)) - self.key_ms)
 
 
 def _latest(a: np.ndarray, n: int) -> int | None:
@@ -215,24 +249,26 @@ def _keys(widths: list[int], contexts: list[int]) -> int:
     return sum(w * c + w * (w + 1) // 2 for w, c in zip(widths, contexts))
 
 
-def allot(offers: list[list[int]], rates: list[float], contexts: list[int], costs: StepCosts) -> list[int]:
-    """How many of its offered drafts each sequence verifies in the next step.
+def allot(offers: list[list[int]], rates: list[float], contexts: list[int], costs: StepCosts,
+          open: bool = False) -> list[int]:
+    """How many of its offered drafts each sequence verifies in the next step
+    (``open``: one built in the open whatever it feeds).
 
     A sequence with t drafts whose next draft is taken with chance r yields
     1 + r + ... + r^t tokens expected; what the step costs is ``costs``'s
     estimate. Drafts are added likeliest first, and the allotment with the
     most expected tokens per unit of time wins -- none when no draft pays for
-    its slot and the attention it adds."""
+    its slot, the attention it adds and the builds it keeps in the open."""
     top = costs.counts.counts[-1]
     taken = [0] * len(offers)
     tokens = float(len(offers))
-    best, chosen = tokens / costs([1] * len(offers), contexts), list(taken)
+    best, chosen = tokens / costs([1] * len(offers), contexts, open), list(taken)
     candidates = sorted(((rates[i] ** (j + 1), i) for i, offer in enumerate(offers)
                          for j in range(min(len(offer), top - 1))), reverse=True)
     for value, i in candidates:
         taken[i] += 1
         tokens += value
-        ratio = tokens / costs([1 + t for t in taken], contexts)
+        ratio = tokens / costs([1 + t for t in taken], contexts, open)
         if ratio > best:
             best, chosen = ratio, list(taken)
     return chosen

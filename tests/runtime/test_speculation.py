@@ -19,8 +19,8 @@ from semantic.runtime.kv import StateCache
 from semantic.runtime.engine import Engine, SamplingParams
 from semantic.runtime.row_counts import RowCounts
 from semantic.runtime.sampling import Sampler
-from semantic.runtime.speculation import NO_INDENTS, Drafter, Indents, StepCosts, allot
-from tests.runtime.test_engine import ByteTokenizer, drain, measured
+from semantic.runtime.speculation import NO_INDENTS, TRY, Drafter, Indents, StepCosts, allot
+from tests.runtime.test_engine import ByteTokenizer, drain, measured, prompts
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
 
@@ -48,7 +48,7 @@ class SteadyCosts(StepCosts):
     machine measured times could make ``allot`` verify no wrong draft, and
     the oracle's runs would not show a draft cut."""
 
-    def __call__(self, widths, contexts):
+    def __call__(self, widths, contexts, open=False):
         return float(len(self.counts.pack(widths)))
 
 
@@ -343,52 +343,79 @@ def test_allot_pays_only_for_drafts_worth_their_slots():
     assert allot([[1, 2, 3, 4, 5, 6, 7]], [0.95], [100], costs) == [7]
     likely, unlikely = allot([[1, 2, 3], [1, 2, 3]], [0.9, 0.3], [100, 100], costs)
     assert likely > unlikely
-    costs.timed([4], [2000], 75 + 4 * 2000 * 0.01)  # the step took 0.01 ms more a token a slot attended over
+    costs.computed([4], [2000], 75 + 4 * 2000 * 0.01)  # computing it took 0.01 ms more a token a slot attended over
     assert 0.001 < costs.key_ms < 0.01
     short, long = (allot([[1, 2, 3, 4, 5, 6, 7]], [0.8], [context], costs)[0] for context in (100, 8000))
     assert short > long
 
 
-def test_fresh_sequences_beside_others_try_their_drafts():
-    """A rate changes only when drafts are verified, so the rate before any
-    verdict decides whether a sequence ever learns its own. With the forward
-    times measured on an Intel Xeon (Cooperlake kernels), a step's build in
-    the open and four agents at 550 tokens, a prior of 1/2 never tried a
-    draft there (`bench speculation`'s edit x4: none verified, 0.99x); at the
-    prior each tries one, and one miss brings the rate back to 1/2."""
+class CostlyDrafts(StepCosts):
+    """No draft ever pays for its slot."""
+
+    def __call__(self, widths, contexts, open=False):
+        return 1.0 if max(widths) == 1 else 1e9
+
+
+class Offering(Drafter):
+    """Offers drafts at every step (``rate`` as a real history's)."""
+
+    def offer(self, limit):
+        return [1] * limit
+
+
+def test_a_fresh_sequence_tries_its_drafts_where_none_pays(monkeypatch):
+    """A rate changes only when drafts are verified, so a sequence must try some
+    to learn its own: with the forward times measured on an Intel Xeon
+    (Cooperlake kernels), a step's build of 24 ms and four agents at 550
+    tokens, the rate before any verdict pays no draft, whether the step is
+    built in the open anyway or could be built ahead -- one that drafts takes
+    its own build and the next one's out of the pipeline -- and a run of
+    taken drafts does. So each sequence verifies one draft of its first
+    offer (up to ``TRY``) whatever the costs, and no more where none pays."""
     costs = StepCosts(RowCounts(tuple(range(1, 9)), ms=(62.9, 73.1, 80.4, 89.5, 97.4, 104.5, 113.4, 116.2)))
     costs.build_ms, costs.key_ms = 24.0, 0.0092
     offers, contexts = [[1, 2, 3, 4]] * 4, [550] * 4
-    assert allot(offers, [0.5] * 4, contexts, costs) == [0] * 4
-    assert allot(offers, [Drafter([]).rate] * 4, contexts, costs) == [1] * 4
-    missed = Drafter([])
-    missed.settle(1, 0)
-    assert missed.rate == 0.5
+    prior = Drafter([]).rate
+    assert allot(offers, [prior] * 4, contexts, costs) == allot(offers, [prior] * 4, contexts, costs, open=True) == [0] * 4
+    echo = Drafter([])
+    echo.settle(TRY, TRY)
+    assert allot(offers, [echo.rate] * 4, contexts, costs, open=True) != [0] * 4
+
+    monkeypatch.setattr(engine_module, "StepCosts", CostlyDrafts)
+    monkeypatch.setattr(engine_module, "Drafter", Offering)
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    tok.eos_token_ids = set()  # (every reply runs to its length, whatever the kernels make it say)
+    engine = Engine(model, tok, row_counts=RowCounts.fixed(8))
+    ids = [engine.add(p, SamplingParams(max_tokens=12)) for p in prompts(4, seed=3)]
+    done = drain(engine)
+    assert [done[i].drafted_tokens for i in ids] == [TRY] * 4
 
 
-def test_a_miss_between_runs_costs_little_and_a_pause_is_short():
+def test_a_miss_between_runs_costs_little_and_a_failed_rate_returns():
     """Echoed text fails where the model changes a little (the embedded model
     re-indents code it quotes) and then echoes on. At the Intel Xeon's step
     costs for an agent at 500 tokens: one miss after a run of taken drafts
-    leaves the rate where a step verifies all 7 drafts, and a sequence whose
-    drafts failed three times drafts again after 10 steps without (weights
-    0.7 and 0.95 took 4 drafts and 18 steps, and multi-turn decoded 10%
-    slower: docs/benchmarks.md)."""
+    leaves the rate where a step verifies most of its 7 drafts, and the rate
+    of a sequence whose drafts failed three times is back at the rate before
+    any verdict within some 50 steps without drafts (weights 0.7 and 0.95
+    took 4 drafts and 18 steps, and multi-turn decoded 10% slower:
+    docs/benchmarks.md)."""
     costs = StepCosts(RowCounts(tuple(range(1, 9)), ms=(62.9, 73.1, 80.4, 89.5, 97.4, 104.5, 113.4, 116.2)))
     costs.build_ms, costs.key_ms = 15.0, 0.03
     echo = Drafter([])
     for _ in range(5):
         echo.settle(3, 3)
     echo.settle(3, 1)
-    assert allot([[1] * 7], [echo.rate], [500], costs) == [7]
+    assert allot([[1] * 7], [echo.rate], [500], costs)[0] >= 5
     failed = Drafter([])
     for _ in range(3):
         failed.settle(2, 0)
-    for pause in range(50):  # (bounded: a rate that never returns fails, not hangs)
-        if allot([[1] * 7], [failed.rate], [500], costs) != [0]:
+    prior = Drafter([]).rate
+    for pause in range(100):  # (bounded: a rate that never returns fails, not hangs)
+        if failed.rate > prior - 0.01:
             break
         failed.settle(0, 0)
-    assert pause == 10
+    assert 40 <= pause <= 60
 
 
 def test_drafts_after_the_first_refused_are_not_counted():
@@ -401,12 +428,12 @@ def test_drafts_after_the_first_refused_are_not_counted():
     missed_first, missed_one = Drafter([]), Drafter([])
     missed_first.settle(7, 0)
     missed_one.settle(1, 0)
-    assert missed_first.rate == missed_one.rate == 0.5
+    assert missed_first.rate == missed_one.rate == 0.25
     taken, four_of_seven = Drafter([]), Drafter([])
     taken.settle(4, 4)
     four_of_seven.settle(7, 4)  # the fifth refused: five judged
-    assert taken.rate == (4 + 1.5) / (4 + 2)
-    assert four_of_seven.rate == (4 + 1.5) / (5 + 2)
+    assert taken.rate == (4 + 0.5) / (4 + 1)
+    assert four_of_seven.rate == (4 + 0.5) / (5 + 1)
 
 
 def test_pack_keeps_a_sequences_slots_in_one_forward():
