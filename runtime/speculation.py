@@ -209,9 +209,11 @@ class StepCosts:
 
     def _drafts(self, widths: list[int], contexts: list[int]) -> float:
         """What computing a step's drafts adds: their slots in its forwards, and their attention."""
-        ones = [1] * len(widths)
-        return (max(0.0, self._forwards(widths) - self._forwards(ones))
-                + self.key_ms * (_keys(widths, contexts) - _keys(ones, contexts)))
+        return self._slots(widths) + self.key_ms * _extra_keys(widths, contexts)
+
+    def _slots(self, widths: list[int]) -> float:
+        """What the drafts' slots add to a step's forwards."""
+        return max(0.0, self._forwards(widths) - self._forwards([1] * len(widths)))
 
     def _forwards(self, widths: list[int]) -> float:
         slope, intercept = self._line
@@ -229,9 +231,8 @@ class StepCosts:
         if max(widths) == 1:
             self.periods[n] = ms if n not in self.periods else self.periods[n] + 0.2 * (ms - self.periods[n])
             return
-        ones = [1] * n
-        attention = max(0.0, ms - self._plain(contexts) - max(0.0, self._forwards(widths) - self._forwards(ones)))
-        self.key_ms += 0.2 * (attention / (_keys(widths, contexts) - _keys(ones, contexts)) - self.key_ms)
+        attention = max(0.0, ms - self._plain(contexts) - self._slots(widths))
+        self.key_ms += 0.2 * (attention / _extra_keys(widths, contexts) - self.key_ms)
 
 
 def _latest(a: np.ndarray, n: int) -> int | None:
@@ -247,6 +248,11 @@ def _latest(a: np.ndarray, n: int) -> int | None:
 def _keys(widths: list[int], contexts: list[int]) -> int:
     """Tokens a step's slots attend over: slot j of a sequence holding c sees c + j + 1."""
     return sum(w * c + w * (w + 1) // 2 for w, c in zip(widths, contexts))
+
+
+def _extra_keys(widths: list[int], contexts: list[int]) -> int:
+    """Tokens a step's draft slots attend over."""
+    return _keys(widths, contexts) - _keys([1] * len(widths), contexts)
 
 
 def allot(offers: list[list[int]], rates: list[float], contexts: list[int], costs: StepCosts,
