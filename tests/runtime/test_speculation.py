@@ -349,6 +349,23 @@ def test_allot_pays_only_for_drafts_worth_their_slots():
     assert short > long
 
 
+def test_a_plain_step_costs_its_measured_computation_and_drafts_two_builds():
+    """A step without drafts costs what steps of its rows took to compute (on
+    the evaluator's thread, its build hidden behind the last step), whatever
+    the calibration said; one with drafts adds its slots (the line through
+    the calibration's times), their attention and two builds in the open --
+    its own and the next step's, which waits on its verdict -- of which its
+    own is paid either way where the step is built in the open."""
+    costs = StepCosts(RowCounts(tuple(range(1, 9)), ms=(50.0, 60, 70, 80, 90, 100, 110, 120)))
+    costs.build_ms = 12.0
+    contexts = [100] * 4
+    assert costs([1] * 4, contexts) == pytest.approx(80.0)
+    costs.computed([1] * 4, contexts, 60.0)
+    assert costs([1] * 4, contexts) == pytest.approx(60.0)
+    assert costs([1] * 4, contexts, open=True) == pytest.approx(72.0)
+    assert costs([3, 1, 1, 1], contexts) == costs([3, 1, 1, 1], contexts, open=True) == pytest.approx(60 + 20 + 24)
+
+
 class CostlyDrafts(StepCosts):
     """No draft ever pays for its slot."""
 
