@@ -198,18 +198,15 @@ class StepCosts:
             return float(len(self.counts.pack(widths)))
         if max(widths) == 1:
             return self._plain(contexts) + (self.build_ms if open else 0.0)
-        return self._plain(contexts) + self._drafts(widths, contexts) + 2 * self.build_ms
+        return (self._plain(contexts) + self._slots(widths) + self.key_ms * _extra_keys(widths, contexts)
+                + 2 * self.build_ms)
 
     def _plain(self, contexts: list[int]) -> float:
         """Computing a step of these sequences without drafts."""
-        ones = [1] * len(contexts)
         if len(contexts) in self.periods:
             return self.periods[len(contexts)]
+        ones = [1] * len(contexts)
         return self._forwards(ones) + self.key_ms * _keys(ones, contexts)
-
-    def _drafts(self, widths: list[int], contexts: list[int]) -> float:
-        """What computing a step's drafts adds: their slots in its forwards, and their attention."""
-        return self._slots(widths) + self.key_ms * _extra_keys(widths, contexts)
 
     def _slots(self, widths: list[int]) -> float:
         """What the drafts' slots add to a step's forwards."""
@@ -229,7 +226,8 @@ class StepCosts:
             return
         n = len(widths)
         if max(widths) == 1:
-            self.periods[n] = ms if n not in self.periods else self.periods[n] + 0.2 * (ms - self.periods[n])
+            period = self.periods.get(n, ms)
+            self.periods[n] = period + 0.2 * (ms - period)
             return
         attention = max(0.0, ms - self._plain(contexts) - self._slots(widths))
         self.key_ms += 0.2 * (attention / _extra_keys(widths, contexts) - self.key_ms)
