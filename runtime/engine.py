@@ -805,16 +805,16 @@ class Engine:
         """The drafts each sequence verifies in its next step (``open``: one
         built in the open whatever it feeds): what its history offers, as many
         as ``allot`` finds pay for their slots -- and up to ``TRY`` where a
-        sequence's drafts were never judged: only verdicts tell its own rate,
-        and the rate before any cannot pay everywhere (four agents beside each
-        other)."""
+        sequence's drafts were never judged, as far as its forward has room:
+        only verdicts tell its own rate, and the rate before any cannot pay
+        everywhere (four agents beside each other)."""
         offers = [self._offer(seq) for seq in rows]
         if not any(offers):
             return offers
+        tries = [TRY if seq.drafter is not None and not seq.drafter.verdicts else 0 for seq in rows]
         counts = allot(offers, [0.0 if seq.drafter is None else seq.drafter.rate for seq in rows],
-                       [len(seq.fed) for seq in rows], self._costs, open)
-        untried = [seq.drafter is not None and not seq.drafter.verdicts for seq in rows]
-        return [offer[:max(n, TRY if fresh else 0)] for offer, n, fresh in zip(offers, counts, untried)]
+                       [len(seq.fed) for seq in rows], self._costs, open, tries)
+        return [offer[:n] for offer, n in zip(offers, counts)]
 
     def _offer(self, seq: _Sequence) -> list[int]:
         """What a sequence's history offers as drafts, as far as its grammar allows them."""

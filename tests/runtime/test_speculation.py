@@ -370,14 +370,16 @@ class CostlyDrafts(StepCosts):
     """No draft ever pays for its slot."""
 
     def __call__(self, widths, contexts, open=False):
-        return 1.0 if max(widths) == 1 else 1e9
+        return 1.0 + 1e9 * (sum(widths) - len(widths))
 
 
 class Offering(Drafter):
-    """Offers drafts at every step (``rate`` as a real history's)."""
+    """Offers drafts at every step while ``on`` (``rate`` as a real history's)."""
+
+    on = True
 
     def offer(self, limit):
-        return [1] * limit
+        return [1] * limit if self.on else []
 
 
 def test_a_fresh_sequence_tries_its_drafts_where_none_pays(monkeypatch):
@@ -403,9 +405,47 @@ def test_a_fresh_sequence_tries_its_drafts_where_none_pays(monkeypatch):
     model, tok = tiny_model("llama"), ByteTokenizer()
     tok.eos_token_ids = set()  # (every reply runs to its length, whatever the kernels make it say)
     engine = Engine(model, tok, row_counts=RowCounts.fixed(8))
+    launches, forwards = count_calls(monkeypatch, engine, "_launch"), count_calls(monkeypatch, engine, "_forward")
     ids = [engine.add(p, SamplingParams(max_tokens=12)) for p in prompts(4, seed=3)]
-    done = drain(engine)
+    monkeypatch.setattr(Offering, "on", False)  # until all four decode: four first offers in one step
+
+    def offer_once_all_decode(step):
+        if engine.decoding == 4:
+            Offering.on = True
+
+    done = drain(engine, until=offer_once_all_decode)
     assert [done[i].drafted_tokens for i in ids] == [TRY] * 4
+    assert len(forwards) == len(launches)  # four tries at once (12 slots) would have split a step in two forwards
+
+
+def count_calls(monkeypatch, obj, name: str) -> list:
+    """A list that grows by one at each call of ``obj.name``."""
+    calls, method = [], getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        calls.append(None)
+        return method(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, counted)
+    return calls
+
+
+def test_drafts_never_move_a_sequence_into_another_forward():
+    """A step whose drafts regroup the sequences into other forwards rebuilds
+    every working copy, and the next step again: ``allot`` keeps each
+    sequence in the forward it runs in without drafts, for the drafts that
+    pay and for a fresh sequence's try alike (the first in line get theirs)."""
+    free = StepCosts(RowCounts(tuple(range(1, 9)), ms=(50.0,) * 8))  # slots cost nothing: all drafts would pay
+
+    def groups(taken):
+        return [n for n, _ in free.counts.pack([1 + t for t in taken])]
+
+    offers = [[1] * 7] * 4
+    taken = allot(offers, [0.99] * 4, [100] * 4, free)
+    assert sum(taken) == 4 and groups(taken) == [4]
+    assert allot(offers, [0.0] * 4, [100] * 4, free, least=[TRY] * 4) == [TRY, TRY, 0, 0]
+    ten = allot([[1] * 7] * 10, [0.99] * 10, [100] * 10, free)  # forwards of 8 and 2 sequences
+    assert ten[:8] == [0] * 8 and sum(ten[8:]) == 6 and groups(ten) == [8, 2]
 
 
 def test_a_miss_between_runs_costs_little_and_a_failed_rate_returns():
