@@ -291,6 +291,7 @@ def allot(offers: list[list[int]], rates: list[float], contexts: list[int], cost
 
 
 def _plus(taken: list[int], i: int) -> list[int]:
+    """``taken`` with one draft more for sequence ``i``."""
     return [t + (j == i) for j, t in enumerate(taken)]
 
 
