@@ -25,7 +25,10 @@ def test_the_best_kernel_follows_the_cpus_features(flags, kernel):
 
 @pytest.fixture
 def unset_coretype(monkeypatch):
-    monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)
+    # A copy of the environment for the test: ``delenv`` of an unset variable records nothing to
+    # restore, so the kernels a test chose stayed set for the session, and every later child
+    # process on a CPU without AVX-512 died of an illegal instruction.
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"})
     monkeypatch.setattr(blas.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(blas, "_cpu_flags", lambda: AVX512 | {"avx512_bf16"})
 
