@@ -2,8 +2,8 @@
 mlx-lm's own ``BatchGenerator`` over its unquantized ``BatchKVCache``.
 
 Both sides decode greedily from the same ~1K-token contexts on the same model
-weights, measured in the same process, one batch size after the other.
-Prefill is done once per side and not timed here: each batch starts from
+weights, measured in the same process, one batch size after the other, the
+two sides taking turns run by run (``measure``). Prefill is done once per side and not timed here: each batch starts from
 copies of the prefilled caches (ours Q4, the peer's in the model's dtype) and
 only the decode steps are timed.
 """
@@ -32,99 +32,130 @@ def contexts(tokenizer, n: int, length: int) -> list[list[int]]:
     return [base[37 * i : 37 * i + length] for i in range(n)]
 
 
-def ours(loaded, ctxs, batch_sizes, steps, repeats, decode_rows: int = DECODE_ROWS) -> tuple[dict, dict, float, dict]:
-    """System decode tokens/s per batch size (median of repeats), TTFT-free; and the
-    measured row counts the engine ran with."""
-    import mlx.core as mx
+class Ours:
+    """Our engine over Q4 caches, each context prefilled once: a run decodes
+    copies of the first B caches."""
 
-    from semantic.runtime.engine import Engine, SamplingParams
+    name = "ours"
 
-    from semantic.runtime.row_counts import cached
+    def __init__(self, loaded, ctxs, decode_rows: int = DECODE_ROWS):
+        from semantic.runtime.engine import Engine, SamplingParams
+        from semantic.runtime.row_counts import cached
 
-    # The decode step itself, one token a sequence as the peer's (drafts: ``bench speculation``).
-    engine = Engine(loaded.model, loaded.tokenizer, decode_rows=decode_rows, speculation=False)
-    engine.use_row_counts(cached(engine))  # the row counts a server would use here
-    prefilled = []
-    for ctx in ctxs:  # prefill each context once
-        sid = engine.add(ctx, SamplingParams(max_tokens=1))
+        # The decode step itself, one token a sequence as the peer's (drafts: ``bench speculation``).
+        self.engine = Engine(loaded.model, loaded.tokenizer, decode_rows=decode_rows, speculation=False)
+        self.engine.use_row_counts(cached(self.engine))  # the row counts a server would use here
+        self.prefilled = []
+        for ctx in ctxs:
+            sid = self.engine.add(ctx, SamplingParams(max_tokens=1))
+            while not self.engine.idle:
+                for d in self.engine.prefill_step() + self.engine.step_once():
+                    if d.finished and d.seq_id == sid:
+                        self.prefilled.append(d.finished)
+        full = [i for i, k in enumerate(loaded.spec.layers) if k.kind == "full"]
+        live = [self.prefilled[0].cache[i] for i in full]  # buffers grow in steps: count only the cached tokens
+        q4 = sum(x[..., : c.offset, :].nbytes for c in live for x in (*c.keys, *c.values))
+        self.kv_bytes_ratio = q4 / (len(self.prefilled[0].cache_tokens) * loaded.spec.bytes_per_token(None))
+
+    def use(self) -> None:
+        """The model's layers as our engine runs them (the peer's run may have put back mlx-lm's)."""
+        from semantic.runtime import row_plans
+        from semantic.runtime.lean import lean
+
+        lean(self.engine.model)
+        row_plans.apply(self.engine.model, self.engine.row_counts.plans)
+
+    def run(self, B: int, steps: int) -> float:
+        """System decode tokens/s of ``steps`` steps of B sequences, TTFT-free."""
+        import mlx.core as mx
+
+        from semantic.runtime.engine import SamplingParams
+
+        engine, sampling = self.engine, SamplingParams(max_tokens=steps + 2)
+        for f in self.prefilled[:B]:
+            tokens = list(f.cache_tokens)
+            engine.add(tokens + [tokens[-1]], sampling, f.cache.clone(), len(tokens))
+        while engine.prefilling:
+            engine.prefill_step()
+        engine.step_once()  # warm-up step with the full batch
+        start, produced = time.perf_counter(), 0
+        for _ in range(steps):
+            produced += sum(len(d.tokens) for d in engine.step_once())
+        tps = produced / (time.perf_counter() - start)
         while not engine.idle:
-            for d in engine.prefill_step() + engine.step_once():
-                if d.finished and d.seq_id == sid:
-                    prefilled.append(d.finished)
-    full = [i for i, k in enumerate(loaded.spec.layers) if k.kind == "full"]
-    live = [prefilled[0].cache[i] for i in full]  # buffers grow in steps: count only the cached tokens
-    q4 = sum(x[..., : c.offset, :].nbytes for c in live for x in (*c.keys, *c.values))
-    fp16 = len(prefilled[0].cache_tokens) * loaded.spec.bytes_per_token(None)
-    results, per_stream = {}, {}
+            engine.step_once()
+        mx.clear_cache()
+        return tps
+
+
+class Peer:
+    """The same workload on mlx-lm's ``BatchGenerator`` and ``BatchKVCache``."""
+
+    name = "mlx-lm"
+
+    def __init__(self, loaded, ctxs):
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.model, self.ctxs = loaded.model, ctxs
+        self.use()
+        self.prefilled = []
+        for ctx in ctxs:
+            cache = make_prompt_cache(self.model)
+            for start in range(0, len(ctx), 512):
+                self.model(mx.array(ctx[start : start + 512])[None], cache=cache)
+                mx.eval([c.state for c in cache])
+            self.prefilled.append(cache)
+
+    def use(self) -> None:
+        """mlx-lm's own layers, not the row plans and lean forms ``Ours`` installs."""
+        from semantic.runtime import row_plans
+        from semantic.runtime.lean import lean
+
+        row_plans.apply(self.model, ())
+        lean(self.model, on=False)
+
+    def run(self, B: int, steps: int) -> float:
+        import mlx.core as mx
+        from mlx_lm.generate import BatchGenerator
+        from mlx_lm.models.cache import KVCache
+
+        def clone(cache):
+            out = []
+            for c in cache:
+                k = KVCache()
+                k.keys = mx.contiguous(c.keys[..., : c.offset, :])
+                k.values = mx.contiguous(c.values[..., : c.offset, :])
+                k.offset = c.offset
+                out.append(k)
+            mx.eval([c.state for c in out])
+            return out
+
+        gen = BatchGenerator(self.model, max_tokens=steps + 2, completion_batch_size=B, prefill_batch_size=B)
+        gen.insert([[ctx[-1]] for ctx in self.ctxs[:B]], caches=[clone(c) for c in self.prefilled[:B]])
+        while len(gen.next_generated()) < B:  # until every row decodes
+            pass
+        start, produced = time.perf_counter(), 0
+        for _ in range(steps):
+            produced += len(gen.next_generated())
+        tps = produced / (time.perf_counter() - start)
+        gen.close()
+        mx.clear_cache()
+        return tps
+
+
+def measure(sides, batch_sizes, steps: int, repeats: int) -> dict[str, dict[int, float]]:
+    """System decode tokens/s of each side at each batch size, the median of
+    ``repeats`` runs. The sides take turns run by run, the first of one
+    repeat last in the next (A B, B A, ...): a machine whose speed drifts
+    over minutes (seen: 40%) then weighs on both alike."""
+    runs = {side.name: {B: [] for B in batch_sizes} for side in sides}
     for B in batch_sizes:
-        runs = []
-        for _ in range(repeats):
-            sampling = SamplingParams(max_tokens=steps + 2)
-            for f in prefilled[:B]:
-                tokens = list(f.cache_tokens)
-                engine.add(tokens + [tokens[-1]], sampling, f.cache.clone(), len(tokens))
-            while engine.prefilling:
-                engine.prefill_step()
-            engine.step_once()  # warm-up step with the full batch
-            start, produced = time.perf_counter(), 0
-            for _ in range(steps):
-                produced += sum(len(d.tokens) for d in engine.step_once())
-            runs.append(produced / (time.perf_counter() - start))
-            while not engine.idle:
-                engine.step_once()
-            mx.clear_cache()
-        results[B] = statistics.median(runs)
-        per_stream[B] = results[B] / B
-    return results, per_stream, q4 / fp16, engine.row_counts.describe()
-
-
-def peer(loaded, ctxs, batch_sizes, steps, repeats) -> dict:
-    """The same workload on mlx-lm's BatchGenerator and BatchKVCache."""
-    import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
-
-    from semantic.runtime import row_plans
-    from semantic.runtime.lean import lean
-
-    model = loaded.model
-    row_plans.apply(model, ())  # mlx-lm's own layers, not the row plans and lean forms ``ours`` installed
-    lean(model, on=False)
-    prefilled = []
-    for ctx in ctxs:
-        cache = make_prompt_cache(model)
-        for start in range(0, len(ctx), 512):
-            model(mx.array(ctx[start : start + 512])[None], cache=cache)
-            mx.eval([c.state for c in cache])
-        prefilled.append(cache)
-
-    def clone(cache):
-        out = []
-        for c in cache:
-            k = KVCache()
-            k.keys = mx.contiguous(c.keys[..., : c.offset, :])
-            k.values = mx.contiguous(c.values[..., : c.offset, :])
-            k.offset = c.offset
-            out.append(k)
-        mx.eval([c.state for c in out])
-        return out
-
-    results = {}
-    for B in batch_sizes:
-        runs = []
-        for _ in range(repeats):
-            gen = BatchGenerator(model, max_tokens=steps + 2, completion_batch_size=B, prefill_batch_size=B)
-            gen.insert([[ctx[-1]] for ctx in ctxs[:B]], caches=[clone(c) for c in prefilled[:B]])
-            while len(gen.next_generated()) < B:  # until every row decodes
-                pass
-            start, produced = time.perf_counter(), 0
-            for _ in range(steps):
-                produced += len(gen.next_generated())
-            runs.append(produced / (time.perf_counter() - start))
-            gen.close()
-            mx.clear_cache()
-        results[B] = statistics.median(runs)
-    return results
+        for r in range(repeats):
+            for side in sides if r % 2 == 0 else sides[::-1]:
+                side.use()
+                runs[side.name][B].append(side.run(B, steps))
+    return {name: {B: statistics.median(v) for B, v in by_size.items()} for name, by_size in runs.items()}
 
 
 def prefill_peak(loaded, tokens: int, chunks=(128, 512, None)) -> dict:
@@ -153,11 +184,14 @@ def run(args: argparse.Namespace) -> int:
     loaded = load(args.model)
     sizes = [1, 2, 4, 8]
     steps = 16 if args.quick else 48
-    repeats = 1 if args.quick else 3
+    repeats = 3  # (the sides alternate run by run: ``measure``)
     ctxs = contexts(loaded.tokenizer, max(sizes), args.context)
     rows = getattr(args, "decode_rows", None) or DECODE_ROWS
-    ours_tps, ours_stream, ratio, counts = ours(loaded, ctxs, sizes, steps, repeats, rows)
-    peer_tps = peer(loaded, ctxs, sizes, steps, repeats)
+    ours, peer = Ours(loaded, ctxs, rows), Peer(loaded, ctxs)
+    tps = measure([ours, peer], sizes, steps, repeats)
+    ours_tps, peer_tps = tps[ours.name], tps[peer.name]
+    ours_stream = {B: v / B for B, v in ours_tps.items()}
+    counts = ours.engine.row_counts.describe()
     peak = prefill_peak(loaded, 4096, (512, None) if args.quick else (128, 512, None))
     result = {
         "model": args.model,
@@ -173,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         "baseline_system_tps": {B: round(v, 2) for B, v in peer_tps.items()},
         "ratio_vs_baseline": {B: round(ours_tps[B] / peer_tps[B], 3) for B in sizes},
         "scaling_b4_vs_b1": round(ours_tps[4] / ours_tps[1], 3),
-        "kv_bytes_ratio": round(ratio, 4),
+        "kv_bytes_ratio": round(ours.kv_bytes_ratio, 4),
         "prefill_peak_bytes": peak,  # keyed by chunk size; 4096 = one piece
     }
     if args.json:

@@ -1,10 +1,12 @@
-"""``semantic bench batch`` end to end on a tiny random-weight model: each side
-decodes every batch size, and the prefill peak is measured per chunk size."""
+"""``semantic bench batch`` end to end on a tiny random-weight model: the sides
+take turns decoding every batch size, and the prefill peak is measured per
+chunk size."""
 
 import random
 from types import SimpleNamespace
 
-from semantic.bench.batch import ours, peer, prefill_peak
+from semantic.bench.batch import Ours, Peer, measure, prefill_peak
+from semantic.runtime.lean import _Lean
 from semantic.runtime.model_spec import ModelCacheSpec
 from tests.runtime.test_engine import ByteTokenizer
 from tests.tiny import VOCAB, tiny_model
@@ -15,10 +17,26 @@ def test_batch_bench_runs_both_sides_and_the_prefill_peak():
     loaded = SimpleNamespace(model=model, tokenizer=ByteTokenizer(), spec=ModelCacheSpec.from_model(model))
     rng = random.Random(0)
     ctxs = [[rng.randrange(1, VOCAB) for _ in range(100)] for _ in range(2)]  # long enough to ride a decode step
-    tps, per_stream, kv_ratio, counts = ours(loaded, ctxs, (1, 2), steps=3, repeats=1)
-    assert set(tps) == set(per_stream) == {1, 2} and all(v > 0 for v in tps.values())
-    assert 0.2 < kv_ratio < 0.3  # Q4 group 64 against fp16
+    ours, peer = Ours(loaded, ctxs), Peer(loaded, ctxs)
+    order = []
+
+    def logged(side, run):
+        def logged_run(B, steps):
+            lean = any(isinstance(m, _Lean) for _, m in model.named_modules())
+            order.append((side.name, B, lean))
+            return run(B, steps)
+        return logged_run
+
+    for side in (ours, peer):
+        side.run = logged(side, side.run)
+    tps = measure([ours, peer], (1, 2), steps=3, repeats=2)
+    assert set(tps) == {"ours", "mlx-lm"} and all(set(v) == {1, 2} for v in tps.values())
+    assert all(v > 0 for by_size in tps.values() for v in by_size.values())
+    # The first side of one repeat goes last in the next; each runs the model in its own form.
+    assert order == [("ours", 1, True), ("mlx-lm", 1, False), ("mlx-lm", 1, False), ("ours", 1, True),
+                     ("ours", 2, True), ("mlx-lm", 2, False), ("mlx-lm", 2, False), ("ours", 2, True)]
+    assert 0.2 < ours.kv_bytes_ratio < 0.3  # Q4 group 64 against fp16
+    counts = ours.engine.row_counts.describe()
     assert counts["classes"] and set(counts["counts"]) <= set(range(1, 9))  # measured, within 1..decode_rows
-    assert set(peer(loaded, ctxs, (1, 2), steps=3, repeats=1)) == {1, 2}
     peaks = prefill_peak(loaded, 200, chunks=(32, None))
     assert set(peaks) == {32, 200} and all(p > 0 for p in peaks.values())
