@@ -1,7 +1,8 @@
 """The CPU forms of ``runtime.lean``: RMSNorm bitwise ``nn.RMSNorm`` in
 float32 at any row count, each SwiGLU MLP class's own call within float
-tolerance, other dtypes left to MLX, and installed and removed on a model
-without touching its parameters."""
+tolerance, float32 weights stored transposed with the same values, other
+dtypes left to MLX, and installed and removed on a model without changing
+its parameters' names, shapes or values."""
 
 import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
 
@@ -9,6 +10,7 @@ import importlib
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
@@ -65,11 +67,44 @@ def test_a_model_keeps_its_parameters_and_computes_within_tolerance(family):
     own = {name: type(m) for name, m in model.named_modules()}
     assert lean(lean(model)) is model
     after = tree_flatten(model.parameters())
-    assert [k for k, _ in after] == [k for k, _ in before] and all(a is b for (_, a), (_, b) in zip(after, before))
+    assert [k for k, _ in after] == [k for k, _ in before]
+    assert all(a.shape == b.shape and mx.array_equal(a, b).item() for (_, a), (_, b) in zip(after, before))
     assert mx.allclose(model(prompt), want, rtol=1e-4, atol=1e-4).item()
     lean(model, on=False)
     assert {name: type(m) for name, m in model.named_modules()} == own
+    assert all(np.asarray(a).flags.c_contiguous for _, a in tree_flatten(model.parameters()))  # as mlx-lm keeps them
     assert mx.array_equal(model(prompt), want).item()
+
+
+@pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
+def test_float32_weights_lie_transposed_and_give_the_same_products(family):
+    """Every float32 linear and embedding weight is a view of its transpose made
+    contiguous (the layout OpenBLAS packs fastest); the forward is the same
+    within float32 rounding (bitwise under the kernel sets measured, which no
+    guarantee rests on: alone and batched run the same layout)."""
+    model = tiny_model(family)
+    prompt = mx.array([[1, 5, 9, 200, VOCAB - 1]])
+    want = model(prompt)
+    weights = [m for _, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+    assert weights
+    for m in weights:
+        lean_module._lay_out(m, True)
+    for m in weights:
+        w = np.asarray(m.weight)
+        assert w.flags.f_contiguous and (1 in w.shape or not w.flags.c_contiguous), type(m)
+    assert mx.allclose(model(prompt), want, rtol=1e-5, atol=1e-5).item()
+    for m in weights:
+        lean_module._lay_out(m, False)
+        assert np.asarray(m.weight).flags.c_contiguous
+    assert mx.array_equal(model(prompt), want).item()
+
+
+def test_weights_of_other_dtypes_keep_their_layout():
+    layer = nn.Linear(64, 32)
+    layer.set_dtype(mx.bfloat16)
+    weight = layer.weight
+    lean(layer)
+    assert layer.weight is weight
 
 
 def test_the_llama_family_takes_both_forms():
