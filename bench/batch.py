@@ -3,9 +3,10 @@ mlx-lm's own ``BatchGenerator`` over its unquantized ``BatchKVCache``.
 
 Both sides decode greedily from the same ~1K-token contexts on the same model
 weights, measured in the same process, one batch size after the other, the
-two sides taking turns run by run (``measure``). Prefill is done once per side and not timed here: each batch starts from
-copies of the prefilled caches (ours Q4, the peer's in the model's dtype) and
-only the decode steps are timed.
+two sides taking turns run by run (``measure``). Prefill is done once per
+side and not timed here: each batch starts from copies of the prefilled
+caches (ours Q4, the peer's in the model's dtype) and only the decode steps
+are timed.
 """
 
 from __future__ import annotations

@@ -15,9 +15,11 @@ SwiGLU MLP, and the weights of linear layers and embeddings.
   its packing of a transposed weight is the slower one: a decode step spent
   a fifth of its time there. Each float32 ``nn.Linear`` and ``nn.Embedding``
   weight is stored transposed (``w`` is a view of a contiguous ``w.T``), so
-  the same expression reads it as it lies: **bitwise** the same products
-  (tested; measured so under OpenBLAS's Prescott to Zen kernels), the tied
-  head of SmolLM2 a third faster at one row, a decode step 7-10%.
+  the same expression reads it as it lies: the tied head of SmolLM2 a third
+  faster at one row, a decode step 7-10%. The products were bitwise the same
+  under OpenBLAS's Prescott to Zen kernels (measured; the tests hold them
+  within float32 rounding), and nothing rests on it: a sequence alone and
+  batched runs the same layout.
 
 Float32 on the CPU only; anything else takes the module's own call (and
 keeps its weights as they are). Tests check each form against the module it
@@ -50,9 +52,10 @@ _SWIGLU_MLPS = {
 def lean(model: nn.Module, on: bool = True) -> nn.Module:
     """Give every ``nn.RMSNorm``, SwiGLU MLP, linear layer and embedding of
     ``model`` its CPU form (``on=False``: back to their own). In place and
-    idempotent; each module becomes an instance of a subclass of its own
-    class, its parameters' names, shapes and values and its attributes
-    unchanged, so the model and mlx-lm itself are as they were."""
+    idempotent: a norm or MLP becomes an instance of a subclass of its own
+    class, a weight is stored transposed; the parameters' names, shapes and
+    values and the modules' attributes stay, so the model and mlx-lm itself
+    are as they were."""
     for _, module in model.named_modules():
         cls = type(module)
         if issubclass(cls, _Lean):
