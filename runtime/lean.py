@@ -74,7 +74,7 @@ def _lay_out(module: nn.Module, transposed: bool) -> None:
     if module.__dict__.get("_transposed", False) == transposed:
         return
     weight = module["weight"]
-    if transposed and not (weight.dtype == mx.float32 and mx.default_device() == mx.cpu):
+    if transposed and not _on_cpu(weight):
         return
     module["weight"] = mx.contiguous(weight.T).T if transposed else mx.contiguous(weight)
     mx.eval(module["weight"])  # (now: the weight it replaces is freed, and no forward pays for the copy)
