@@ -1,8 +1,9 @@
 # Commands for a fresh machine (each sets up what it needs, idempotently):
 #   make serve  - the HTTP server (Anthropic, OpenAI and agent APIs) on 127.0.0.1:8000 (PORT=...)
 #   make run    - the embedded model answers a prompt (PROMPT="...")
-#   make test   - the test suite (with the Claude Code and Codex CLIs its client tests drive,
-#                 chromium for the dashboard's browser test and haproxy for the many-servers test)
+#   make test   - the whole test suite, what CI runs (with the Claude Code and Codex CLIs its client
+#                 tests drive, chromium for the dashboard's browser test and haproxy for the many-servers test)
+#   make check  - the quick tier for the edit-test loop: every test not marked slow (docs/testing.md)
 #   make example - examples/orchestrator.py: agents on the in-process actor API
 PYTHON ?= python3
 VENV := .venv
@@ -10,7 +11,7 @@ BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 PORT ?= 8000
 
-.PHONY: serve run test example setup blas model clients browser haproxy clean
+.PHONY: serve run test check example setup blas model clients browser haproxy clean
 
 setup: $(VENV)/.installed blas
 
@@ -45,8 +46,14 @@ serve: model
 run: model
 	$(BIN)/semantic generate --prompt "$(PROMPT)"
 
+# one worker a core (pytest-xdist); one temporary cache home for the run (tests/isolation.py)
+PYTEST := $(BIN)/pytest -q -n auto --maxprocesses 4 --dist worksteal
+
 test: model clients browser haproxy
-	$(BIN)/pytest -q
+	$(PYTEST)
+
+check: model
+	$(PYTEST) -m "not slow"
 
 example: model
 	$(BIN)/python examples/orchestrator.py

@@ -28,6 +28,7 @@ def test_help_lists_commands():
         assert command in out.stdout
 
 
+@pytest.mark.slow
 def test_doctor_json_reports_a_fast_cpu_path():
     out = semantic("doctor", "--json")
     assert out.returncode == 0, out.stderr
@@ -78,6 +79,7 @@ def model_dir(path, config: dict, seed: int = 0):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type, missing", [("mamba", "ArraysCache")])
 def test_an_unsupported_model_is_refused_in_one_line(tmp_path, model_type, missing):
     """A model directory of a family Semantic cannot serve yet (mlx-lm's classes,
@@ -91,6 +93,7 @@ def test_an_unsupported_model_is_refused_in_one_line(tmp_path, model_type, missi
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_corrupt_gguf_is_one_line_and_nonzero(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf at all")
@@ -113,6 +116,7 @@ def test_a_missing_fast_blas_is_said_clearly():
         assert "warning: slow BLAS" in out.stderr and "libopenblas0-pthread" in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_generate_streams_the_models_greedy_reply(smollm2):
     """What it writes is the model's greedy reply, as mlx-lm generates it in this process (on
@@ -149,6 +153,7 @@ def real_caches(root, agents):
     return store
 
 
+@pytest.mark.slow
 def test_cache_commands(tmp_path):
     store = real_caches(tmp_path, ("ada", "bo"))
     root = ["cache", "--cache-dir", str(tmp_path)]
@@ -182,6 +187,7 @@ def age(path, days: float) -> None:
     os.utime(path, (when, when))
 
 
+@pytest.mark.slow
 def test_cache_ls_rm_and_prune(tmp_path):
     store = real_caches(tmp_path, ("ada", "bo", "conv-1"))
     histories = tmp_path / "histories"
@@ -234,6 +240,7 @@ def test_cache_ls_rm_and_prune(tmp_path):
     assert sorted(p.name for p in histories.iterdir()) == ["bo.json", "carol.json"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["cache", "--cache-dir", "{dir}", "ls"], ["serve", "--port", "0", "--cache-dir", "{dir}"]])
 def test_a_cache_directory_that_cannot_be_one_is_one_line(tmp_path, command):
     (tmp_path / "a-file").write_text("")
@@ -282,6 +289,7 @@ EMBEDDED_VOCAB = 49152  # the tiny models take the embedded model's tokenizer
 TINY_LLAMA = tiny_config("llama", EMBEDDED_VOCAB)
 
 
+@pytest.mark.slow
 def test_serve_two_models_chosen_by_each_request(tmp_path):
     """``semantic serve --model a=DIR --model b=DIR``: requests alternate by
     ``model`` (OpenAI SDK), each model's next turn reads its own cache; an
@@ -320,6 +328,7 @@ def test_serve_two_models_chosen_by_each_request(tmp_path):
         assert proc.wait(timeout=120) == 0, log.read_text()
 
 
+@pytest.mark.slow
 def test_serve_refuses_two_models_of_one_name(tmp_path):
     out = semantic("serve", "--model", "x=/a", "--model", "x=/b", "--cache-dir", str(tmp_path))
     assert out.returncode == 2 and "two models are named 'x'" in out.stderr and "Traceback" not in out.stderr
@@ -340,6 +349,7 @@ def _serve_dir(path, cache_dir, log):
     return proc, m[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_keeps_its_agent_across_turns_and_a_restart(tmp_path, family):
     """``semantic serve --model DIR`` on a tiny directory of each family: an agent's
@@ -391,6 +401,7 @@ def test_serve_says_when_caches_of_another_layout_are_not_read(tmp_path, capsys)
     assert "kept by 3 ranks" not in out
 
 
+@pytest.mark.slow
 def test_serve_distributed_outside_mlx_launch_is_one_line_and_nonzero(tmp_path):
     out = semantic("serve", "--distributed", "--cache-dir", str(tmp_path))
     assert out.returncode == 2 and "--distributed runs under mlx.launch" in out.stderr

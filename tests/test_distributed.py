@@ -50,6 +50,7 @@ def _launch(*args: str, log: Path) -> subprocess.Popen:
                             stdout=open(log, "a"), stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
 
 
+@pytest.mark.slow
 def test_a_sharded_model_gives_the_logits_of_the_whole_one_within_tolerance_and_batches_invariantly(tmp_path):
     """Each rank computes its heads and its part of the MLP; the layers' outputs
     meet in all-reduces, which sum in another order than one matmul: the logits
@@ -191,6 +192,7 @@ def _conversation(url: str, turns: list[dict], log: Path | None = None) -> list[
     return [_turns(url, questions, log) for questions in turns]
 
 
+@pytest.mark.slow
 def test_two_agents_on_three_ranks_keep_their_shards_across_a_restart(tmp_path):
     """``mlx.launch -n 3 semantic serve --distributed``: two agents at once, two
     turns; Ctrl-C stops every rank with each rank's shard of both caches on disk;
@@ -259,6 +261,7 @@ def _unhealthy(url: str, proc: subprocess.Popen, log: Path) -> dict:
     raise AssertionError(f"rank 0 ended without saying it was unhealthy\n{_tail(log)}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["dies", "hangs"])
 def test_a_rank_that_fails_mid_turn_ends_the_group_and_the_agent_goes_on_after_a_relaunch(tmp_path, fault):
     """A follower killed (or stopped) while the batch decodes leaves rank 0 inside

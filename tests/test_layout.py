@@ -61,6 +61,7 @@ def test_an_import_that_breaks_a_rule_fails_the_check(tmp_path, module, line, br
     assert broken in result.stdout and "BROKEN" in result.stdout
 
 
+@pytest.mark.slow
 def test_the_wheel_installs_one_package_and_the_command(tmp_path):
     """``pip install .`` adds ``semantic`` (the repo's folders, with their data) and the
     ``semantic`` command, and no generic top-level name such as ``web`` or ``cli``."""

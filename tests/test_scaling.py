@@ -214,6 +214,7 @@ def timed(http: httpx.Client, path: str) -> tuple[httpx.Response, float]:
     return r, time.monotonic() - t0
 
 
+@pytest.mark.slow
 def test_the_balancer_routes_every_api_by_its_agent(haproxy_bin, tmp_path):
     stubs = [stub_server("one"), stub_server("two")]
     lb = Balancer(haproxy_bin, [f"127.0.0.1:{s.server_address[1]}" for s in stubs], tmp_path / "haproxy.log")
@@ -388,6 +389,7 @@ def semantic(*args) -> subprocess.CompletedProcess:
                           timeout=120, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_agents_stay_on_one_server_and_move_when_it_dies(haproxy_bin, tmp_path):
     servers = _start_servers(tmp_path)
     lb = Balancer(haproxy_bin, [s.url.removeprefix("http://") for s in servers], tmp_path / "haproxy.log")

@@ -65,6 +65,7 @@ def archive(tmp_path) -> Path:
     return tmp_path / "ada.tar"
 
 
+@pytest.mark.slow
 def test_an_agent_moves_whole_between_cache_directories(tmp_path, archive):
     src, dst = tmp_path / "src", tmp_path / "dst"
     names = tarfile.open(archive).getnames()
@@ -220,6 +221,7 @@ def semantic(*args) -> subprocess.CompletedProcess:
                           timeout=120, cwd=ROOT, env={**os.environ, "COLUMNS": "60"})
 
 
+@pytest.mark.slow
 def test_the_cache_commands_export_and_import(tmp_path):
     src, dst, out = tmp_path / "src", tmp_path / "dst", tmp_path / "ada.tar"
     put_agent(src, "ada", models=("tiny",))

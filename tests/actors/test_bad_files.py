@@ -36,6 +36,7 @@ def past_the_blocks(directory) -> None:
     (directory / MANIFEST).write_text(json.dumps(manifest))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", [corrupt, missing, past_the_blocks])
 async def test_a_bad_cache_file_starts_the_agent_cold_once(tmp_path, caplog, damage):
     loaded = tiny_loaded()

@@ -45,6 +45,7 @@ async def test_choices_stream_apart_and_each_is_the_reply_of_its_seed(tmp_path):
             agent.respond(ASK, choices=MAX_CHOICES + 1)
 
 
+@pytest.mark.slow
 async def test_choices_without_room_are_cut_and_nothing_is_preempted(tmp_path):
     """Three greedy choices that each grow to 2 blocks, in a 3-block budget:
     they cannot all fit, so some end at "length" before their 300 tokens --
@@ -63,6 +64,7 @@ async def test_choices_without_room_are_cut_and_nothing_is_preempted(tmp_path):
         assert await agent.reply("Again.", max_tokens=4) is not None  # the runtime goes on
 
 
+@pytest.mark.slow
 async def test_beside_an_older_turn_the_choices_are_cut_and_the_older_turn_is_preempted(tmp_path):
     """A plain turn, then (the newest) a turn of 3 choices, in a 4-block budget
     where each reply grows to 2 blocks: the plain turn is preempted, not the

@@ -57,6 +57,7 @@ async def test_a_turn_succeeds_on_a_full_disk_and_its_cache_is_written_once_ther
         assert not list(rt.cache_dir.rglob(".tmp-*"))
 
 
+@pytest.mark.slow
 async def test_old_conversations_leave_the_runtime_and_named_and_live_agents_stay(tmp_path):
     options = dict(conversation_ttl_s=1.0, prune_interval_s=0.1, agent_idle_s=0.3)
     async with open_runtime(tmp_path, **options) as rt:

@@ -74,6 +74,7 @@ async def workload(root, hooked: bool) -> dict[str, list[tuple[str, int]]]:
     return out
 
 
+@pytest.mark.slow
 async def test_the_gpu_thread_opens_no_file(tmp_path):
     _touched.clear()
     try:
@@ -87,6 +88,7 @@ async def test_the_gpu_thread_opens_no_file(tmp_path):
     assert all(hooked[a][-1][1] > 0 for a in ("agent-0", "agent-2", "agent-0-fork")), hooked
 
 
+@pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.parametrize("anyio_backend", ["trio"])  # loading SmolLM2 three times: one backend
 async def test_the_gpu_thread_reads_only_a_model_it_loads_by_name(smollm2, tmp_path):

@@ -33,6 +33,7 @@ async def replies(rt: Runtime, together: bool, max_tokens: int) -> dict[str, str
     return out
 
 
+@pytest.mark.slow
 async def test_turns_that_outgrow_the_budget_together_are_preempted_and_resumed(tmp_path):
     """Three turns that each grow to 2 blocks, in a 3-block budget: each fits
     alone, so none fails; together the newest are preempted while the others
@@ -59,6 +60,7 @@ async def test_a_turn_that_outgrows_the_whole_budget_alone_ends_at_its_length(tm
         assert rt.cache_tier("long") in ("hot", "warm")  # kept (the eviction actor may have written it out)
 
 
+@pytest.mark.slow
 async def test_drafts_without_room_wait_and_the_reply_ends_where_it_would(tmp_path, monkeypatch):
     """Alone in a 1-block budget, a turn whose drafts would pass the budget
     verifies none there (``Engine.hold_drafts``) and ends at the same token

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.anyio
 TURNS = ["tiny-1", "tiny", "tiny-1", "tiny", "tiny-1"]
 
 
+@pytest.mark.slow
 async def test_alternating_turns_reuse_each_models_own_cache(tmp_path):
     a, b = tiny_loaded(), tiny_loaded(seed=1)
     async with Runtime.open(a, tmp_path / "cache", 256 << 20, models=[b]) as rt:
@@ -40,6 +41,7 @@ async def test_alternating_turns_reuse_each_models_own_cache(tmp_path):
         assert agent.last_result.reused_tokens >= results[3].prompt_tokens  # tiny's cache, from disk
 
 
+@pytest.mark.slow
 async def test_turns_for_two_models_at_once_match_one_at_a_time(tmp_path):
     """Four agents, two per model, sent at once: each reply is what the agent gets
     alone, and the swaps between models happen only when a batch drained."""

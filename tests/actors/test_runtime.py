@@ -65,6 +65,7 @@ def temp_files(root) -> list:
     return [p for p in root.rglob(".tmp-*")]
 
 
+@pytest.mark.slow
 async def test_concurrent_agents_match_one_agent_at_a_time(open_runtime, one_at_a_time):
     texts: dict[str, list[str]] = {}
     async with open_runtime() as rt:
@@ -128,6 +129,7 @@ async def test_use_cache_false_prefills_the_whole_prompt(open_runtime):
         assert again.result.reused_tokens >= r.prompt_tokens
 
 
+@pytest.mark.slow
 async def test_consumer_that_stops_reading_frees_its_slot_within_one_step(open_runtime, smollm2):
     tok = smollm2.tokenizer
     async with open_runtime() as rt:
@@ -257,6 +259,7 @@ async def test_gpu_failure_fails_turns_in_flight_and_marks_unhealthy(open_runtim
     assert not temp_files(rt.cache_dir)
 
 
+@pytest.mark.slow
 async def test_shutdown_mid_generation_keeps_every_completed_turn(open_runtime, smollm2, tmp_path):
     before_tasks = {t.id for t in anyio.get_running_tasks()}
     ids = [f"s{i}" for i in range(4)]
@@ -296,6 +299,7 @@ async def test_shutdown_mid_generation_keeps_every_completed_turn(open_runtime, 
             assert agent.last_result.reused_tokens >= len(first_prompt)  # the completed turn, from disk
 
 
+@pytest.mark.slow
 async def test_fork_delete_and_restart(open_runtime, smollm2):
     async with open_runtime(agent_idle_s=0) as rt:
         alice = await rt.agent("alice", system="You are a geographer.")
@@ -328,6 +332,7 @@ async def test_fork_delete_and_restart(open_runtime, smollm2):
         assert len(alice.history) == 7 and alice.history[0] == Message("system", "You are a geographer.")
 
 
+@pytest.mark.slow
 async def test_tight_budget_demotes_to_disk_and_keeps_working(open_runtime, smollm2):
     """Hot caches exceed the budget: turns still run (dirty caches are written before
     they are dropped) and every agent's cache comes back from disk."""
@@ -418,6 +423,7 @@ def test_an_idle_model_is_unloaded_and_comes_back(smollm2, tmp_path):
         logger.setLevel(level)
 
 
+@pytest.mark.slow
 async def test_a_follow_up_hands_over_and_writes_only_its_new_blocks(open_runtime, smollm2, monkeypatch):
     """The GPU thread copies out a follow-up's cache from its first changed block on
     (not the whole cache), and the store writes about as much after ~1,300 tokens
@@ -451,6 +457,7 @@ async def test_a_follow_up_hands_over_and_writes_only_its_new_blocks(open_runtim
     assert written["long"] < written["short"] + last_block and written["long"] < whole["long"] / 3, (written, whole)
 
 
+@pytest.mark.slow
 async def test_a_cache_whose_blocks_left_the_disk_is_handed_over_whole(open_runtime, smollm2, caplog):
     """The writer refuses a follow-up whose earlier blocks are not on disk (here
     removed behind its back; in life, a write that failed) and the GPU actor
@@ -493,6 +500,7 @@ async def replies(rt, asks: list[tuple[str, dict]], *, together: bool, system: s
     return out
 
 
+@pytest.mark.slow
 async def test_8_bit_caches_batch_persist_and_live_apart_from_4_bit_ones(tmp_path):
     """``kv_bits=8``: agents at once reply as one at a time, a restart serves the
     next turn from the 8-bit files, and a 4-bit runtime does not take them."""

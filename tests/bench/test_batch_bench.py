@@ -5,6 +5,8 @@ chunk size."""
 import random
 from types import SimpleNamespace
 
+import pytest
+
 from semantic.bench.batch import Ours, Peer, measure, prefill_peak
 from semantic.runtime.lean import _Lean
 from semantic.runtime.model_spec import ModelCacheSpec
@@ -12,6 +14,7 @@ from tests.runtime.test_engine import ByteTokenizer
 from tests.tiny import VOCAB, tiny_model
 
 
+@pytest.mark.slow
 def test_batch_bench_runs_both_sides_and_the_prefill_peak():
     model = tiny_model("llama")
     loaded = SimpleNamespace(model=model, tokenizer=ByteTokenizer(), spec=ModelCacheSpec.from_model(model))

@@ -9,6 +9,7 @@ from tests.web.live import tiny_loaded
 pytestmark = pytest.mark.anyio
 
 
+@pytest.mark.slow
 async def test_overlap_bench_measures_steps_beside_the_disk_work(tmp_path):
     # Enough tokens that the decode outlasts the disk work on a loaded machine too (24 did not in one CI run).
     result = await overlap(tiny_loaded(), tmp_path, context=300, tokens=200, rounds=2)

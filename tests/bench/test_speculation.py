@@ -1,11 +1,14 @@
 """``semantic bench speculation`` on a tiny random-weight model: every workload
 runs with speculation on and off, and each gives positive figures."""
 
+import pytest
+
 from semantic.bench.speculation import TARGETS, in_process, over_http  # noqa: F401  (--peer's path imports)
 from semantic.cli.main import parser
 from tests.web.live import tiny_loaded
 
 
+@pytest.mark.slow
 def test_speculation_bench_times_every_workload_on_and_off():
     result = in_process(tiny_loaded(), rounds=1, max_tokens=12)
     assert set(result["workloads"]) == set(TARGETS)

@@ -1,10 +1,13 @@
 """``semantic bench structured`` on a tiny random-weight model: both kinds of
 step are timed at every batch size, and the mask's own cost comes out."""
 
+import pytest
+
 from semantic.bench.structured import structured
 from tests.web.live import tiny_loaded
 
 
+@pytest.mark.slow
 def test_structured_bench_times_free_and_constrained_steps():
     result = structured(tiny_loaded(), (1, 3), steps=6, rounds=2)
     assert [row["batch"] for row in result["batches"]] == [1, 3]

@@ -71,6 +71,7 @@ def claude_turn(claude, server, tmp_path, prompt: str, session: list[str], tools
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tools, extra", [
     ("Bash", ["--bare"]),  # no system-role message in `messages`
     ("Bash", []),  # a system-role message after the first user message

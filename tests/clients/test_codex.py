@@ -83,6 +83,7 @@ def codex_turn(codex, server, tmp_path, args: list[str]) -> dict:
     return done[-1]["usage"]
 
 
+@pytest.mark.slow
 def test_two_exec_turns_continue_one_session(server, tmp_path):
     codex = client_bin("codex")
     (tmp_path / "work").mkdir()

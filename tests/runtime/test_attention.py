@@ -27,6 +27,7 @@ def _qkv(heads: int, kv_heads: int, S: int, L: int, seed: int):
     return q * 2, k * 2, v
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4), (2, 1)])
 @pytest.mark.parametrize("S, L", [(1, 1), (1, 300), (17, 17), (40, 333), (128, 1100), (300, 300), (257, 700),
                                   (40, 9000)])  # (the last: blocks of 12 or 29 rows, a shorter one last)
@@ -60,6 +61,7 @@ def test_each_sequence_of_a_step_is_bitwise_as_alone():
         assert mx.allclose(alone[i], want, **SDPA_TOLERANCE).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", [a for a in TINY_CONFIGS if a in ("llama", "qwen2", "qwen3", "gemma3_text")])
 def test_models_prefill_and_decode_through_it_on_the_cpu(arch, monkeypatch):
     """A standard-layout model made ``rowwise`` takes ``runtime.attention`` for a

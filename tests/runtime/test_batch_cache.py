@@ -46,6 +46,7 @@ def _prefilled(model, prompt: list[int], float_attention: bool, bits: int = 4) -
     return view
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "arch, float_attention",
     [(a, f) for a in TINY_CONFIGS for f in (True, False) if f or a != "gpt_oss"],  # sinks need the float copy

@@ -447,6 +447,7 @@ def test_store_lists_verifies_deletes_and_cleans_temp_and_stale_files(tmp_path):
 # -- a writer killed at random points --------------------------------------
 
 
+@pytest.mark.slow
 def test_writer_killed_at_random_never_leaves_a_wrong_cache(tmp_path):
     """SIGKILL a process that saves caches in a loop, at random moments; after each
     kill every agent's cache loads and holds a version that was written: the last

@@ -27,6 +27,7 @@ def prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(1, VOCAB) for _ in range(n)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", TINY_CONFIGS)
 @pytest.mark.parametrize("length", [20, 150])  # its first token drawn in prefill; or in the first decode step
 def test_each_choice_is_a_lone_reply_and_the_prompt_is_prefilled_once(arch, length):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from semantic.runtime import row_counts
 from semantic.runtime.batch_cache import PrefillBatch
 from semantic.runtime.engine import Engine, SamplingParams
 from semantic.runtime.row_counts import RowCounts
@@ -121,10 +122,12 @@ def test_a_long_prompts_last_token_rides_the_next_decode_step(arch):
 
 
 def measured(model, tokenizer):
-    """The row counts this machine's decode forward may use for ``model`` (``Engine.calibrate``)."""
-    return Engine(model, tokenizer).calibrate()
+    """The row counts this machine's decode forward may use for ``model``: measured
+    once a run for its parameters' shapes (``row_counts.cached``, under the run's home)."""
+    return row_counts.cached(Engine(model, tokenizer))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", TINY_CONFIGS)
 def test_busy_batch_equals_alone_tiny(arch):
     """Forwards of every measured row count: five sequences, then four, ... as they come and go."""
@@ -140,12 +143,14 @@ def test_busy_batch_equals_alone_at_other_decode_rows(decode_rows):
     busy_batch_equals_alone(tiny_model("llama"), ByteTokenizer(), decode_rows=decode_rows)
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_busy_batch_equals_alone_smollm2(smollm2):
     busy_batch_equals_alone(smollm2.model, smollm2.tokenizer, steps=10,
                             row_counts=measured(smollm2.model, smollm2.tokenizer))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
 def test_busy_batch_equals_alone_attending_over_q4(arch):
     """Attention over the Q4 records themselves (Metal's path): a step computed
@@ -346,6 +351,7 @@ def test_memory_does_not_grow_with_steps():
     assert readings[1] - readings[0] < 256 << 10, readings
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_stop_strings_and_multibyte_text_stream_safely(smollm2):
     tok = smollm2.tokenizer
@@ -381,6 +387,7 @@ def test_bad_arguments():
         SamplingParams(top_p=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", TINY_CONFIGS)
 @pytest.mark.parametrize("via", ["memory", "file"])
 def test_a_preempted_sequence_goes_on_as_if_it_never_left(arch, via, tmp_path):

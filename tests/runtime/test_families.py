@@ -34,6 +34,7 @@ def _caches(arch: str, root) -> AgentCaches:
     return AgentCaches(CacheStore(root), arch, spec, KVBudget(spec, 256 << 20, sliding_dtype_bytes=4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", TINY_CONFIGS)
 def test_each_turn_prefills_only_its_new_message_and_the_reply_before(arch, tmp_path):
     """Turns 2-5 prefill the new message and its template, and at most the 8
@@ -74,6 +75,7 @@ FRESH = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_saved_cache_continues_bit_for_bit_in_a_fresh_process(tmp_path):
     """Save each family's cache after a prompt; a fresh process loads it and
     computes the next tokens' logits: bitwise those the saved cache gives here."""

@@ -48,6 +48,7 @@ def reference(smollm2):
     return tokens, run(smollm2.model, tokens, make_prompt_cache(smollm2.model))
 
 
+@pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.parametrize("bits, min_agree, max_ppl_change", [(4, 0.78, 0.20), (8, 0.97, 0.01)])
 def test_quantized_cache_fidelity(smollm2, reference, bits, min_agree, max_ppl_change):

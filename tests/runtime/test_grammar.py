@@ -54,6 +54,7 @@ def test_the_mask_allows_exactly_the_tokens_that_may_come_next():
     assert [i for i, ok in enumerate(allowed) if ok] == sorted(tok.eos_token_ids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_random_model_writes_valid_json_and_stops(arch, temperature):
@@ -67,6 +68,7 @@ def test_a_random_model_writes_valid_json_and_stops(arch, temperature):
     jsonschema.validate(json.loads(done.text), SCHEMA)
 
 
+@pytest.mark.slow
 def test_a_constrained_sequence_neither_changes_nor_is_changed_by_its_neighbours():
     model, tok = tiny_model_with_tokenizer("llama")
     prompts = [tok.encode(text) for text in ("A shirt:", "Once upon a time", "Colour?", "Hello there, friend")]

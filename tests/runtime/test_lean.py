@@ -80,8 +80,8 @@ def test_a_model_keeps_its_parameters_and_computes_within_tolerance(family):
 def test_float32_weights_lie_transposed_and_give_the_same_products(family):
     """Every float32 linear and embedding weight is a view of its transpose made
     contiguous (the layout OpenBLAS packs fastest); the forward is the same
-    within float32 rounding (bitwise under the kernel sets measured, which no
-    guarantee rests on: alone and batched run the same layout)."""
+    within float32 rounding (bitwise under some kernel sets, which no guarantee
+    rests on: alone and batched run the same layout)."""
     model = tiny_model(family)
     prompt = mx.array([[1, 5, 9, 200, VOCAB - 1]])
     want = model(prompt)
@@ -92,7 +92,9 @@ def test_float32_weights_lie_transposed_and_give_the_same_products(family):
     for m in weights:
         w = np.asarray(m.weight)
         assert w.flags.f_contiguous and (1 in w.shape or not w.flags.c_contiguous), type(m)
-    assert mx.allclose(model(prompt), want, rtol=1e-5, atol=1e-5).item()
+    # float32 rounding at the logits' scale: the kernels of one layout may sum in another order
+    # (2e-5 on logits of 10-20 under OpenBLAS's SkylakeX kernels)
+    assert mx.allclose(model(prompt), want, rtol=0, atol=1e-5 * mx.abs(want).max().item()).item()
     for m in weights:
         lean_module._lay_out(m, False)
         assert np.asarray(m.weight).flags.c_contiguous

@@ -57,6 +57,7 @@ def test_under_a_grammar_the_logprobs_are_of_the_masked_row():
     assert 0 < len(lp.top) <= 3 and all(allowed[t.token] and t.logprob > -math.inf for t in lp.top)
 
 
+@pytest.mark.slow
 def test_logprobs_stream_with_their_tokens_and_do_not_depend_on_the_batch():
     model, tok = tiny_model_with_tokenizer("llama")
     prompts = [tok.encode(t) for t in ("Once upon a time", "Colour?", "A list:")]

@@ -37,6 +37,7 @@ def test_the_class_with_the_least_worst_slowdown_is_chosen():
     assert choose([(1, 2), (3, 4)], [1, 1, 1, 1]) == (3, 4)  # 4 agents: one forward, not two
 
 
+@pytest.mark.slow
 def test_the_measurement_is_kept_and_read_back(tmp_path, monkeypatch):
     engine = Engine(tiny_model("llama"), ByteTokenizer())
     calls = []

@@ -94,6 +94,7 @@ def test_plans_are_kept_with_the_counts_and_read_back(tmp_path):
     assert "k" not in row_counts.kept(tmp_path) and not bad.exists()  # another version's form
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", TINY_CONFIGS)
 def test_forwards_with_every_shape_planned_stay_invariant(arch):
     """Plans on every linear layer (latent attention's included; MoE experts

@@ -87,6 +87,7 @@ def prompts_for(seed: int, n: int) -> list[list[int]]:
     return [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", TINY_CONFIGS)
 def test_greedy_with_drafts_is_bitwise_without(arch, monkeypatch):
     """Three sequences at once, drafts taken in runs and cut where wrong: every
@@ -107,6 +108,7 @@ def test_greedy_with_drafts_is_bitwise_without(arch, monkeypatch):
     assert sum(f.drafted_tokens - f.accepted_tokens for f in got) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_next", "deepseek_v3"])
 def test_drafts_beside_neighbours_that_come_and_go(arch, monkeypatch):
     """A drafting sequence beside 1-7 others that arrive, finish and are
@@ -200,6 +202,7 @@ def test_a_reply_taken_out_while_drafting_goes_on_from_its_file(arch, monkeypatc
     assert out.accepted_tokens > 0  # it had drafted, and taken some, before it left
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
 def test_sampled_tokens_follow_the_models_distribution(arch, monkeypatch):
     """With temperature, the token at a drafted place has the model's
@@ -240,6 +243,7 @@ def chi_square_agrees(a: Counter, b: Counter, alpha_z: float = 4.0) -> bool:
     return stat <= dof + alpha_z * math.sqrt(2 * dof)
 
 
+@pytest.mark.slow
 def test_a_draft_is_taken_with_the_chance_the_row_gives_it():
     """The sampler's verdict on a draft: the token drawn at its place has the
     row's distribution (after temperature and top-k), whichever token was
@@ -520,6 +524,7 @@ def test_held_drafts_wait_a_step(monkeypatch):
     assert got.output_tokens == want.output_tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
 def test_sequences_under_a_grammar_draft_what_it_allows_and_say_what_they_say_without(arch, monkeypatch):
     """Drafts of a constrained sequence are cut where its grammar forbids one

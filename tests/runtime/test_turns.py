@@ -42,6 +42,7 @@ def chat(engine, caches, agent, questions, sampling=GREEDY, use_cache=True, syst
         messages.append({"role": "assistant", "content": r.text})
 
 
+@pytest.mark.slow
 def test_follow_up_turns_prefill_only_their_new_tokens(smollm2, tmp_path):
     tok = smollm2.tokenizer
     engine = Engine(smollm2.model, tok)
@@ -60,6 +61,7 @@ def test_follow_up_turns_prefill_only_their_new_tokens(smollm2, tmp_path):
     print("\nturn prompt reused prefilled:", report)
 
 
+@pytest.mark.slow
 def test_cached_turns_against_cold_turns(smollm2, tmp_path):
     """Does a cached turn feed the model what a cold turn would?  Measured, printed;
     the assertion is only that every turn's reply is text, unless the model ended it at once."""
@@ -83,6 +85,7 @@ def test_cached_turns_against_cold_turns(smollm2, tmp_path):
           f"replies identical to a cold run of the same conversation: {same_text}/{len(cached)}")
 
 
+@pytest.mark.slow
 def test_budget_demotes_to_disk_and_outputs_do_not_change(smollm2, tmp_path):
     """A budget for 3 agents, 6 agents round-robin for 3 rounds."""
     tok = smollm2.tokenizer
@@ -131,6 +134,7 @@ def test_a_request_that_can_never_fit_fails_clearly(smollm2, tmp_path):
     assert small.tier("big") is None and small.budget.used_bytes == 0
 
 
+@pytest.mark.slow
 def test_a_shared_system_prompt_is_prefilled_once(smollm2, tmp_path):
     tok = smollm2.tokenizer
     engine = Engine(smollm2.model, tok)
@@ -149,6 +153,7 @@ def test_a_shared_system_prompt_is_prefilled_once(smollm2, tmp_path):
     assert sum(prefilled) < prefix_tokens + 4 * 20
 
 
+@pytest.mark.slow
 def test_shared_prefixes_fill_only_free_room_and_give_it_back(smollm2, tmp_path):
     """Agents with system prompts of their own register shared prefixes in free
     room (left when idle agents go to disk); a turn that needs the room gets it:

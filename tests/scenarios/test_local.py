@@ -42,6 +42,7 @@ async def play(rt: Runtime, run_id: str, use_cache: bool = True) -> runner.Resul
     return await runner.run(SCENARIO, LocalBackend(rt), run_id=run_id, seed=1, use_cache=use_cache)
 
 
+@pytest.mark.slow
 async def test_permanent_agents_reuse_their_whole_conversation(smollm2, tmp_path):
     async with Runtime.open(smollm2, cache_dir=tmp_path, budget=64 << 20) as rt:
         result = await play(rt, "r1")
@@ -61,6 +62,7 @@ async def test_permanent_agents_reuse_their_whole_conversation(smollm2, tmp_path
     assert leftovers == [], "closed conversations delete their agents' files"
 
 
+@pytest.mark.slow
 async def test_cached_run_against_no_cache_run(smollm2, tmp_path):
     async with Runtime.open(smollm2, cache_dir=tmp_path, budget=64 << 20) as rt:
         cached = await play(rt, "c")

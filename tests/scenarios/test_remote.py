@@ -18,6 +18,7 @@ from .test_local import SCENARIO
 pytestmark = [pytest.mark.model, pytest.mark.anyio]
 
 
+@pytest.mark.slow
 async def test_http_run_matches_the_in_process_run(smollm2, tmp_path):
     async with Runtime.open(smollm2, cache_dir=tmp_path / "local", budget=64 << 20) as rt:
         local = await runner.run(SCENARIO, LocalBackend(rt), run_id="l", seed=1)

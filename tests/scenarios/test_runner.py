@@ -14,7 +14,7 @@ from semantic.scenarios.schema import Ref, Scenario, load, loads
 from .fake import MARKER, FakeBackend, Received, marker
 from .test_schema import BASE
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_backends]
 
 SHIPPED = [load(LIBRARY / f"{name}.yaml") for name in library()]
 

@@ -481,6 +481,7 @@ async def test_a_crash_mid_stream_is_an_api_error_event_and_a_log_record(caplog)
     assert "ZeroDivisionError" in caplog.text
 
 
+@pytest.mark.both_backends
 @pytest.mark.anyio
 async def test_a_cancelled_turn_ends_the_stream_with_an_overloaded_error():
     events = await stream(items("Hel", result=ChatResult("Hel", "cancelled", USAGE)))
@@ -495,6 +496,7 @@ async def test_a_stream_without_a_result_is_a_bug_reported_as_an_error_event(cap
     assert events[-1][0] == "error" and "without a ChatResult" in caplog.text
 
 
+@pytest.mark.both_backends
 @pytest.mark.anyio
 async def test_cancellation_is_not_turned_into_an_error_event():
     import anyio

@@ -12,6 +12,7 @@ from .live import kv_bytes, live_server
 pytestmark = [pytest.mark.anyio, pytest.mark.parametrize("anyio_backend", ["trio"])]  # both: tests/actors
 
 
+@pytest.mark.slow
 async def test_sixty_turns_with_distinct_system_prompts_all_succeed(tmp_path):
     """24 agents with short system prompts of their own, then 6 with long ones,
     two rounds, one request at a time, in a budget of one running turn's block

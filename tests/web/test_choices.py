@@ -20,6 +20,7 @@ pytestmark = pytest.mark.anyio
 ASK = [{"role": "user", "content": "Tell me about the sea."}]
 
 
+@pytest.mark.slow
 async def test_n_choices_each_the_reply_of_its_seed_streamed_and_not(tmp_path):
     def ask(url):
         with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c:

@@ -132,6 +132,7 @@ async def test_openai_streams_send_keep_alive_comments_the_sdk_skips(tmp_path):
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.both_backends
 async def test_a_client_gone_during_heartbeats_cancels_the_turn(tmp_path):
     async with live_server(tmp_path, heartbeat_s=0.0005) as url, client(url) as http:
         long = "word " * (CONTEXT - 20)
@@ -155,6 +156,7 @@ def replayed(request: dict, max_tokens: int = 24) -> tuple[dict, dict]:
     return body, {k: v for k, v in request["headers"].items() if k.lower() not in ("content-length", "host")}
 
 
+@pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.parametrize("variant", ["Bash", "Bash,Agent"])
 async def test_a_replayed_session_with_its_title_and_sub_agent_requests_keeps_each_conversations_agent(

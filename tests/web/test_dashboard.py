@@ -106,6 +106,7 @@ async def _until(check, timeout=5.0):
             await anyio.sleep(0.02)
 
 
+@pytest.mark.slow
 async def test_snapshot_and_events_follow_turns_tiers_and_deletes(tmp_path):
     async with live_server(tmp_path) as url, client(url) as http:
         seen: list = []
@@ -219,6 +220,7 @@ def _browser():
         pytest.skip(f"chromium did not start: {e}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # selenium blocks: its calls run on worker threads
 async def test_dashboard_in_a_browser(tmp_path):
     from selenium.common.exceptions import StaleElementReferenceException

@@ -146,6 +146,7 @@ def test_the_detokenizer_gives_special_tokens_as_text():
 HARMONY_TOKENS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|constrain|>", "<|call|>", "<|return|>")
 
 
+@pytest.mark.slow
 def test_a_forced_call_is_one_gpt_oss_writes_with_its_special_tokens_and_reads_back_valid():
     from semantic.web.harmony import call_grammar
 

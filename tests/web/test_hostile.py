@@ -170,6 +170,7 @@ def running(tmp_path_factory) -> str:
         yield url
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=timedelta(seconds=20), derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(path=st.sampled_from(JSON_ROUTES), body=_bodies, headers=_headers)
@@ -213,6 +214,7 @@ async def test_archive_members_with_hostile_names_or_kinds_are_a_400(tmp_path):
     assert not list(tmp_path.glob("histories/*")), "nothing of a refused archive is left"
 
 
+@pytest.mark.slow
 def test_semantic_cache_import_refuses_the_same_archives_in_one_line(tmp_path):
     deep = _member(INDEX)
     for name, body in (("nul", _archive(_member("histories/a\x00b.json"))), ("deep", _archive(deep, DEEP.encode()))):

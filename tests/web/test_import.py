@@ -35,6 +35,7 @@ async def raw_request(url: str, line: str, headers: dict) -> bytes:
         return answer
 
 
+@pytest.mark.slow
 async def test_an_agent_imported_into_a_running_server_goes_on_warm(tmp_path):
     session = {"X-Claude-Code-Session-Id": "s-1"}
     chat = [{"role": "user", "content": "Hello there"}]

@@ -19,6 +19,7 @@ def _models():
     tiny_loaded(), tiny_loaded(seed=1)  # load once, outside any test's timing
 
 
+@pytest.mark.slow
 async def test_requests_alternate_between_two_models_each_from_its_own_cache(tmp_path):
     async with live_server(tmp_path, models=(tiny_loaded(seed=1),)) as url, client(url) as http:
         listed = (await http.get("/v1/models")).json()["data"]

@@ -318,6 +318,7 @@ async def test_a_crash_mid_stream_is_a_server_error_chunk(caplog):
     assert got[-1]["error"]["type"] == "server_error" and "KeyError" in caplog.text
 
 
+@pytest.mark.both_backends
 @pytest.mark.anyio
 async def test_a_cancelled_turn_is_an_error_chunk():
     got = await chunks(items(result=ChatResult("", "cancelled", USAGE)))

@@ -94,6 +94,7 @@ SHIRT = {"type": "object", "properties": {"size": {"enum": ["S", "M"]}}, "requir
          "additionalProperties": False}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tags_are_tokens", [False, True], ids=["tags as text", "tags as tokens (Qwen3)"])
 def test_a_reasoning_model_thinks_then_answers_as_the_grammar_says(tags_are_tokens):
     """Under a grammar (structured output, a forced call) a model that reasons
@@ -117,6 +118,7 @@ def test_a_reasoning_model_thinks_then_answers_as_the_grammar_says(tags_are_toke
             assert split_reasoning(reply, opened)[1] == answer
 
 
+@pytest.mark.slow
 def test_a_gpt_oss_reply_thinks_then_answers_on_the_final_channel():
     from semantic.runtime.grammar import json_schema
     from semantic.web.harmony import Harmony, read_harmony

@@ -438,6 +438,7 @@ async def test_a_function_call_round_trip_on_a_template_with_tools(tmp_path):
         assert r2.json()["usage"]["input_tokens_details"]["cached_tokens"] >= r1.json()["usage"]["input_tokens"]
 
 
+@pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the Agents SDK runs on asyncio only
 async def test_the_openai_agents_sdk_runs_two_turns(smollm2, tmp_path):
@@ -465,6 +466,7 @@ async def test_the_openai_agents_sdk_runs_two_turns(smollm2, tmp_path):
           f"{u2.input_tokens_details.cached_tokens} of {u2.input_tokens} prompt tokens from the cache")
 
 
+@pytest.mark.slow
 @pytest.mark.model
 async def test_a_replay_of_codex_is_served_from_one_agent(smollm2, tmp_path):
     """Codex's two requests (the short configuration), turn 2 with turn 1's reply as Codex echoes it."""

@@ -88,6 +88,7 @@ async def test_bad_input_gets_clear_4xx_and_the_server_keeps_serving(tmp_path):
         assert r.status_code == 200 and r.json()["usage"]["output_tokens"] >= 1
 
 
+@pytest.mark.slow
 async def test_api_key_body_limit_and_body_timeout(tmp_path):
     async with live_server(tmp_path, api_key="sekret", max_body_bytes=4096, body_timeout_s=0.5) as url:
         async with client(url) as http:
@@ -183,6 +184,7 @@ async def test_the_agent_api_contract(tmp_path):
         assert (await http.get("/v1/agents/ada2")).status_code == 200
 
 
+@pytest.mark.both_backends
 async def test_a_client_that_disconnects_mid_stream_leaves_the_agent_consistent(tmp_path):
     # A ~320-token system prompt: the cancelled turn's cache is kept, and a follow-up reuses the shared
     # part if it is at least half of that cache (runtime.prefix) -- however many tokens the turn made
@@ -251,6 +253,7 @@ async def test_the_sdk_stream_helper_assembles_the_non_streaming_text(tmp_path):
     assert (plain.usage.input_tokens, plain.usage.output_tokens) == (final.usage.input_tokens, final.usage.output_tokens)
 
 
+@pytest.mark.slow
 async def test_a_claude_code_request_gets_a_valid_response(tmp_path):
     body = copy.deepcopy(CLAUDE_CODE)
     del body["stream"]
@@ -321,6 +324,7 @@ async def test_operations_routes(tmp_path):
     assert json.loads(json.dumps(health))
 
 
+@pytest.mark.slow
 async def test_old_anonymous_conversations_are_pruned_counted_and_forgotten(tmp_path):
     options = dict(conversation_ttl_s=1.0, runtime_options={"prune_interval_s": 0.1, "agent_idle_s": 0.2})
     async with live_server(tmp_path, **options) as url, client(url) as http:

@@ -63,6 +63,7 @@ def _openai_turns(url: str, who: str, stream: bool) -> list[tuple[int, int, int]
     return usage
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_three_sdk_conversations_at_once_reuse_their_caches(smollm2, tmp_path):
     runs = {"ann (anthropic, stream)": (_anthropic_turns, "Ann", True),
@@ -110,6 +111,7 @@ def _ttft(client, **ask) -> tuple[float, object]:
         return first, s.get_final_message()
 
 
+@pytest.mark.slow
 def test_after_a_restart_the_next_turn_reads_its_cache_from_disk(smollm2, tmp_path):
     log = tmp_path / "server.log"
     topic = " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(30))  # ~500 tokens
@@ -147,6 +149,7 @@ def test_after_a_restart_the_next_turn_reads_its_cache_from_disk(smollm2, tmp_pa
     assert os.path.isdir(tmp_path / "cache" / "histories")
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_six_agents_at_once_reply_as_they_do_one_at_a_time(smollm2, tmp_path):
     """Batching never changes an answer, over HTTP: six agents with their own system

@@ -13,7 +13,7 @@ from semantic.web.sse import EventStreamResponse, encode
 from .canned import serve
 from .sse_util import parse_sse
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_backends]
 
 
 def test_encode():

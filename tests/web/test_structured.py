@@ -139,6 +139,7 @@ TEMPLATES = [(HERMES, None), (QWEN3_CODER, "qwen3_coder"), (DEEPSEEK_V31, None),
 TEMPLATE_IDS = ["hermes", "qwen3-coder", "deepseek-v3.1", "deepseek-r1"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("template, parser", [(None, None), *TEMPLATES], ids=["no tools in the template", *TEMPLATE_IDS])
 async def test_a_forced_call_is_one_valid_call_on_every_route(tmp_path, template, parser):
     model = tiny_with_template(template, parser) if template else None
@@ -176,6 +177,7 @@ async def test_a_forced_call_is_one_valid_call_on_every_route(tmp_path, template
     valid_call(uses[0].name, uses[0].input)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("template, parser", TEMPLATES, ids=TEMPLATE_IDS)
 async def test_a_conversation_with_a_call_continues_on_its_agent(tmp_path, template, parser):
     """The client sends the call back as ``tool_calls``, with its result: the
@@ -205,6 +207,7 @@ async def test_tools_whose_schema_cannot_be_enforced_are_a_400_when_a_call_is_fo
     assert free.status_code == 200  # nothing to enforce: the model is not told of tools
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("template, parser", [(HERMES, None), (QWEN3_CODER, "qwen3_coder")], ids=["hermes", "qwen3-coder"])
 async def test_auto_with_strict_tools_is_text_or_valid_calls(tmp_path, template, parser):
     """Under ``tool_choice: auto`` with ``strict`` tools, a tool-capable model

@@ -4,7 +4,7 @@ shows them: every reply parses, every forced call validates. The schemas
 bound every string and list, so max_tokens (the server's cap, 1024) holds
 the longest document they allow (a character is at most 6 tokens, as a
 ``\\u00XX`` escape): each reply ends by construction, whatever the model would
-write; temperature 1 with 20 seeds gives 20 different ones."""
+write; temperature 1 with 8 seeds gives 8 different ones."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 
 pytestmark = [pytest.mark.model, pytest.mark.anyio]
 
-RUNS = 20
+RUNS = 8
 
 
 @pytest.fixture
@@ -91,6 +91,7 @@ def calls(url: str):
     return out
 
 
+@pytest.mark.slow
 async def test_every_reply_parses_and_every_forced_call_validates(smollm2, tmp_path):
     async with live_server(tmp_path, model=smollm2, max_tokens_cap=1024) as url:
         with anyio.fail_after(1200):
@@ -99,7 +100,7 @@ async def test_every_reply_parses_and_every_forced_call_validates(smollm2, tmp_p
     for model, choices in parsed.items():
         assert [c.finish_reason for c in choices] == ["stop"] * RUNS, model
         assert all(isinstance(c.message.parsed, model) for c in choices), model
-        assert len({c.message.content for c in choices}) > 1, model  # 20 samples, not one reply 20 times
+        assert len({c.message.content for c in choices}) > 1, model  # samples, not one reply RUNS times
     schema = WEATHER["function"]["parameters"]
     assert chat.choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(chat.choices[0].message.tool_calls[0].function.arguments), schema)

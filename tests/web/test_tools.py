@@ -258,6 +258,7 @@ def takes(g: str, reply: str | list[int], tokenizer=None) -> bool:
     return constraint.allowed(size).tolist()[min(tok.eos_token_ids)]  # it may end here
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt, reply", [
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>'),
     ("llama3", '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 3}}'),
@@ -279,6 +280,7 @@ HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"
 LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 3}}'
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt, reply, taken", [
     ("hermes", "It is sunny in Oslo.", True),
     ("hermes", HERMES_CALL, True),
@@ -463,6 +465,7 @@ def test_a_forced_qwen3_coder_call_is_one_its_parser_reads_back_valid(call):
     assert takes(g, reply) and read_back(reply, fmt) == [call]
 
 
+@pytest.mark.slow
 def test_a_qwen3_coder_grammar_takes_nothing_else():
     fmt = library_format(wrapper("qwen3_coder"))
     g = call_grammar(fmt, [WEATHER_FN, NOOP_FN, DIARY_FN])
@@ -493,6 +496,7 @@ MISTRAL_V3 = ("{%- for m in messages %}[TOOL_CALLS][{%- for c in m.tool_calls %}
               "{%- endfor %}{# tools #}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("template, specials", [(MISTRAL_V11, ("[TOOL_CALLS]", "[ARGS]")),
                                                (MISTRAL_V3, ("[TOOL_CALLS]",))], ids=["name[ARGS]{...}", "[{...}]"])
 def test_mistral_calls_in_the_form_its_tokenizer_has(template, specials):
@@ -576,6 +580,7 @@ def render_deepseek(template: str, calls: list[tuple[str, dict]], text: str = ""
     return rendered.removeprefix("<｜Assistant｜></think>").removesuffix("<｜end▁of▁sentence｜>")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("template, parser", [(DEEPSEEK_V31, "deepseek_v3_1"), (DEEPSEEK_R1, "deepseek_r1")])
 @pytest.mark.parametrize("special", [False, True], ids=["plain marker tokens", "special marker tokens"])
 def test_deepseek_calls_read_back_and_a_grammar_holds_them(template, parser, special):
@@ -620,6 +625,7 @@ def test_a_deepseek_model_is_told_of_the_tools_and_keeps_its_tool_turns():
     assert (free.fmt, free.grammar, free.messages[0].content) == (None, None, "Be brief.")
 
 
+@pytest.mark.slow
 def test_a_marker_the_tokenizer_adds_is_written_as_its_token():
     """Qwen's ``<tool_call>`` is a token of its own (not a special one), which
     llguidance reads as special: the grammar names it by id, or the model

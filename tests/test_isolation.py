@@ -1,0 +1,48 @@
+"""The run stays out of the user's files (``tests/isolation.py``)."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from semantic.runtime.paths import cache_home
+from tests import isolation
+from tests.conftest import ISOLATION
+
+
+def test_the_run_has_a_home_of_its_own():
+    assert cache_home() == ISOLATION.run_home == Path(os.environ["HOME"])
+    assert ISOLATION.user_cache not in cache_home().parents and cache_home() != ISOLATION.user_cache
+    for name in isolation.LINKED:  # the prepared model and the client CLIs, linked, never copied
+        linked = ISOLATION.run_home / name
+        assert not linked.exists() or linked.resolve() == ISOLATION.user_cache / name
+
+
+def test_the_hook_refuses_the_users_files_and_writes_outside_the_runs_folders(tmp_path):
+    user = isolation.Isolation(tmp_path / "user", tmp_path / "user/.cache/semantic", tmp_path / "run")
+    check = user.check
+    with pytest.raises(PermissionError, match="the user's own files"):
+        check("open", (str(tmp_path / "user/.cache/semantic/row-counts/x.json"), "r", os.O_RDONLY))
+    with pytest.raises(PermissionError, match="the user's own files"):
+        check("open", (str(tmp_path / "user/.codex/config.toml"), "r", os.O_RDONLY))
+    with pytest.raises(PermissionError, match="the user's own files"):  # linked folders: read, never written
+        check("open", (str(tmp_path / "user/.cache/semantic/models/m/config.json"), "w", os.O_WRONLY))
+    with pytest.raises(PermissionError, match="outside the run's temporary folders"):
+        check("os.rename", ("/etc/passwd-", "/etc/passwd"))
+    check("open", (str(tmp_path / "user/.cache/semantic/models/m/config.json"), "r", os.O_RDONLY))
+    check("open", (str(tmp_path / "run/agents/a.kv"), "wb", os.O_WRONLY))
+    assert len(user.refused) == 4
+
+
+def test_a_snapshot_sees_one_byte_changed(tmp_path):
+    (tmp_path / "row-counts").mkdir()
+    f = tmp_path / "row-counts/k.json"
+    f.write_bytes(b"{}")
+    before = isolation.snapshot(tmp_path)
+    assert before == isolation.snapshot(tmp_path)
+    os.utime(f, ns=(0, os.stat(f).st_mtime_ns))  # same bytes, same time: the same
+    assert before == isolation.snapshot(tmp_path)
+    st = os.stat(f)
+    f.write_bytes(b"[]")
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # other bytes behind the same size and time
+    assert isolation.snapshot(tmp_path) != before
