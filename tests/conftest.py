@@ -51,6 +51,12 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def pytest_collection_modifyitems(items):
+    """Slow tests first: pytest-xdist's workers then end the run on short ones,
+    not one worker on a long test while the other waits."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(autouse=True)
 def stays_in_its_folders():
     """A test fails when the isolation hook refused something it did (even where the
