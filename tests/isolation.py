@@ -28,8 +28,10 @@ __all__ = ["Isolation", "enter", "snapshot"]
 ROOT = Path(__file__).resolve().parents[1]
 LINKED = ("models", "clients")
 _RUN = "SEMANTIC_TESTS_RUN"  # the user's home, their cache home and the run's home, for xdist's workers
-_WRITE_EVENTS = {"os.mkdir", "os.rename", "os.remove", "os.rmdir", "os.symlink", "os.link", "os.truncate",
-                 "os.chmod", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
+# events that change a path: which of their arguments are read (r) and written (w)
+_WRITES = {"os.rename": "ww", "shutil.move": "ww", "os.link": "rw", "os.symlink": "rw", "shutil.copyfile": "rw",
+           **dict.fromkeys(("os.mkdir", "os.remove", "os.rmdir", "os.truncate", "os.chmod", "os.utime",
+                            "shutil.rmtree"), "w")}
 
 
 class Isolation:
@@ -41,11 +43,11 @@ class Isolation:
         self.readable = tuple(user_cache / name for name in LINKED)
         self.writable = tuple({Path(tempfile.gettempdir()).resolve(), run_home, ROOT, Path(sys.prefix).resolve(),
                                Path("/dev")})
-        self.refused: list[str] = []  # what the hook refused, for the end-of-run report
+        self.refused: list[str] = []  # what the hook refused (a test that caused one fails)
         self.watching = True
 
     def snapshot(self) -> dict[str, str]:
-        """``snapshot`` of the user's cache home, read by the hook's leave."""
+        """``snapshot`` of the user's cache home (the hook looks away while it reads)."""
         self.watching = False
         try:
             return snapshot(self.user_cache)
@@ -56,22 +58,24 @@ class Isolation:
         if not self.watching:
             return
         if event == "open":
-            path, mode = args[0], args[1]
+            mode = args[1]
             writes = mode is None and len(args) > 2 and args[2] & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) \
                 or isinstance(mode, str) and any(c in mode for c in "wax+")
-        elif event in _WRITE_EVENTS:
-            path, writes = args[0], True
-            if event == "os.mkdir" and _is_dir(path):
+            uses = [(args[0], bool(writes))]
+        elif event in _WRITES:
+            if event == "os.mkdir" and _is_dir(args[0]):
                 return
+            uses = [(path, how == "w") for path, how in zip(args, _WRITES[event])]
         else:
             return
-        if not isinstance(path, (str, bytes, os.PathLike)):
-            return  # a file descriptor
-        where = Path(os.path.abspath(os.fsdecode(path)))
-        if _under(where, self.private) and not (not writes and _under(where, self.readable)):
-            self._refuse(f"{event} {where}: the user's own files")
-        if writes and not _under(where, self.writable):
-            self._refuse(f"{event} {where}: outside the run's temporary folders")
+        for path, writes in uses:
+            if not isinstance(path, (str, bytes, os.PathLike)):
+                continue  # a file descriptor, a mode
+            where = Path(os.path.abspath(os.fsdecode(path)))
+            if _under(where, self.private) and not (not writes and _under(where, self.readable)):
+                self._refuse(f"{event} {where}: the user's own files")
+            if writes and not _under(where, self.writable):
+                self._refuse(f"{event} {where}: outside the run's temporary folders")
 
     def _refuse(self, what: str) -> None:
         self.refused.append(what)

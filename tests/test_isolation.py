@@ -29,9 +29,12 @@ def test_the_hook_refuses_the_users_files_and_writes_outside_the_runs_folders(tm
         check("open", (str(tmp_path / "user/.cache/semantic/models/m/config.json"), "w", os.O_WRONLY))
     with pytest.raises(PermissionError, match="outside the run's temporary folders"):
         check("os.rename", ("/etc/passwd-", "/etc/passwd"))
+    with pytest.raises(PermissionError, match="the user's own files"):  # into the user's cache from the run's
+        check("os.rename", (str(tmp_path / "run/x.json"), str(tmp_path / "user/.cache/semantic/x.json")))
     check("open", (str(tmp_path / "user/.cache/semantic/models/m/config.json"), "r", os.O_RDONLY))
+    check("shutil.copyfile", (str(tmp_path / "user/.cache/semantic/models/m/tokenizer.json"), str(tmp_path / "t")))
     check("open", (str(tmp_path / "run/agents/a.kv"), "wb", os.O_WRONLY))
-    assert len(user.refused) == 4
+    assert len(user.refused) == 5
 
 
 def test_a_snapshot_sees_one_byte_changed(tmp_path):
