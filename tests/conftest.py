@@ -12,9 +12,8 @@ rest, whose code only runs over the backend, run on asyncio, the server's
 default (``semantic serve --backend``).
 
 OpenBLAS's idle threads sleep after a short spin here (``OPENBLAS_THREAD_TIMEOUT``,
-read when it loads): it changes no result, and the run's many small processes
-and threads stop spinning against each other on two cores (the suite's system
-time fell from 15 to 3 minutes; docs/testing.md).
+read when it loads): it changes no result, and the run's many processes and
+threads stop spinning against each other on two cores (docs/testing.md).
 """
 
 import os
@@ -40,7 +39,7 @@ def pytest_sessionstart(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if WORKER:  # a pytest-xdist worker: its controller checks, and says what the hook refused
+    if WORKER:  # a pytest-xdist worker: its controller cleans up and compares
         return
     shutil.rmtree(ISOLATION.run_home, ignore_errors=True)
     after = ISOLATION.snapshot()

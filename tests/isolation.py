@@ -3,14 +3,15 @@
 ``enter()`` (called by ``tests/conftest.py`` before anything reads a path)
 points ``SEMANTIC_HOME`` and ``HOME`` at one temporary folder for the whole
 run, so servers, CLIs and child processes keep their files there. Two folders
-of the user's cache home are linked in, read only by convention: the prepared
-embedded model (``models/``, ~270 MB, prepared by ``make test`` before the
-run) and the pinned client CLIs (``clients/``). Nothing else of it is seen:
+of the user's cache home are linked in, to be read only: the prepared
+embedded model (``models/``, prepared by ``make test`` before the run) and
+the pinned client CLIs (``clients/``). Nothing else of it is seen:
 row counts, agents' caches and settings start empty, as on a fresh machine.
 
-An audit hook refuses, in this process, a write outside the temporary folders
-and the repository, and any access to the user's cache home (but the two
-linked folders), ``~/.codex`` and ``~/.claude``. ``snapshot()`` of the user's
+An audit hook refuses, in the test processes, a write outside the temporary
+folders, the repository and the virtual environment, any write to the
+user's cache home, ``~/.codex`` and ``~/.claude``, and any read of them but
+of the two linked folders. ``snapshot()`` of the user's
 cache home before and after the run tells whether anything changed it
 (``pytest_sessionfinish`` in ``tests/conftest.py``).
 """
