@@ -1,6 +1,8 @@
 """The run stays out of the user's files (``tests/isolation.py``)."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,3 +51,37 @@ def test_a_snapshot_sees_one_byte_changed(tmp_path):
     f.write_bytes(b"[]")
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # other bytes behind the same size and time
     assert isolation.snapshot(tmp_path) != before
+
+
+LEAKS = '''
+import os, subprocess
+
+def test_a_child_process_writes_into_the_users_cache():
+    subprocess.run(["sh", "-c", 'printf x >> "$LEAK"'], check=True)  # past the hook: another process
+'''
+KEEPS = '''
+def test_nothing_leaves_the_run():
+    assert True
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("body, fails", [(LEAKS, True), (KEEPS, False)], ids=["leaks", "keeps"])
+def test_a_run_that_changed_the_users_cache_by_a_byte_fails(tmp_path, body, fails):
+    """The end-of-run comparison, through pytest itself: a run whose test (here
+    a child process, out of the hook's reach) appends one byte to a file of the
+    user's cache home fails and names the file; a run that does not passes."""
+    user = tmp_path / "user"
+    kept = user / ".cache/semantic/row-counts/k.json"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("{}")
+    (tmp_path / "test_case.py").write_text(body)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SEMANTIC_HOME", "XDG_CACHE_HOME", isolation._RUN) and not k.startswith("PYTEST_")}
+    env.update(HOME=str(user), LEAK=str(kept))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
+                          str(tmp_path / "test_case.py")], cwd=isolation.ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert (out.returncode != 0) == fails, out.stdout + out.stderr
+    assert ("the run changed " + str(kept) in out.stdout) == fails, out.stdout
+    assert kept.read_text() == ("{}x" if fails else "{}")
