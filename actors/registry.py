@@ -68,7 +68,7 @@ class ModelRegistry:
         demotions, prefix_drops = self._counts  # the counters go on from the models unloaded
 
         def caches_in(budget: int | None) -> AgentCaches:
-            return open_caches(loaded, disk, budget, working_copy=engine.float_attention, kv_bits=engine.kv_bits,
+            return open_caches(loaded, disk, budget, kv_bits=engine.kv_bits,
                                demotions=demotions, prefix_drops=prefix_drops)
 
         caches = caches_in(self.budget_bytes)

@@ -162,8 +162,8 @@ class Runtime:
         after this long without turns (None: never).  ``prefill_chunk``: most
         prompt tokens one prefill step runs, which bounds how long decoding
         streams wait for another agent's prefill.  ``kv_bits``: the agents' KV
-        caches are quantized to 4 (default) or 8 bits; each setting keeps its own
-        cache files (8 bits: about twice the memory, closer to full precision).
+        caches are quantized to 4 (default) or 8 bits, or kept in float (16); each
+        setting keeps its own cache files.
         ``decode_rows``: the most token slots of a decode forward; more decoding
         agents take more forwards.  Which counts up to it give a sequence the
         same logits is measured when a model loads (``row_counts``), and
@@ -189,8 +189,8 @@ class Runtime:
         Raises ``ModelError`` when the model cannot be loaded, ``ValueError`` for
         bad settings.
         """
-        if kv_bits not in (4, 8):
-            raise ValueError(f"kv_bits must be 4 or 8, not {kv_bits!r}")
+        if kv_bits not in (4, 8, 16):
+            raise ValueError(f"kv_bits must be 4, 8 or 16, not {kv_bits!r}")
         if disk_budget is not None and disk_budget <= 0:
             raise ValueError(f"disk_budget must be > 0 bytes (None: no cap), not {disk_budget}")
         if conversation_ttl_s is not None and conversation_ttl_s <= 0:

@@ -43,13 +43,16 @@ async def soak(loaded, root: Path, *, agents: int, turns: int, concurrency: int,
 
     from semantic.actors import Runtime
     from semantic.runtime.block_pool import KVBudget
+    from semantic.runtime.cache_records import BLOCK_TOKENS
 
     working = loaded.dtype.size if mx.default_device() == mx.cpu else 0
     kv = KVBudget(loaded.spec, 1 << 40, sliding_dtype_bytes=loaded.dtype.size, working_dtype_bytes=working)
     # ``concurrency`` turns in progress (with their working copies), the rest of ``hot_agents`` idle.
     budget = (concurrency * kv.bytes_for(TOKENS_PER_AGENT, running=True)
               + max(0, hot_agents - concurrency) * kv.bytes_for(TOKENS_PER_AGENT))
-    per_file = TOKENS_PER_AGENT * loaded.spec.bytes_per_token(4) + 4096  # Q4 tokens, header, history
+    spec, closed = loaded.spec, TOKENS_PER_AGENT // BLOCK_TOKENS * BLOCK_TOKENS
+    open_block = (TOKENS_PER_AGENT - closed) * spec.n_full * spec.n_kv_heads * spec.kv_width * loaded.dtype.size
+    per_file = closed * spec.bytes_per_token(4) + open_block + 4096  # Q4 blocks, the open block's floats, the rest
     disk_budget = int(disk_share * agents * per_file)
     failures: list[str] = []
     peak = {"hot": 0, "active": 0, "disk": 0}

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "verify":
         results = store.verify()
         for path, ok, reason in results:
-            out.print(f"{'[green]ok[/]' if ok else '[red]bad[/]'}  {path.relative_to(root)}  {'' if ok else reason}")
+            out.print(f"{'[green]ok[/]' if ok else '[red]bad[/]'}  {path.relative_to(root)}  {reason}")
         bad = sum(not ok for _, ok, _ in results)
         out.print(f"{len(results)} file(s), {bad} bad")
         return 1 if bad else 0

@@ -130,6 +130,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3, help="rounds of each, alternating (default 3)")
     _add_json(p, "the results")
 
+    p = bench.add_parser("fidelity", help="perplexity through the KV cache at 16, 8 and 4 bits, and after a restart")
+    _add_model(p)
+    p.add_argument("--text", nargs="+", metavar="FILE",
+                   help="texts to score (default: an English text and a Python module, shipped)")
+    p.add_argument("--tokens", type=parse_positive_int, default=4096, help="most tokens of each text (default 4096)")
+    _add_json(p, "the results")
+
     p = bench.add_parser("speculation", help="decode tokens/s with speculation (drafts from history) on vs off")
     _add_model(p)
     p.add_argument("--quick", action="store_true", help="2 rounds (about 8 minutes on 2 cores)")

@@ -64,8 +64,9 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--cache-dir", help="where agents' caches and histories live (default ~/.cache/semantic/agents)")
     p.add_argument("--budget", type=parse_bytes, help="bytes of hot KV cache, e.g. 2G (default: memory less weights)")
-    p.add_argument("--kv-bits", type=int, choices=(4, 8), default=4,
-                   help="quantize agents' KV caches to 4 (default) or 8 bits; each keeps its own cache files")
+    p.add_argument("--kv-bits", type=int, choices=(4, 8, 16), default=4,
+                   help="quantize agents' KV caches to 4 (default) or 8 bits, or keep them as the model computes "
+                        "them (16: full precision); each setting keeps its own cache files")
     p.add_argument("--disk-budget", type=parse_positive_bytes, metavar="BYTES",
                    help="bytes the cache directory may hold, e.g. 20G; the least recently used caches go first "
                         "(default: half of its size plus its filesystem's free space at start-up)")

@@ -461,13 +461,14 @@ class AgentCaches:
 
         It only takes free room (it never demotes anyone) and is the first
         thing freed when room is needed.  Returns False when the cache cannot
-        be cut there (a wrapped sliding window) or there is no free room.
+        go back there (a wrapped sliding window, inside a closed block) or
+        there is no free room.
         """
         if any(p.text == text for p in self._prefixes.values()):
             return True
-        copy = cache.clone()
-        if copy.offset - len(tokens) > copy.trimmable_tokens:
+        if not all(c.can_rewind(len(tokens)) for c in cache):
             return False
+        copy = cache.clone()
         copy.rewind(len(tokens))
         owner = ("prefix", next(self._prefix_ids))
         if not self.budget.reserve(owner, len(tokens)):
@@ -516,14 +517,14 @@ def cache_layouts(root: Path, model_name: str, kv_bits: int = 4) -> set[int]:
 
 
 def open_caches(loaded, root: CacheDisk | CacheStore | os.PathLike | str | None = None, budget_bytes: int | None = None,
-                working_copy: bool = False, kv_bits: int = 4, **options) -> AgentCaches:
+                kv_bits: int = 4, **options) -> AgentCaches:
     """The agent caches of a loaded model (``runtime.models.LoadedModel``) on ``root``:
     a ``CacheDisk``, or a ``CacheStore`` or its directory (default: the user's cache
     directory) to reach straight; in ``budget_bytes`` of hot memory (default:
     device memory less the weights less headroom).
-    ``working_copy``: running turns attend through a float copy of their full
-    layers (``Engine.float_attention``), which their reservations include;
-    sink models always do.  ``kv_bits``: the cache's quantization (4 or 8), as the engine's.
+    Running turns attend through a float copy of their full layers
+    (``kv.DequantizingKVCache``), which their reservations include.
+    ``kv_bits``: the cache's quantization (4, 8 or 16), as the engine's.
     ``options``: the rest of ``AgentCaches``'s keywords."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -535,9 +536,8 @@ def open_caches(loaded, root: CacheDisk | CacheStore | os.PathLike | str | None 
         weights = sum(p.nbytes for _, p in tree_flatten(loaded.model.parameters()))
         memory = mx.device_info().get("max_recommended_working_set_size") or describe()["memory_bytes"]
         budget_bytes = default_budget(loaded.spec, weights, memory, bits=kv_bits, sliding_dtype_bytes=loaded.dtype.size)
-    working = loaded.dtype.size if working_copy or loaded.spec.attends_in_float else 0
     budget = KVBudget(loaded.spec, budget_bytes, bits=kv_bits, sliding_dtype_bytes=loaded.dtype.size,
-                      working_dtype_bytes=working)
+                      working_dtype_bytes=loaded.dtype.size)
     if root is None or isinstance(root, (str, os.PathLike)):
         root = CacheStore(root or agents_dir())
     return AgentCaches(root, cache_model_id(loaded.name, kv_bits, loaded.spec.shard), loaded.spec, budget, **options)

@@ -34,7 +34,6 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from .kv.quantize import quantize_unpack
 
 __all__ = ["BatchQuantizedKVCache", "ChunkMasks", "PrefillBatch"]
 
@@ -58,7 +57,7 @@ class BatchQuantizedKVCache:
     cache makes its own.
     """
 
-    ROWS = 32  # decode steps whose new Q4 rows are held before they go to the records
+    ROWS = 32  # decode steps whose new rows are held before they go to the records
 
     def __init__(self, caches: Sequence):
         if not caches:
@@ -67,9 +66,9 @@ class BatchQuantizedKVCache:
         self.widths = [1] * len(self.caches)  # this step's slots a sequence (``Engine._launch`` sets them)
         # Every sequence attends over a float working copy: ``attend_new`` serves this layer.
         self.in_float = all(c.attends_new for c in self.caches)
-        # Held steps: the Q4 triple of every slot, keys' heads then values' (slots, 2H, 1, ...), and the
-        # slots of each sequence that go to its record (fewer than its width once drafts are cut).
-        self._rows: list[tuple[tuple[mx.array, ...], list[int], list[int]]] = []
+        # Held steps: the keys and values of every slot (slots, H, 1, D), and the slots of each
+        # sequence that go to its record (fewer than its width once drafts are cut).
+        self._rows: list[tuple[tuple[mx.array, mx.array], list[int], list[int]]] = []
 
     def make_mask(self, *args, **kwargs):
         return None
@@ -85,34 +84,29 @@ class BatchQuantizedKVCache:
         return [c.offset + j for c, w in zip(self.caches, self.widths) for j in range(w)]
 
     def attend_new(self, keys: mx.array, values: mx.array) -> list[tuple[mx.array, mx.array]]:
-        """Quantize every slot's new token at once (``keys``, ``values``: (slots,
-        H, 1, D)), add each to its sequence's working copy in slot order and
-        hold the Q4 rows for the records; return what each slot attends over.
+        """Add every slot's new token (``keys``, ``values``: (slots, H, 1, D)) to
+        its sequence's working copy in slot order and hold the rows for the
+        records; return what each slot attends over.
 
-        One quantization a layer and step for the whole forward, keys and
-        values together, kept as it comes out (no write), where writing each
-        record costs a dozen MLX ops a sequence; the records get up to ``ROWS``
-        steps at once (``flush``). Quantization is per group of a row, so a
-        row's Q4 codes do not depend on the other slots nor on the values
-        beside the keys.
+        The records get up to ``ROWS`` steps at once (``flush``), where writing
+        each record costs a few MLX ops a sequence and step; a new token is
+        kept in float in its record's open block, so nothing is quantized here.
         """
         assert not self.full, "a full batch is flushed before its next step (Engine._launch)"
-        c, heads = self.caches[0].quantized, keys.shape[1]
-        *q, new = quantize_unpack(mx.concatenate([keys, values], axis=1), c.group_size, c.bits)  # one for both
-        self._rows.append((tuple(q), list(self.widths), list(self.widths)))
         slots = keys.shape[0]
+        self._rows.append(((keys, values), list(self.widths), list(self.widths)))
         if max(self.widths) == 1:  # a slot a sequence: one split
-            new_k, new_v = mx.split(new[:, :heads], slots), mx.split(new[:, heads:], slots)
+            new_k, new_v = mx.split(keys, slots), mx.split(values, slots)
             return [c.attend_new(k, v)[0] for c, k, v in zip(self.caches, new_k, new_v)]
         fetched, at = [], 0
         for c, w in zip(self.caches, self.widths):  # a sequence's slots are its tokens in order
-            fetched += c.attend_new(new[at : at + w, :heads].swapaxes(0, 2), new[at : at + w, heads:].swapaxes(0, 2))
+            fetched += c.attend_new(keys[at : at + w].swapaxes(0, 2), values[at : at + w].swapaxes(0, 2))
             at += w
         return fetched
 
     @property
     def held(self) -> int:
-        """Steps whose Q4 rows wait here for the records."""
+        """Steps whose rows wait here for the records."""
         return len(self._rows)
 
     @property
@@ -136,11 +130,10 @@ class BatchQuantizedKVCache:
         self.caches[i].unwritten -= n
 
     def flush(self) -> None:
-        """Write the held Q4 rows to each sequence's record (before anyone reads
+        """Write the held rows to each sequence's record (before anyone reads
         a record, and when ``ROWS`` steps are held)."""
         if not self._rows:
             return
-        heads = self._rows[0][0][0].shape[1] // 2
         if all(max(widths) == 1 == min(kept) for _, widths, kept in self._rows):  # a slot a sequence: one gather
             steps = [mx.concatenate(parts, axis=2) for parts in zip(*(q for q, _, _ in self._rows))]
             rows = [tuple(t[i : i + 1] for t in steps) for i in range(len(self.caches))]
@@ -154,7 +147,7 @@ class BatchQuantizedKVCache:
             rows = [tuple(mx.concatenate(parts, axis=2) for parts in zip(*r)) if r else None for r in rows]
         for c, r in zip(self.caches, rows):
             if r is not None:
-                c.quantized.append(tuple(t[:, :heads] for t in r), tuple(t[:, heads:] for t in r))
+                c.quantized.append(*r)
         for i, c in enumerate(self.caches):
             c.unwritten -= sum(kept[i] for _, _, kept in self._rows)
         self._rows = []

@@ -35,6 +35,7 @@ from .model_spec import (  # LayerKind: docstring example
 )
 
 WORKING = "working"  # the layer group of running sequences' float working copies
+OPEN = "open"  # the layer group of full layers' open blocks, in float (``kv.SequenceQuantizedKVCache``)
 
 __all__ = [
     "BlockPool",
@@ -42,6 +43,7 @@ __all__ = [
     "FullAttentionManager",
     "KVBudget",
     "LayerGroup",
+    "OpenBlockManager",
     "SlidingWindowManager",
     "StateManager",
     "default_budget",
@@ -138,16 +140,17 @@ def layer_groups(
     window, smallest window first, then "recurrent".
 
     Full layers store ``bits``-bit K/V with 16-bit scales and biases per
-    ``group_size`` elements (as ``batch_cache.py`` does); sliding layers store
-    ``sliding_dtype_bytes`` per element (2 for fp16/bf16 on Metal, 4 for
-    float32 on CPU), since their window already bounds them, and so do
-    recurrent states.
+    ``group_size`` elements, and their open block (the newest tokens, up to a
+    block) in float: the "open" group, one block an owner; at 16 bits they
+    store floats only. Sliding layers store ``sliding_dtype_bytes`` per
+    element (the model's float: 2 for fp16/bf16, 4 for float32), since their
+    window already bounds them, and so do recurrent states and open blocks.
     Raises ``ValueError`` for settings the quantized cache cannot use.
     """
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be positive, not {block_tokens}")
-    if bits not in (4, 8):
-        raise ValueError(f"KV cache bits must be 4 or 8, not {bits}")
+    if bits not in (4, 8, 16):
+        raise ValueError(f"KV cache bits must be 4, 8 or 16, not {bits}")
     widths = {spec.head_dim, spec.v_head_dim or spec.head_dim}
     if group_size not in (32, 64, 128) or any(w % group_size for w in widths):
         raise ValueError(f"KV group size must be 32, 64 or 128 and divide head dim {spec.head_dim}"
@@ -155,10 +158,13 @@ def layer_groups(
     if sliding_dtype_bytes not in (2, 4):
         raise ValueError(f"sliding_dtype_bytes must be 2 (fp16/bf16) or 4 (float32), not {sliding_dtype_bytes}")
     groups = []
-    if spec.n_full:
-        per_token = kv_bytes_per_token(spec.n_kv_heads, spec.head_dim, bits, group_size, spec.v_head_dim)
-        groups.append(LayerGroup(FULL, FULL, None, spec.n_full, round(per_token * block_tokens * spec.n_full)))
     per_token = spec.n_kv_heads * spec.kv_width * sliding_dtype_bytes  # keys + values, unquantized
+    if spec.n_full and bits == 16:
+        groups.append(LayerGroup(FULL, FULL, None, spec.n_full, per_token * block_tokens * spec.n_full))
+    elif spec.n_full:
+        quantized = kv_bytes_per_token(spec.n_kv_heads, spec.head_dim, bits, group_size, spec.v_head_dim)
+        groups.append(LayerGroup(FULL, FULL, None, spec.n_full, round(quantized * block_tokens * spec.n_full)))
+        groups.append(LayerGroup(OPEN, FULL, None, spec.n_full, per_token * block_tokens * spec.n_full))
     for w in sorted({k.window for k in spec.layers if k.kind == SLIDING}):
         n = sum(1 for k in spec.layers if k.kind == SLIDING and k.window == w)
         groups.append(LayerGroup(f"{SLIDING}:{w}", SLIDING, w, n, per_token * block_tokens * n))
@@ -223,6 +229,14 @@ class SlidingWindowManager(FullAttentionManager):
         return min(_cdiv(tokens, self.block_tokens), _cdiv(self.group.window + WINDOW_SPARE, self.block_tokens))
 
 
+class OpenBlockManager(FullAttentionManager):
+    """Full layers' open blocks: one float block an owner, from its first token on
+    (its quantized share is in the "full" group: a block's worth is counted twice)."""
+
+    def blocks_for(self, tokens: int) -> int:
+        return min(tokens, 1)
+
+
 class StateManager(FullAttentionManager):
     """Recurrent layers: an owner's state is one block of fixed size, and each
     of its checkpoints another (``kv.StateCache``), held from its
@@ -245,20 +259,21 @@ class KVBudget:
     512-token window, 4 KV heads, head dim 256) and a 1 GiB budget::
 
         full block    = 256 tokens x 8 layers  x 2 x 4 x 256 x 0.5625 B (Q4) = 2.25 MiB
+        open block    = 256 tokens x 8 layers  x 2 x 4 x 256 x 2 B (fp16)   = 8 MiB, one an owner
         sliding block = 256 tokens x 40 layers x 2 x 4 x 256 x 2 B (fp16)   = 40 MiB
 
         >>> layers = tuple(LayerKind(FULL) if i % 6 == 5 else LayerKind(SLIDING, 512) for i in range(48))
         >>> kv = KVBudget(ModelCacheSpec("gemma3_text", 48, 4, 256, layers, False), budget_bytes=GiB)
         >>> [(g.name, g.n_layers, g.block_bytes / 2**20) for g in kv.groups]
-        [('full', 8, 2.25), ('sliding:512', 40, 40.0)]
-        >>> kv.bytes_for(1000) / 2**20  # 4 full blocks + 3 sliding blocks
-        129.0
+        [('full', 8, 2.25), ('open', 8, 8.0), ('sliding:512', 40, 40.0)]
+        >>> kv.bytes_for(1000) / 2**20  # 4 full blocks + the open one + 3 sliding blocks
+        137.0
         >>> kv.bytes_for(10_000) / 2**20  # 40 full blocks; window + spare (768) cap the sliding ones at 3
-        210.0
+        218.0
         >>> kv.reserve("a", 1000), kv.blocks_of("a")
-        (True, {'full': [0, 1, 2, 3], 'sliding:512': [4, 5, 6]})
+        (True, {'full': [0, 1, 2, 3], 'open': [4], 'sliding:512': [5, 6, 7]})
         >>> kv.reserve("a", 1200), kv.blocks_of("a")  # one more full block, no more sliding
-        (True, {'full': [0, 1, 2, 3, 7], 'sliding:512': [4, 5, 6]})
+        (True, {'full': [0, 1, 2, 3, 8], 'open': [4], 'sliding:512': [5, 6, 7]})
         >>> sum(kv.reserve(f"b{i}", 1000) for i in range(20))  # 6 more fit: 7 owners in 1 GiB
         6
         >>> kv.fits(100_000), kv.fits(200_000)  # 200k tokens need 782 full blocks: never fits
@@ -294,7 +309,8 @@ class KVBudget:
         # Enough ids for the budget filled with the smallest block; bytes bind first.
         self.pool = BlockPool(budget_bytes // min(g.block_bytes for g in self.groups))
         managers = {SLIDING: SlidingWindowManager, RECURRENT: StateManager}
-        self._managers = [managers.get(g.kind, FullAttentionManager)(g, self.pool, block_tokens) for g in self.groups]
+        self._managers = [(OpenBlockManager if g.name == OPEN else managers.get(g.kind, FullAttentionManager))(
+            g, self.pool, block_tokens) for g in self.groups]
         # A running sequence that attends through a float working copy of its full
         # layers (the CPU; sink models) holds that copy too, while it runs.
         self._working = None

@@ -24,19 +24,21 @@ def snapshot(record: CacheRecord, first: int = 0) -> BlockUpdate:
     (a cache that does not match its tokens, or unsupported layers)."""
     validate_agent_id(record.agent_id)
     n = len(record.tokens)
-    layers, quantized, rings = _describe(record)
+    layers, blocked, rings = _describe(record)
     if any(not 0 <= t < 2**32 for t in record.tokens):
         raise ValueError("token ids must fit in 32 bits")
     count = -(-n // BLOCK_TOKENS)
     first = max(0, min(first, count))
     start = first * BLOCK_TOKENS
-    new = [_host(x[..., start:n, :]) for x in quantized]  # one copy per tensor of what is new, then cut in blocks
+    # One copy per tensor of what is new, then cut in blocks: tensor x holds tokens [at, at + rows).
+    new = [(max(at, start), _host(x[..., max(0, start - at):, :])) for at, x in blocked]
     blocks = []
     for b in range(first, count):
         lo, hi = b * BLOCK_TOKENS, min(n, (b + 1) * BLOCK_TOKENS)
         data = bytearray(np.asarray(record.tokens[lo:hi], dtype="<u4").tobytes())
-        for x in new:
-            data += x[..., lo - start:hi - start, :].tobytes()
+        for at, x in new:
+            if at <= lo < at + x.shape[2]:
+                data += x[..., lo - at : hi - at, :].tobytes()
         blocks.append(data)
     ring = bytearray()
     for x in rings:
@@ -45,19 +47,20 @@ def snapshot(record: CacheRecord, first: int = 0) -> BlockUpdate:
                        float(record.created), float(record.updated), layers, first, blocks, ring)
 
 
-def _describe(record: CacheRecord) -> tuple[list[dict], list[mx.array], list[mx.array]]:
-    """(manifest layer entries; quantized tensors in block order, full length; ring tensors, live slots)."""
+def _describe(record: CacheRecord) -> tuple[list[dict], list[tuple[int, mx.array]], list[mx.array]]:
+    """(manifest layer entries; blocked tensors in block order, each with the first token it
+    holds; ring tensors, live slots)."""
     n = len(record.tokens)
-    layers, quantized, rings, quant = [], [], [], set()
+    layers, blocked, rings, quant = [], [], [], set()
     for i, c in enumerate(record.cache):
         if not hasattr(c, "describe"):
             raise ValueError(f"layer {i}: cannot save a {type(c).__name__}")
-        entry, blocked, ring = c.describe()
+        entry, by_name, ring = c.describe()
         _check_offset(i, entry["offset"], n)
         entry["tensors"] = {}
-        for name, x in blocked.items():
-            entry["tensors"][name] = [_dtype_name(i, x), x.shape[1], x.shape[3]]
-            quantized.append(x)
+        for name, (at, x) in by_name.items():
+            entry["tensors"][name] = [_dtype_name(i, x), x.shape[1], x.shape[3], at, at + x.shape[2]]
+            blocked.append((at, x))
         for name, x in ring.items():
             entry["tensors"][name] = [_dtype_name(i, x), *x.shape[1:]]
             rings.append(x)
@@ -66,7 +69,7 @@ def _describe(record: CacheRecord) -> tuple[list[dict], list[mx.array], list[mx.
         layers.append(entry)
     if len(quant) > 1:
         raise ValueError(f"quantized layers disagree on (bits, group size): {sorted(quant)}")
-    return layers, quantized, rings
+    return layers, blocked, rings
 
 
 def _dtype_name(layer: int, x: mx.array) -> str:

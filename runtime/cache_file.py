@@ -23,9 +23,10 @@ Writing is split across threads: ``snapshot`` (``runtime.cache_codec``, on
 the thread that owns MLX) copies out the bytes of the blocks from a given one
 on; ``CacheStore.write``
 (any thread) hashes and writes them, taking the blocks before it from the
-manifest on disk. Version 1 files (one safetensors file per agent,
-``runtime.cache_v1``) still load and are replaced by blocks on their agent's
-next write. What the files hold -- records, layer kinds, errors, the
+manifest on disk. Caches of an older format (version 1: one safetensors
+file per agent, ``runtime.cache_v1``; version 2: blocks of per-token Q4
+rows) are not loaded: the agent's history is prefilled again, and its next
+write replaces them. What the files hold -- records, layer kinds, errors, the
 agent-id rule -- is ``runtime.cache_records``; the MLX side of a block,
 ``runtime.cache_codec``.
 
@@ -52,8 +53,8 @@ import numpy as np
 
 from . import cache_v1
 from .cache_codec import HostCache, snapshot
-from .cache_records import (AGENT_DIR_SUFFIX, BLOCK_TOKENS, DEQUANTIZING, DTYPES, FLOATS, FORMAT, FORMAT_VERSION,
-                            MANIFEST, MAX_TEXT_PIECES, PARTS, QNAMES, QUANTIZED, ROTATING, STATE, WINDOW, BlockUpdate,
+from .cache_records import (AGENT_DIR_SUFFIX, BLOCK_TOKENS, DTYPES, FLOATS, FORMAT, FORMAT_VERSION, MANIFEST,
+                            MAX_TEXT_PIECES, OPEN, PACKED, QUANTIZED, ROTATING, SINK, SINKS, STATE, WINDOW, BlockUpdate,
                             CacheFileError, CacheRecord, InvalidAgentId, StaleBlocks, open_checked, ring_names,
                             validate_agent_id)
 from .json_reader import JSONError, read_json
@@ -62,6 +63,7 @@ __all__ = ["CacheStore", "fsync_dir", "load", "model_key", "pid_alive", "read", 
            "tree_bytes", "write_atomic"]
 
 log = logging.getLogger("semantic.cache")
+_OLDER = ", older: its history is prefilled again on its next turn"
 
 _TMP = ".tmp-"  # temp files start with '.', which no agent id may: never taken for a cache
 _STALE_TMP_S = 3600.0  # no save takes an hour: an older temp file (or unnamed block) is stale
@@ -227,24 +229,41 @@ def _check_layer(path: Path, i: int, e: dict, n: int) -> None:
     def bad(detail):
         return CacheFileError(path, "bad layout", f"layer {i}: {detail}")
 
-    tensors = e.get("tensors")
+    tensors, kind = e.get("tensors"), e.get("kind")
+    dims = 3 if kind == QUANTIZED else None  # a quantized layer's entries end with the tokens they cover: from 0
     if not isinstance(tensors, dict) or not all(
-        isinstance(t, list) and t and t[0] in DTYPES and all(type(d) is int and d > 0 for d in t[1:])
+        isinstance(t, list) and t and t[0] in DTYPES and all(type(d) is int and d > 0 for d in t[1:dims])
+        and all(type(d) is int and d >= 0 for d in t[dims:] if dims)
         for t in tensors.values()
     ):
         raise bad("bad tensor entries")
-    kind = e.get("kind")
-    if kind in (QUANTIZED, DEQUANTIZING):
-        bits, group = e.get("bits"), e.get("group_size")
-        if bits not in (4, 8) or group not in (32, 64, 128):
+    if kind == QUANTIZED:
+        bits, group, closed = e.get("bits"), e.get("group_size"), e.get("closed")
+        if bits not in (4, 8, 16) or group not in (32, 64, 128):
             raise bad(f"unsupported bits {bits!r} / group size {group!r}")
-        if set(tensors) != (set(QNAMES) if n else set()):
+        if not (type(closed) is int and 0 <= closed <= n and closed % BLOCK_TOKENS == 0 and (bits < 16 or not closed)
+                and n - closed <= (n if bits == 16 else BLOCK_TOKENS)):
+            raise bad(f"{closed!r} tokens in closed blocks cannot go with {n} tokens at {bits} bits")
+        names = (set(PACKED) | set(SINK) if closed else set()) | (set(OPEN) if n > closed else set())
+        if set(tensors) != names:
             raise bad("missing or extra tensors")
-        for kv in ("k", "v") if n else ():
-            w, s, b = (tensors[f"{kv}_{p}"] for p in PARTS)
-            if not (len(w) == len(s) == 3 and w[0] == "U32" and s[0] in FLOATS and s == b
-                    and w[1] == s[1] == tensors["k_weights"][1] and w[2] * 32 // bits == s[2] * group):
-                raise bad(f"{kv} triple {w} {s} {b} does not fit")
+        spans = {**dict.fromkeys(PACKED, [0, closed]), **dict.fromkeys(OPEN, [closed, n])}
+        if any(len(tensors[name]) != 5 or tensors[name][3:] != span
+               for name, span in spans.items() if name in tensors):
+            raise bad("a tensor that does not cover its tokens")
+        if n > closed:
+            k, v = tensors["k"], tensors["v"]
+            if k[0] not in FLOATS or v[0] != k[0] or v[1] != k[1]:
+                raise bad(f"open block tensors {k} {v} do not fit")
+        if closed:
+            (kw, ks, kb, vw, vs, vb), sinks = (tensors[name] for name in PACKED), [tensors[name] for name in SINK]
+            heads = kw[1]
+            if not (kw[0] == vw[0] == "U32" and ks[0] in FLOATS and ks[:3] == kb[:3] and vs[:3] == vb[:3]
+                    and vs[0] == ks[0] and {kw[1], ks[1], vw[1], vs[1]} == {heads}
+                    and kw[2] * 32 // bits == ks[2] * group and vw[2] * 32 // bits == vs[2] * group
+                    and all(len(t) == 4 and t[0] in FLOATS and t[1] == heads and t[2] == SINKS for t in sinks)
+                    and sinks[0][3] == ks[2] * group and sinks[1][3] == vs[2] * group):
+                raise bad(f"quantized tensors {kw} {ks} {kb} {vw} {vs} {vb} {sinks} do not fit")
     elif kind == WINDOW:
         window = e.get("window")
         if not (type(window) is int and window > 0):
@@ -284,23 +303,28 @@ def _check_layer(path: Path, i: int, e: dict, n: int) -> None:
         raise bad(f"unknown kind {kind!r}")
 
 
-def _block_layout(layers: list[dict]) -> list[tuple[int, str, str, tuple[int, int]]]:
-    """(layer, tensor name, dtype, (heads, width)) of every quantized tensor, in block order."""
-    return [(i, name, e["tensors"][name][0], tuple(e["tensors"][name][1:]))
-            for i, e in enumerate(layers) if e["kind"] in (QUANTIZED, DEQUANTIZING)
-            for name in QNAMES if name in e["tensors"]]
+def _block_layout(layers: list[dict]) -> list[tuple[int, str, str, tuple[int, int], tuple[int, int]]]:
+    """(layer, tensor name, dtype, (heads, width), (first token, end)) of every blocked tensor, in block order."""
+    return [(i, name, e["tensors"][name][0], tuple(e["tensors"][name][1:3]), tuple(e["tensors"][name][3:5]))
+            for i, e in enumerate(layers) if e["kind"] == QUANTIZED
+            for name in (*PACKED, *OPEN) if name in e["tensors"]]
 
 
 def _ring_layout(layers: list[dict]) -> list[tuple[int, str, str, tuple[int, ...]]]:
     return [(i, name, e["tensors"][name][0], tuple(e["tensors"][name][1:]))
-            for i, e in enumerate(layers) if e["kind"] in (WINDOW, ROTATING, STATE)
+            for i, e in enumerate(layers) if e["kind"] in (WINDOW, ROTATING, STATE, QUANTIZED)
             for name in ring_names(e) if name in e["tensors"]]
 
 
 
 
-def _block_size(layers: list[dict], tokens: int) -> int:
-    return 4 * tokens + sum(h * tokens * w * DTYPES[dt][1].itemsize for _, _, dt, (h, w) in _block_layout(layers))
+def _in_block(layout, lo: int) -> list:
+    """The entries of ``layout`` that hold the block starting at token ``lo``."""
+    return [t for t in layout if t[4][0] <= lo < t[4][1]]
+
+
+def _block_size(layout, lo: int, tokens: int) -> int:
+    return 4 * tokens + sum(h * tokens * w * DTYPES[dt][1].itemsize for _, _, dt, (h, w), _ in _in_block(layout, lo))
 
 
 def _ring_size(layers: list[dict]) -> int:
@@ -335,19 +359,19 @@ def read(directory: os.PathLike | str, *, model_id: str | None, spec_hash: str |
             raise CacheFileError(directory, reason, f"cache is for {have!r}, wanted {want!r}")
     layers, n = m["layers"], m["token_count"]
     layout = _block_layout(layers)
-    arrays = {f"layer_{i}_{name}": np.empty((1, h, n, w), DTYPES[dt][1]) for i, name, dt, (h, w) in layout} \
-        if keep else {}
+    arrays = {f"layer_{i}_{name}": np.empty((1, h, stop - start, w), DTYPES[dt][1])
+              for i, name, dt, (h, w), (start, stop) in layout} if keep else {}
     tokens, chains = [], []
     for b, e in enumerate(m["blocks"]):
         t = e["tokens"]
-        data = _read_named(directory / e["file"], _block_size(layers, t))
+        at, lo = 4 * t, b * BLOCK_TOKENS
+        data = _read_named(directory / e["file"], _block_size(layout, lo, t))
         tokens += np.frombuffer(data, "<u4", t).tolist()
         chains.append(e.get("chain"))
-        at, lo = 4 * t, b * BLOCK_TOKENS
-        for i, name, dt, (h, w) in layout:
+        for i, name, dt, (h, w), (start, _) in _in_block(layout, lo):
             size = h * t * w * DTYPES[dt][1].itemsize
             if keep:
-                arrays[f"layer_{i}_{name}"][:, :, lo:lo + t, :] = \
+                arrays[f"layer_{i}_{name}"][:, :, lo - start : lo - start + t, :] = \
                     np.frombuffer(data, DTYPES[dt][1], h * t * w, at).reshape(1, h, t, w)
             at += size
     if chains != _chains(tokens):
@@ -520,18 +544,22 @@ class CacheStore:
         return None if host is None else host.build()
 
     def read(self, agent_id: str, model_id: str, spec_hash: str) -> HostCache | None:
-        """The agent's cache for this model in host memory, or None: absent, or
-        unusable. An unusable cache is moved to quarantine with one warning on
-        ``semantic.cache``; the agent starts cold. No MLX: any thread may call it.
+        """The agent's cache for this model in host memory, or None: absent, of an
+        older format (one line on ``semantic.cache``; the agent's history is
+        prefilled again), or unusable (moved to quarantine with one warning;
+        the agent starts cold). No MLX: any thread may call it.
         Raises only ``InvalidAgentId``."""
         d = self.agent_dir(agent_id, model_id)
         legacy = self.legacy_path(agent_id, model_id)
         try:
             if (d / MANIFEST).exists() or not legacy.exists():
                 return read(d, model_id=model_id, spec_hash=spec_hash, agent_id=agent_id)
-            return cache_v1.read(legacy, model_id=model_id, spec_hash=spec_hash, agent_id=agent_id)
+            raise CacheFileError(legacy, "old format", f"format version {cache_v1.VERSION}")
         except CacheFileError as e:
-            if e.reason != "missing":
+            if e.reason == "old format":  # not what a token sees today: its next write replaces it
+                log.info("the cache of %s is in an older format (%s); its history is prefilled again",
+                         agent_id, e.detail)
+            elif e.reason != "missing":
                 self._quarantine(d if (d / MANIFEST).exists() else legacy, agent_id, e)
             return None
 
@@ -563,21 +591,26 @@ class CacheStore:
         return out
 
     def verify(self) -> list[tuple[Path, bool, str]]:
-        """Check every cache in full: (path, ok, reason), reason 'ok' when it is.
-        A cache must also sit where its own manifest says it belongs. Moves nothing."""
+        """Check every cache in full: (path, ok, what): its format when ok (an older
+        one: its agent's history is prefilled again on its next turn), else the
+        reason. A cache must also sit where its own manifest says it belongs.
+        Moves nothing."""
         out = []
         for path in self._caches():
             agent = path.name.rsplit(".", 1)[0]
             try:
                 if path.is_dir():
-                    m = read(path, model_id=None, spec_hash=None, agent_id=agent, keep=False)
+                    m, version = read(path, model_id=None, spec_hash=None, agent_id=agent, keep=False), FORMAT_VERSION
                 else:
-                    m = cache_v1.verify(path, agent_id=agent)
+                    m, version = cache_v1.verify(path, agent_id=agent), cache_v1.VERSION
                 if model_key(m["model_id"]) != path.parent.name:
                     raise CacheFileError(path, "other model", f"cache is for {m['model_id']!r}")
-                out.append((path, True, "ok"))
+                out.append((path, True, f"format {version}" + ("" if version == FORMAT_VERSION else _OLDER)))
             except CacheFileError as e:
-                out.append((path, False, e.reason))
+                if e.reason == "old format":  # (a version 2 manifest: its blocks are not read)
+                    out.append((path, True, e.detail.split(",")[0].replace("format version", "format") + _OLDER))
+                else:
+                    out.append((path, False, e.reason))
         return out
 
     def disk_bytes(self) -> int:

@@ -26,7 +26,6 @@ __all__ = [
     "AGENT_CHARS",
     "AGENT_DIR_SUFFIX",
     "BLOCK_TOKENS",
-    "DEQUANTIZING",
     "DTYPES",
     "DTYPE_NAMES",
     "FLOATS",
@@ -35,10 +34,12 @@ __all__ = [
     "MANIFEST",
     "MAX_AGENT_ID",
     "MAX_TEXT_PIECES",
-    "PARTS",
-    "QNAMES",
+    "OPEN",
+    "PACKED",
     "QUANTIZED",
     "ROTATING",
+    "SINK",
+    "SINKS",
     "STATE",
     "WINDOW",
     "BlockUpdate",
@@ -53,17 +54,20 @@ __all__ = [
 ]
 
 FORMAT = "semantic-kv-cache"
-FORMAT_VERSION = 2
-BLOCK_TOKENS = 256  # the KV budget's block size
+FORMAT_VERSION = 3
+BLOCK_TOKENS = 256  # the KV budget's block size, and a quantized layer's: blocks are quantized as they fill
+SINKS = 4  # a quantized layer's first tokens, kept in float once their block is quantized
 AGENT_DIR_SUFFIX = ".kv"  # never ".safetensors": an agent's directory and a version 1 file never share a name
 MANIFEST = "manifest.json"
 MAX_AGENT_ID = 128
 AGENT_CHARS = re.compile(r"[A-Za-z0-9._:@-]+")
 MAX_TEXT_PIECES = 32  # past this many, a save writes the text as one piece again
-QUANTIZED, DEQUANTIZING, WINDOW, STATE = "quantized", "dequantizing", "window", "state"
+QUANTIZED, WINDOW, STATE = "quantized", "window", "state"
 ROTATING = "rotating"  # an mlx-lm ring, written before ``WindowKVCache``: read as one
-PARTS = ("weights", "scales", "biases")
-QNAMES = tuple(f"{kv}_{p}" for kv in ("k", "v") for p in PARTS)  # a quantized layer's tensors, in file order
+# A quantized layer's tensors: a closed block's rows, in file order; the open block's floats; the sinks'.
+PACKED = ("k_weights", "k_scales", "k_biases", "v_weights", "v_scales", "v_biases")
+OPEN = ("k", "v")
+SINK = ("k_sinks", "v_sinks")
 # safetensors dtype name -> (MLX dtype, numpy dtype of the raw bytes); bfloat16 travels as uint16.
 DTYPES = {
     "U32": (mx.uint32, np.dtype("<u4")),
@@ -138,7 +142,7 @@ class CacheRecord:
     text: str  # the prompt text those tokens came from
     created: float  # unix time
     updated: float  # unix time
-    cache: list  # per layer: SequenceQuantizedKVCache, DequantizingKVCache or WindowKVCache
+    cache: list  # per layer: SequenceQuantizedKVCache, WindowKVCache or StateCache
     format_version: int = FORMAT_VERSION  # of the files it was loaded from
 
 
@@ -214,4 +218,4 @@ def ring_names(e: dict) -> list[str]:
     if e["kind"] == STATE:
         n = range(e["size"])
         return [*map(str, n), *(f"c{k}.{j}" for k in range(len(e["checkpoints"])) for j in n)]
-    return ["k", "v"]
+    return list(SINK) if e["kind"] == QUANTIZED else ["k", "v"]

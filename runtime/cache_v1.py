@@ -1,7 +1,9 @@
-"""Version 1 cache files, read only: one safetensors file per (agent, model).
+"""Version 1 cache files: one safetensors file per (agent, model), listed,
+verified and carried in archives, never loaded.
 
-Caches are written in the block layout now (``runtime.cache_file``); a version
-1 file still loads, and the agent's next write replaces it with blocks. The
+Caches are written in the block layout now (``runtime.cache_file``); a
+version 1 file's Q4 rows are not what a token sees today, so the agent's
+history is prefilled again and its next write replaces the file. The
 layout is in ``docs/cache-format.md``; in short:
 
     [u64 header length][JSON header, space padded to 8 bytes][tensor bytes]
@@ -10,7 +12,6 @@ layout is in ``docs/cache-format.md``; in short:
 
 The checksum covers the whole file with its own 64 hex digits read as zeros.
 Tensors are read one at a time from one open file, hashed as they arrive.
-``read`` makes no MLX array (``HostCache.build`` does, on the thread that owns MLX).
 """
 
 from __future__ import annotations
@@ -25,12 +26,10 @@ from typing import BinaryIO
 
 import numpy as np
 
-from .cache_codec import HostCache
-from .cache_records import (DEQUANTIZING, DTYPES, FLOATS, FORMAT, PARTS, QUANTIZED, ROTATING, CacheFileError,
-                            CacheRecord, open_checked)
+from .cache_records import DTYPES, FLOATS, FORMAT, QUANTIZED, ROTATING, CacheFileError, open_checked
 from .json_reader import JSONError, read_json
 
-__all__ = ["SUFFIX", "VERSION", "read", "read_meta", "verify"]
+__all__ = ["SUFFIX", "VERSION", "read_meta", "verify"]
 
 SUFFIX = ".safetensors"
 VERSION = 1
@@ -39,6 +38,8 @@ _CHUNK = 1 << 20
 _PREFIX = b'{"__metadata__":{"checksum":"sha256:'
 _SUM_AT = 8 + len(_PREFIX)  # file offset of the checksum's hex digits
 _ZERO_SUM = "0" * 64
+_DEQUANTIZING = "dequantizing"  # version 1's layer kinds and tensor parts
+_PARTS = ("weights", "scales", "biases")
 
 
 @dataclass(frozen=True)
@@ -85,38 +86,6 @@ def verify(
         header, info = _checked_header(path, f, model_id, spec_hash, agent_id)
         _read_tensors(path, f, header, info["checksum"], keep=False)
     return info
-
-
-def read(
-    path: os.PathLike | str,
-    *,
-    model_id: str,
-    spec_hash: str,
-    agent_id: str | None = None,
-) -> HostCache:
-    """Read a cache file into host memory (no MLX: any thread may call it).
-
-    Checks the format version, model id, spec hash (and agent id if given),
-    that every tensor's dtype and shape match the layer metadata, and the
-    checksum. Tensors are read one at a time from one open file and hashed as
-    they arrive, so memory peaks at the cache plus one tensor. Raises
-    ``CacheFileError`` with a ``reason`` on any failure, never anything else.
-    """
-    with open_checked(path) as f:
-        header, info = _checked_header(path, f, model_id, spec_hash, agent_id)
-        arrays = _read_tensors(path, f, header, info["checksum"], keep=True)
-    record = CacheRecord(
-        agent_id=info["agent_id"],
-        model_id=info["model_id"],
-        spec_hash=info["spec_hash"],
-        tokens=info["tokens"],
-        text=info["text"],
-        created=info["created"],
-        updated=info["updated"],
-        cache=[],
-        format_version=VERSION,
-    )
-    return HostCache(record, info["layers"], arrays)
 
 
 def _read_exact(path, f: BinaryIO, n: int, what: str) -> bytes:
@@ -239,13 +208,13 @@ def _check_layout(path, info: dict, tensors: dict[str, _Tensor]) -> None:
         kind, offset = m.get("kind"), m.get("offset")
         if offset != n:
             raise bad(f"layer {i} holds {offset} tokens, the file lists {n}")
-        if kind in (QUANTIZED, DEQUANTIZING):
+        if kind in (QUANTIZED, _DEQUANTIZING):
             bits, group = m.get("bits"), m.get("group_size")
             if bits not in (4, 8) or group not in (32, 64, 128):
                 raise bad(f"layer {i}: unsupported bits {bits!r} / group size {group!r}")
             heads = set()
             for kv in ("k", "v") if n else ():
-                w, s, b = (tensors.get(f"layer_{i}_{kv}_{p}") for p in PARTS)
+                w, s, b = (tensors.get(f"layer_{i}_{kv}_{p}") for p in _PARTS)
                 if not (w and s and b):
                     raise bad(f"layer {i}: missing {kv} triple")
                 ok = (

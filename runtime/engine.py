@@ -59,6 +59,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .batch_cache import BatchQuantizedKVCache, PrefillBatch
+from .cache_records import BLOCK_TOKENS
 from .evaluator import Evaluator
 from .kv import LayerCache, SequenceCache, make_sequence_cache
 from . import row_plans
@@ -296,7 +297,8 @@ class Engine:
 
         ``cache`` (a ``SequenceCache``, or its layers) must hold exactly the K/V
         of ``prompt[:cached_tokens]``.  At least one prompt token is always
-        prefilled, so a fully cached prompt is trimmed by one token.
+        prefilled, so a fully cached prompt goes back a token (or to the last
+        point before it that its layers can go back to).
         """
         prompt = list(prompt)
         cache = None if cache is None else _sequence_cache(cache)
@@ -310,12 +312,12 @@ class Engine:
             raise ValueError(f"cached_tokens={cached_tokens} outside the prompt (0..{len(prompt)})")
         elif any(c.offset != cached_tokens for c in cache):
             raise ValueError(f"the cache holds {cache[0].offset} tokens, not cached_tokens={cached_tokens}")
-        if cached_tokens == len(prompt):
-            if not all(c.is_trimmable() for c in cache):
-                raise ValueError("a fully cached prompt needs a trimmable cache (a wrapped sliding window is not)")
-            for c in cache:
-                c.trim(1)
-            cached_tokens -= 1
+        if cached_tokens == len(prompt):  # back a token, or to the last point before it the cache can go back to
+            back = cached_tokens - 1
+            if not all(c.can_rewind(back) for c in cache):
+                back = max((at for at in cache.checkpoints() if at < cached_tokens), default=0)
+            cache.rewind(back)
+            cached_tokens = back
         cache.mark()  # and where the turn starts: the conversation cached so far
         seq = self._sequence(prompt, sampling, cache, cached_tokens)
         seq.callers_cache = cached_tokens > 0
@@ -421,6 +423,8 @@ class Engine:
             n = self._chunk_size(len(seq.fed))
             if len(seq.pending) - n < self.min_chunk:
                 n = len(seq.pending)  # a short rest would cost a forward of its own: it comes along
+            # A chunk never crosses a block's end: what a token sees depends on its block (``kv.quantized``).
+            n = min(n, BLOCK_TOKENS - len(seq.fed) % BLOCK_TOKENS)
             ride = _LAST_IN_CHUNK < len(seq.pending) <= n
             if ride:
                 # Only the last token's logits are needed, but a chunk computes them for
@@ -799,7 +803,8 @@ class Engine:
         """The most drafts a sequence may verify in its next step."""
         if seq.drafter is None or seq.id in self._held:
             return 0
-        return max(0, min(self.row_counts.counts[-1] - 1, seq.sampling.max_tokens - len(seq.output) - 1))
+        block_left = BLOCK_TOKENS - 1 - len(seq.fed) % BLOCK_TOKENS  # a step's tokens share a block (``kv.quantized``)
+        return max(0, min(self.row_counts.counts[-1] - 1, seq.sampling.max_tokens - len(seq.output) - 1, block_left))
 
     def _drafts_pay(self, rows: list[_Sequence], open: bool = False) -> list[list[int]]:
         """The drafts each sequence verifies in its next step (``open``: one

@@ -132,13 +132,6 @@ class ModelCacheSpec:
         return sum(per * (k.window + WINDOW_SPARE) for k in self.layers if k.kind == SLIDING)
 
     @property
-    def attends_in_float(self) -> bool:
-        """Its attention reads float keys on every device: mlx-lm's quantized
-        attention takes no sinks (GPT-OSS), and its MLA attention works on the
-        cached arrays themselves (DeepSeek-V3's latent)."""
-        return self.attention_sinks or self.v_head_dim is not None
-
-    @property
     def kv_width(self) -> int:
         """Elements of one token in one KV head: its key and its value."""
         return self.head_dim + (self.v_head_dim or self.head_dim)

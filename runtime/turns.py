@@ -19,6 +19,7 @@ from jinja2 import TemplateError
 from .agent_cache import AgentCaches, AgentMemory, OutOfMemory
 from .engine import Engine, Finished, SamplingParams
 from .errors import ContextTooLong
+from .kv import SequenceCache
 from .outcome import TurnResult
 from .prefix import COLD, PrefixPlan, encode, plan
 
@@ -163,7 +164,11 @@ def end(caches: AgentCaches, tokenizer, turn: Turn, finished: Finished) -> Agent
         text = turn.prompt_text + tokenizer.decode(fed[len(turn.prompt):])
     memory = AgentMemory(turn.agent_id, fed, text, finished.cache)
     if turn.new_prefix and prompt_fed >= (n := len(encode(tokenizer, turn.new_prefix))):
-        caches.share_prefix(turn.new_prefix, fed[:n], finished.cache)
+        cache = SequenceCache(finished.cache)
+        if not all(c.can_rewind(n) for c in cache):  # shared up to the last point before it the cache can go back to
+            n = max((at for at in cache.checkpoints() if at <= n), default=0)
+        if n and turn.new_prefix.startswith(shared := tokenizer.decode(fed[:n])):
+            caches.share_prefix(shared, fed[:n], cache)
     caches.checkin(memory)
     return memory
 

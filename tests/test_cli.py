@@ -161,7 +161,8 @@ def test_cache_commands(tmp_path):
     listed = json.loads(semantic(*root, "ls", "--json").stdout)
     assert {(e["agent"], e["model"], e["tokens"], e["tier"]) for e in listed} == {
         ("ada", "tiny", 41, "warm"), ("bo", "tiny", 41, "warm")}
-    assert semantic(*root, "verify").returncode == 0
+    out = semantic(*root, "verify")
+    assert out.returncode == 0 and out.stdout.count("format 3") == 2
     assert "2 agent(s)  tiny" in semantic(*root, "du").stdout
 
     path = next(store.agent_dir("bo", "tiny").glob("*.block"))
@@ -256,7 +257,7 @@ def test_a_cache_directory_that_cannot_be_one_is_one_line(tmp_path, command):
     (["--disk-budget", "lots"], "argument --disk-budget: not a size: 'lots'"),
     (["--conversation-ttl", "7x"], "argument --conversation-ttl: not a duration: '7x' (try 7d, 12h or 30m)"),
     (["--conversation-ttl", "0h"], "argument --conversation-ttl: must be longer than 0"),
-    (["--kv-bits", "3"], "argument --kv-bits: invalid choice: 3 (choose from 4, 8)"),
+    (["--kv-bits", "3"], "argument --kv-bits: invalid choice: 3 (choose from 4, 8, 16)"),
     (["--decode-rows", "0"], "argument --decode-rows: must be at least 1, not '0'"),
     (["--decode-rows", "two"], "argument --decode-rows: not a whole number: 'two'"),
 ])

@@ -29,7 +29,7 @@ class ServerConfig:
     model_idle_s: float | None = None  # unload the model after this long without turns (None: never)
     cache_dir: Path | None = None
     budget: int | None = None  # bytes of hot KV cache (None: the runtime's default)
-    kv_bits: int = 4  # the agents' KV caches are quantized to 4 or 8 bits
+    kv_bits: int = 4  # the agents' KV caches are quantized to 4 or 8 bits, or kept in float (16)
     disk_budget: int | None = None  # bytes the cache directory may hold (None: no cap)
     conversation_ttl_s: float | None = None  # anonymous conv-* agents unused this long are removed (None: never)
     api_key: str | None = None  # required as x-api-key or "Authorization: Bearer" when set

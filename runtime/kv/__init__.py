@@ -1,9 +1,9 @@
 """A sequence's KV cache: one ``LayerCache`` per layer, of one kind per module
 (``layer.py`` says what every kind answers), held as a ``SequenceCache``.
 
-* ``quantized``: full attention, a Q4 record (``SequenceQuantizedKVCache``),
-  or the same record attended over through a float working copy
-  (``DequantizingKVCache``; models with sinks or MLA's latent attention);
+* ``quantized``: full attention, blocks quantized as they fill
+  (``SequenceQuantizedKVCache``), attended over through a float working copy
+  (``DequantizingKVCache``);
 * ``window``: sliding-window attention (``WindowKVCache``);
 * ``state``: recurrent layers (``StateCache``).
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from ..model_spec import ModelCacheSpec
 from .layer import LayerCache, SequenceCache
 from .quantized import DequantizingKVCache, SequenceQuantizedKVCache
 from .state import StateCache
@@ -35,18 +34,16 @@ __all__ = [
 # The class that reads each manifest kind (``LayerCache.rebuild``).
 BY_KIND: dict[str, type[LayerCache]] = {
     kind: cls
-    for cls in (SequenceQuantizedKVCache, DequantizingKVCache, WindowKVCache, StateCache)
+    for cls in (SequenceQuantizedKVCache, WindowKVCache, StateCache)
     for kind in cls.KINDS
 }
 
 
 def make_sequence_cache(model: nn.Module, bits: int = 4, group_size: int = 64) -> SequenceCache:
     """Empty caches for one sequence, one of ours for each of mlx-lm's:
-    ``SequenceQuantizedKVCache`` for full layers (``DequantizingKVCache`` if the
-    model has attention sinks, or MLA, whose mlx-lm attention takes no quantized
-    triples), ``WindowKVCache`` for sliding layers, ``StateCache`` for recurrent
-    ones. Raises ``ValueError`` for other cache kinds."""
-    full = DequantizingKVCache if ModelCacheSpec.from_model(model).attends_in_float else SequenceQuantizedKVCache
+    ``SequenceQuantizedKVCache`` for full layers, ``WindowKVCache`` for sliding
+    layers, ``StateCache`` for recurrent ones. Raises ``ValueError`` for other
+    cache kinds."""
     caches = SequenceCache()
     for c in make_prompt_cache(model):  # mlx-lm's kinds, in the order that tells them apart
         if isinstance(c, RotatingKVCache):
@@ -56,7 +53,7 @@ def make_sequence_cache(model: nn.Module, bits: int = 4, group_size: int = 64) -
         elif type(c) is ArraysCache:
             caches.append(StateCache(len(c.cache)))
         elif isinstance(c, KVCache):
-            caches.append(full(group_size, bits))
+            caches.append(SequenceQuantizedKVCache(group_size, bits))
         else:
             raise ValueError(f"unsupported cache type {type(c).__name__}")
     return caches

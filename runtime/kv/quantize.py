@@ -1,6 +1,7 @@
 """Quantizing keys and values: MLX's affine quantization with 16-bit scales
-and biases, its exact unpacking as plain elementwise ops, and the buffers
-caches grow in."""
+and biases, its exact unpacking as plain elementwise ops, the layout of a
+closed block (keys per channel, values per token) and the buffers caches
+grow in."""
 
 from __future__ import annotations
 
@@ -8,14 +9,19 @@ from typing import Optional
 
 import mlx.core as mx
 
-__all__ = ["Triple", "check_format", "grown", "quantize", "quantize_unpack", "scale_dtype", "unpack"]
+from ..cache_records import SINKS
+
+__all__ = ["BITS", "SINKS", "Packed", "Triple", "check_format", "close_block", "grown", "open_blocks", "quantize",
+           "scale_dtype", "unpack"]
 
 Triple = tuple[mx.array, mx.array, mx.array]  # (packed uint32 weights, scales, biases)
+Packed = tuple[mx.array, mx.array, mx.array, mx.array, mx.array, mx.array]  # keys' triple, then values'
+BITS = (4, 8, 16)  # 16: nothing quantized, K/V kept as the model computes them
 
 
 def check_format(group_size: int, bits: int) -> None:
-    if bits not in (4, 8):
-        raise ValueError(f"KV cache bits must be 4 or 8, not {bits}")
+    if bits not in BITS:
+        raise ValueError(f"KV cache bits must be 4, 8 or 16, not {bits}")
     if group_size not in (32, 64, 128):
         raise ValueError(f"KV cache group size must be 32, 64 or 128, not {group_size}")
 
@@ -33,8 +39,7 @@ def quantize(x: mx.array, group_size: int, bits: int) -> Triple:
 
 def unpack(q: Triple, group_size: int, bits: int, dtype: mx.Dtype) -> mx.array:
     """``mx.dequantize`` as plain elementwise ops, bit for bit the same on the CPU
-    (tests check it).  ``mx.dequantize`` costs ~0.15 ms a call on the CPU
-    whatever the size, which for one decoded token per layer is most of a step."""
+    (tests check it), along the last axis."""
     w, scales, biases = q
     shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
     n = w.shape[-1] * 32 // bits
@@ -43,12 +48,32 @@ def unpack(q: Triple, group_size: int, bits: int, dtype: mx.Dtype) -> mx.array:
     return x.reshape(*w.shape[:-1], n)
 
 
-@mx.compile
-def quantize_unpack(x: mx.array, group_size: int, bits: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """``quantize(x)`` and its ``unpack``, compiled: one fused kernel instead of
-    a dozen small ops, per layer and decode step."""
-    q = quantize(x, group_size, bits)
-    return (*q, unpack(q, group_size, bits, x.dtype))
+def close_block(keys: mx.array, values: mx.array, group_size: int, bits: int, first: bool) -> Packed:
+    """A full block's keys and values (1, H, B, D) quantized: keys per channel,
+    in groups of ``group_size`` tokens (a key channel's outliers stay in its
+    own scale), values per token in groups of ``group_size`` channels. The
+    ``first`` block's sink tokens are left out of their groups' ranges (their
+    floats are kept beside). Each tensor comes as B token rows (1, H, B,
+    width) of the block's bytes, so blocks are cut along axis 2 alike."""
+    B = keys.shape[2]
+    by_channel = keys.swapaxes(-1, -2)  # (1, H, D, B): quantized along the tokens
+    if first:
+        by_channel = mx.concatenate([mx.repeat(by_channel[..., SINKS : SINKS + 1], SINKS, axis=-1),
+                                     by_channel[..., SINKS:]], axis=-1)
+    k = quantize(by_channel, group_size, bits)
+    v = quantize(values, group_size, bits)
+    return (*(t.reshape(*t.shape[:2], B, -1) for t in k), *v)
+
+
+def open_blocks(packed: Packed, group_size: int, bits: int, dtype: mx.Dtype, block: int) -> tuple[mx.array, mx.array]:
+    """Keys and values (1, H, T, D) of whole blocks of ``close_block`` rows (T a
+    multiple of ``block``), bit for bit ``mx.dequantize``."""
+    kw, ks, kb, *v = packed
+    _, H, T, _ = kw.shape
+    D = ks.shape[-1] * group_size  # a token row of key scales: D channels x block / group_size, over block rows
+    by_block = [t.reshape(1, H, T // block, D, -1) for t in (kw, ks, kb)]
+    keys = unpack(by_block, group_size, bits, dtype).swapaxes(-1, -2).reshape(1, H, T, D)
+    return keys, unpack(v, group_size, bits, dtype)
 
 
 def grown(buffer: Optional[mx.array], live: int, capacity: int, like: mx.array) -> mx.array:

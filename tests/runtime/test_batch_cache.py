@@ -9,12 +9,11 @@ import random
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 
 from semantic.runtime.batch_cache import BatchQuantizedKVCache
 from semantic.runtime.kv import DequantizingKVCache, SequenceQuantizedKVCache, WindowKVCache, make_sequence_cache
-from semantic.runtime.kv.quantize import quantize, quantize_unpack, unpack
+from semantic.runtime.kv.quantize import quantize, unpack
 from semantic.runtime.rowwise import _per_sequence, _rowwise_class, rowwise
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
@@ -47,21 +46,18 @@ def _prefilled(model, prompt: list[int], float_attention: bool, bits: int = 4) -
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "arch, float_attention",
-    [(a, f) for a in TINY_CONFIGS for f in (True, False) if f or a != "gpt_oss"],  # sinks need the float copy
-)
-def test_each_sequence_in_a_forward_computes_as_alone(arch, float_attention):
-    """Sequences that join and leave (past the sliding windows) give the same
-    logits, bit for bit, as each one alone in a forward of the same width --
-    wherever it sits among the slots."""
+@pytest.mark.parametrize("arch", TINY_CONFIGS)
+def test_each_sequence_in_a_forward_computes_as_alone(arch):
+    """Sequences that join and leave (past the sliding windows, and one across a
+    block's end) give the same logits, bit for bit, as each one alone in a
+    forward of the same width -- wherever it sits among the slots."""
     model = rowwise(tiny_model(arch))
     rng = random.Random(0)
-    prompts = [_tokens(rng, n) for n in (5, 23, 1, 40)]  # straddle the window of 16
+    prompts = [_tokens(rng, n) for n in (5, 250, 1, 40)]  # straddle the window of 16; the 250 crosses 256
     feeds = [_tokens(rng, 12) for _ in prompts]
 
     def run(members: dict[int, range]) -> dict[int, list[mx.array]]:
-        views = {i: _prefilled(model, prompts[i], float_attention) for i in members}
+        views = {i: _prefilled(model, prompts[i], True) for i in members}
         got = {i: [] for i in members}
         for step in range(12):
             live = [i for i in sorted(members, reverse=step % 2 == 1) if step in members[i]]  # order flips
@@ -144,44 +140,83 @@ def test_batch_arguments():
     assert out.tolist()[0] == [[1.0] * 4] * 5 + [[0.0] * 4] * 3  # padding slots: zeros
 
 
+def _kv(n: int, seed: int, H: int = 2, D: int = 64) -> tuple[mx.array, mx.array]:
+    """Keys and values of ``n`` random float32 tokens, token 0 an outlier (an attention sink)."""
+    k, v = mx.random.normal((2, 1, H, n, D), key=mx.random.key(seed))
+    return k * mx.where(mx.arange(n)[:, None] == 0, 30.0, 1.0), v
+
+
 def _filled(cache, n: int, seed: int, H: int = 2, D: int = 64):
     """``cache`` after ``n`` random float32 tokens."""
     if n:
-        k, v = mx.random.normal((2, 1, H, n, D), key=mx.random.key(seed))
-        cache.update_and_fetch(k, v)
+        cache.update_and_fetch(*_kv(n, seed, H, D))
     return cache
 
 
-def test_growth_in_steps_and_trim():
-    cache = _filled(SequenceQuantizedKVCache(), 3, 0)
-    assert cache.keys[0].shape[2] == 256 and cache.size() == 3
-    _filled(cache, 253, 1)
-    assert cache.keys[0].shape[2] == 256  # exactly full, no growth yet
-    _filled(cache, 1, 2)
-    assert cache.keys[0].shape[2] == 512 and cache.size() == 257
-    assert cache.trim(7) == 7 and cache.size() == 250
-    k, _ = cache.update_and_fetch(*mx.random.normal((2, 1, 2, 1, 64)))
-    assert k[0].shape[2] == 251
-    assert cache.is_trimmable() and cache.trim(1000) == 251 and cache.size() == 0
+def test_a_block_is_quantized_when_it_fills():
+    """Keys per channel along the tokens, values per token, 16-bit scales; the
+    open block and the sinks as written; 16 bits never closes a block."""
+    k, v = _kv(600, 0)
+    cache = SequenceQuantizedKVCache()
+    cache.append(k[..., :255, :], v[..., :255, :])
+    assert (cache.offset, cache.closed, cache.packed) == (255, 0, None)
+    cache.append(k[..., 255:600, :], v[..., 255:600, :])
+    assert (cache.offset, cache.closed, cache.trimmable_tokens) == (600, 512, 88)
+    kw, ks, kb, vw, vs, vb = (t[..., :512, :] for t in cache.packed)
+    assert kw.shape == vw.shape == (1, 2, 512, 64 * 4 // 32) and ks.shape == vs.shape == (1, 2, 512, 1)
+    assert ks.dtype == vb.dtype == mx.float16  # a float32 model's scales and biases
+    block = (kw[..., 256:512, :].reshape(1, 2, 64, 32), ks[..., 256:512, :].reshape(1, 2, 64, 4),
+             kb[..., 256:512, :].reshape(1, 2, 64, 4))  # block 1's keys: (channels, tokens) groups of 64 tokens
+    keys, values = cache.floats()
+    assert mx.array_equal(keys[..., 256:512, :], _dequantize(block, 64, 4, mx.float32).swapaxes(-1, -2)).item()
+    assert mx.array_equal(values[..., 4:512, :], _dequantize((vw, vs, vb), 64, 4, mx.float32)[..., 4:, :]).item()
+    assert mx.array_equal(keys[..., :4, :], k[..., :4, :]).item()  # the sinks
+    assert mx.array_equal(keys[..., 512:, :], k[..., 512:, :]).item()  # the open block
+    assert 0 < mx.abs(keys[..., 4:512, :] - k[..., 4:512, :]).max().item() < 0.5  # the outlier token left out
+    full = _filled(SequenceQuantizedKVCache(bits=16), 600, 0)
+    assert full.closed == 0 and mx.array_equal(full.floats()[0], k).item()
 
 
-def test_scales_are_16_bit_and_attention_takes_them_as_they_are():
-    # float32 model: float16 scales; the quantized SDPA mixes them with float32 queries.
-    cache = _filled(SequenceQuantizedKVCache(), 49, 0)
-    k, v = cache.update_and_fetch(*mx.random.normal((2, 1, 2, 1, 64)))
-    assert k[1].dtype == v[2].dtype == mx.float16
-    q = mx.random.normal((1, 4, 1, 64))
-    out = quantized_scaled_dot_product_attention(mx.array(q), k, v, scale=0.125, mask=None, bits=4)
-    dq = [mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=64, bits=4) for w, s, b in (k, v)]
-    ref = mx.fast.scaled_dot_product_attention(q, *dq, scale=0.125)
-    assert out.dtype == mx.float32 and mx.allclose(out, ref, atol=1e-5).item()
+def test_what_a_token_sees_depends_on_its_position_only():
+    """Prefilled in chunks that end anywhere in a block, or decoded a token a step
+    through a batch across a block's end: the same records and working copies, bit for bit."""
+    k, v = _kv(700, 1)
+    whole = SequenceQuantizedKVCache().view(True)
+    for a, b in ((0, 256), (256, 512), (512, 700)):
+        whole.update_and_fetch(k[..., a:b, :], v[..., a:b, :])
+    pieces = SequenceQuantizedKVCache().view(True)
+    for a, b in ((0, 100), (100, 256), (256, 300), (300, 500)):
+        pieces.update_and_fetch(k[..., a:b, :], v[..., a:b, :])
+    batch = BatchQuantizedKVCache([pieces])
+    for t in range(500, 700):  # rows held and flushed in groups of ROWS: the block closes on either side
+        if batch.full:
+            batch.flush()
+        batch.attend_new(k[..., t : t + 1, :], v[..., t : t + 1, :])
+    batch.flush()
+    assert (pieces.quantized.offset, pieces.quantized.closed, pieces.synced) == (700, 512, 512)
+    for a, b in zip(whole.quantized.floats(), pieces.quantized.floats()):
+        assert mx.array_equal(a, b).item()
+    fetched = pieces.update_and_fetch(*(x[..., :1, :] for x in _kv(1, 2)))  # a chunk after the decode
+    for a, b in zip(whole.quantized.floats(), fetched):
+        assert mx.array_equal(a, b[..., :700, :]).item()
 
-    # bfloat16 model: bfloat16 scales, so nothing promotes the model to float32.
-    model = rowwise(tiny_model("llama"))
-    model.set_dtype(mx.bfloat16)
-    views = [_prefilled(model, p, False) for p in ([1, 2, 3], [4, 5])]
-    (logits, _) = _forward(model, [6, 7], views)
-    assert logits.dtype == mx.bfloat16 and views[0][0].keys[1].dtype == mx.bfloat16
+
+def test_rewinding_leaves_what_the_same_tokens_make():
+    """Within the open block by trimming, to a block's start by dropping blocks;
+    nowhere else (that is reached by prefilling from the block's start)."""
+    k, v = _kv(700, 3)
+    cache = SequenceQuantizedKVCache()
+    cache.append(k, v)
+    assert cache.rewind_points() == [256, 512] and cache.can_rewind(600) and not cache.can_rewind(511)
+    with pytest.raises(ValueError, match="only within its open block or to a block's start"):
+        cache.rewind(300)
+    for back in (650, 512, 256, 0):
+        cache.rewind(back)
+        cache.append(k[..., back:700, :], v[..., back:700, :])
+        fresh = SequenceQuantizedKVCache()
+        fresh.append(k, v)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(cache.floats(), fresh.floats()))
+    assert cache.trim(1000) == 188 and cache.offset == 512
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -191,42 +226,28 @@ def test_unpack_is_bit_exact_against_mx_dequantize(bits, group_size, dtype):
     x = (mx.random.normal((2, 3, 17, 128), key=mx.random.key(bits + group_size)) * 3).astype(dtype)
     q = quantize(x, group_size, bits)
     assert mx.array_equal(unpack(q, group_size, bits, dtype), _dequantize(q, group_size, bits, dtype)).item()
-    *q2, unpacked = quantize_unpack(x, group_size, bits)
-    assert all(mx.array_equal(a, b).item() for a, b in zip(q, q2))
-    assert mx.array_equal(unpacked, _dequantize(q, group_size, bits, dtype)).item()
 
 
-def test_float_working_copy_is_exactly_its_q4_record():
-    """Step by step, across growth and trim, from an existing record, the floats
-    attention reads equal a fresh dequantization of the Q4 record."""
-    record = _filled(SequenceQuantizedKVCache(), 250, 0)
-    view = DequantizingKVCache(quantized=record)
-
-    def check(n: int = 1):
-        fetched = view.update_and_fetch(*mx.random.normal((2, 1, 2, n, 64)))
-        for f, q in zip(fetched, (record.keys, record.values)):
-            ref = _dequantize(tuple(x[..., : record.offset, :] for x in q), 64, 4, mx.float32)
-            assert f.shape[2] == record.offset and mx.array_equal(f, ref).item()
-
-    for _ in range(8):  # crosses the 256-position growth
-        check()
-    assert record.keys[0].shape[2] == 512 and view._float[0].shape[2] == 512
-    view.trim(5)
-    check(3)
-    assert DequantizingKVCache(quantized=record).offset == record.offset
+def test_bfloat16_models_keep_bfloat16_scales():
+    model = rowwise(tiny_model("llama"))
+    model.set_dtype(mx.bfloat16)
+    views = [_prefilled(model, p, True) for p in (list(range(1, 300)), [4, 5])]
+    (logits, _) = _forward(model, [6, 7], views)
+    assert logits.dtype == mx.bfloat16 and views[0][0].quantized.packed[1].dtype == mx.bfloat16
 
 
 def test_nbytes_against_fp16():
     H, T, D = 2, 256, 64
     fp16 = 2 * H * T * D * 2
     for bits, ratio in ((4, (0.5 + 4 / 64) / 2), (8, (1 + 4 / 64) / 2)):
-        cache = _filled(SequenceQuantizedKVCache(bits=bits), T, 0)
-        assert cache.keys[0].shape == (1, H, T, D * bits // 32)
-        assert cache.nbytes / fp16 == pytest.approx(ratio)
-        assert DequantizingKVCache(quantized=cache).nbytes == cache.nbytes  # the copy is not the record
+        cache = SequenceQuantizedKVCache(bits=bits)
+        cache.append(*(x.astype(mx.float16) for x in _kv(T + 1, 0)))  # the next token closes the block
+        closed = sum(t.nbytes for t in cache.packed)
+        assert closed / fp16 == pytest.approx(ratio)
+        assert cache.nbytes == closed + sum(x.nbytes for x in (*cache.open, *cache.sinks))
+        assert DequantizingKVCache(cache).nbytes == cache.nbytes  # the copy is not the record
     assert (0.5 + 4 / 64) / 2 <= 0.30
-    for empty in (SequenceQuantizedKVCache(), DequantizingKVCache()):
-        assert empty.nbytes == 0
+    assert SequenceQuantizedKVCache().nbytes == 0
     with pytest.raises(ValueError, match="bits"):
         SequenceQuantizedKVCache(bits=3)
     with pytest.raises(ValueError, match="group size"):
@@ -237,15 +258,12 @@ def test_cache_kinds_per_architecture():
     llama, gemma, oss = (tiny_model(a) for a in ("llama", "gemma3_text", "gpt_oss"))
     assert all(type(c) is SequenceQuantizedKVCache for c in make_sequence_cache(llama))
     assert [type(c) for c in make_sequence_cache(gemma)] == [WindowKVCache, SequenceQuantizedKVCache] * 2
-    assert [type(c) for c in make_sequence_cache(oss)] == [WindowKVCache, DequantizingKVCache]
-    # The views: float copies on the CPU path; sinks always; sliding layers as they are.
-    assert [type(c) for c in make_sequence_cache(gemma).view(False)] == [
-        WindowKVCache, SequenceQuantizedKVCache] * 2
-    assert [type(c) for c in make_sequence_cache(gemma).view(True)] == [
-        WindowKVCache, DequantizingKVCache] * 2
-    assert [type(c) for c in make_sequence_cache(oss).view(False)] == [WindowKVCache, DequantizingKVCache]
-    assert not hasattr(DequantizingKVCache(), "bits") and SequenceQuantizedKVCache().bits == 4
-    # Why the dequantizing kind exists: mlx-lm refuses sinks with a quantized cache.
+    assert [type(c) for c in make_sequence_cache(oss)] == [WindowKVCache, SequenceQuantizedKVCache]
+    # Attention reads float working copies of full layers; sliding layers as they are.
+    assert [type(c) for c in make_sequence_cache(gemma).view(True)] == [WindowKVCache, DequantizingKVCache] * 2
+    # Neither has ``bits``: mlx-lm would take it for its own quantized cache, which refuses sinks.
+    assert not hasattr(DequantizingKVCache(SequenceQuantizedKVCache()), "bits")
+    assert not hasattr(SequenceQuantizedKVCache(), "bits") and SequenceQuantizedKVCache().kv_bits == 4
     with pytest.raises(ValueError, match="sinks"):
         oss(mx.array([[1, 2, 3]]), cache=[RotatingKVCache(16), QuantizedKVCache(bits=4)])
 

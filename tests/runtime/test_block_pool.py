@@ -19,7 +19,9 @@ GPT_OSS = ModelCacheSpec.from_model(build_model(GPT_OSS_20B))  # 12 full + 12 sl
 
 Q4 = 0.5 + 4 / 64  # bytes per element: 4-bit values, fp16 scale and bias per 64
 SMOL_BLOCK = int(256 * 30 * 2 * 3 * 64 * Q4)  # exact: 1_658_880
+SMOL_OPEN = 256 * 30 * 2 * 3 * 64 * 2  # the open block: fp16, one an owner
 GEMMA_FULL, GEMMA_SLIDING = int(256 * 8 * 2 * 4 * 256 * Q4), 256 * 40 * 2 * 4 * 256 * 2
+GEMMA_OPEN = 256 * 8 * 2 * 4 * 256 * 2
 
 
 def test_worked_example_in_docstring_holds():
@@ -81,30 +83,36 @@ def test_pool_misuse_raises_and_changes_nothing():
 
 
 def test_bytes_per_block_smollm2():
-    (full,) = layer_groups(SMOL)
+    full, open_block = layer_groups(SMOL)
     assert (full.name, full.n_layers, full.block_bytes) == ("full", 30, SMOL_BLOCK) == ("full", 30, 1_658_880)
     assert full.block_bytes == SMOL.bytes_per_token(4) * 256  # agrees with ModelCacheSpec
+    assert (open_block.name, open_block.block_bytes) == ("open", SMOL_OPEN)
+    assert layer_groups(SMOL, sliding_dtype_bytes=4)[1].block_bytes == 2 * SMOL_OPEN  # float32 on CPU
+    (floats,) = layer_groups(SMOL, bits=16)  # nothing quantized: no open block apart
+    assert (floats.name, floats.block_bytes) == ("full", SMOL_OPEN)
 
 
 def test_bytes_per_block_gemma3_12b():
-    full, sliding = layer_groups(GEMMA)
+    full, open_block, sliding = layer_groups(GEMMA)
     assert (full.name, full.n_layers, full.block_bytes) == ("full", 8, GEMMA_FULL) == ("full", 8, 2_359_296)
+    assert open_block.block_bytes == GEMMA_OPEN
     assert (sliding.name, sliding.window, sliding.n_layers) == ("sliding:512", 512, 40)
     assert sliding.block_bytes == GEMMA_SLIDING == 40 * 2**20  # fp16
-    assert layer_groups(GEMMA, sliding_dtype_bytes=4)[1].block_bytes == 80 * 2**20  # float32 on CPU
+    assert layer_groups(GEMMA, sliding_dtype_bytes=4)[2].block_bytes == 80 * 2**20  # float32 on CPU
     assert layer_groups(GEMMA, bits=8)[0].block_bytes == 256 * 8 * 2 * 4 * 256 * (1 + 4 / 64)
 
 
 def test_bytes_per_block_gpt_oss_20b():
-    full, sliding = layer_groups(GPT_OSS)
+    full, open_block, sliding = layer_groups(GPT_OSS)
     assert (full.name, full.n_layers, full.block_bytes) == ("full", 12, 256 * 12 * 2 * 8 * 64 * Q4)
     assert (sliding.name, sliding.n_layers, sliding.block_bytes) == ("sliding:128", 12, 256 * 12 * 2 * 8 * 64 * 2)
     kv = KVBudget(GPT_OSS, GiB)
-    assert kv.bytes_for(10_000) == 40 * full.block_bytes + 2 * sliding.block_bytes  # window 128 + 256 spare
+    assert kv.bytes_for(10_000) == \
+        40 * full.block_bytes + open_block.block_bytes + 2 * sliding.block_bytes  # window 128 + 256 spare
 
 
 def test_bad_cache_settings_are_refused_when_built():
-    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+    with pytest.raises(ValueError, match="bits must be 4, 8 or 16"):
         KVBudget(SMOL, GiB, bits=3)
     with pytest.raises(ValueError, match="divide head dim 64"):
         KVBudget(SMOL, GiB, group_size=128)
@@ -122,82 +130,82 @@ def test_bad_cache_settings_are_refused_when_built():
 def test_sliding_group_stops_at_the_window_and_its_spare():
     kv = KVBudget(GEMMA, GiB)
     assert kv.reserve("a", 1)
-    assert kv.blocks_of("a") == {"full": [0], "sliding:512": [1]}
+    assert kv.blocks_of("a") == {"full": [0], "open": [1], "sliding:512": [2]}
     assert kv.reserve("a", 300)
-    assert kv.blocks_of("a") == {"full": [0, 2], "sliding:512": [1, 3]}
+    assert kv.blocks_of("a") == {"full": [0, 3], "open": [1], "sliding:512": [2, 4]}
     assert kv.reserve("a", 600)
-    assert kv.blocks_of("a") == {"full": [0, 2, 4], "sliding:512": [1, 3, 5]}
+    assert kv.blocks_of("a") == {"full": [0, 3, 5], "open": [1], "sliding:512": [2, 4, 6]}
     assert kv.reserve("a", 5000)  # 20 blocks of context; the window and 256 spare tokens need 3
-    assert kv.blocks_of("a") == {"full": [0, 2, 4, *range(6, 23)], "sliding:512": [1, 3, 5]}
-    assert kv.bytes_of("a") == 20 * GEMMA_FULL + 3 * GEMMA_SLIDING
+    assert kv.blocks_of("a") == {"full": [0, 3, 5, *range(7, 24)], "open": [1], "sliding:512": [2, 4, 6]}
+    assert kv.bytes_of("a") == 20 * GEMMA_FULL + GEMMA_OPEN + 3 * GEMMA_SLIDING
     assert kv.bytes_for(10**5) - kv.bytes_for(10**4) == (391 - 40) * GEMMA_FULL  # only full layers grow
 
 
 def test_reserve_grows_and_release_frees():
-    kv = KVBudget(SMOL, 10 * SMOL_BLOCK)
-    assert kv.pool.num_blocks == 10
-    assert kv.reserve("a", 256) and kv.blocks_of("a") == {"full": [0]}
-    assert kv.reserve("b", 600) and kv.blocks_of("b") == {"full": [1, 2, 3]}
-    assert kv.reserve("a", 257) and kv.blocks_of("a") == {"full": [0, 4]}
+    one = SMOL_BLOCK + SMOL_OPEN  # an owner's first block, with its open block
+    kv = KVBudget(SMOL, 3 * one + 4 * SMOL_BLOCK)
+    assert kv.reserve("a", 256) and kv.blocks_of("a") == {"full": [0], "open": [1]}
+    assert kv.reserve("b", 600) and kv.blocks_of("b") == {"full": [2, 3, 4], "open": [5]}
+    assert kv.reserve("a", 257) and kv.blocks_of("a") == {"full": [0, 6], "open": [1]}
     assert kv.reserve("a", 100)  # reservations never shrink
-    assert (kv.tokens_of("a"), kv.blocks_of("a")) == (257, {"full": [0, 4]})
-    assert (kv.used_bytes, kv.free_bytes) == (5 * SMOL_BLOCK, 5 * SMOL_BLOCK)
+    assert (kv.tokens_of("a"), kv.blocks_of("a")) == (257, {"full": [0, 6], "open": [1]})
+    assert kv.used_bytes == 2 * one + 3 * SMOL_BLOCK and kv.free_bytes == one + SMOL_BLOCK
     kv.release("b")
     assert "b" not in kv and kv.owners() == ["a"]
-    assert kv.reserve("c", 700) and kv.blocks_of("c") == {"full": [1, 2, 3]}
-    assert kv.reserve("d", 0) and kv.blocks_of("d") == {"full": []}  # registered, holds nothing
+    assert kv.reserve("c", 700) and kv.blocks_of("c") == {"full": [2, 3, 4], "open": [5]}
+    assert kv.reserve("d", 0) and kv.blocks_of("d") == {"full": [], "open": []}  # registered, holds nothing
     assert kv.owners() == ["a", "c", "d"]
-    assert [kv.bytes_of(o) for o in kv.owners()] == [2 * SMOL_BLOCK, 3 * SMOL_BLOCK, 0]
-    assert kv.used_bytes == 5 * SMOL_BLOCK
+    assert [kv.bytes_of(o) for o in kv.owners()] == [one + SMOL_BLOCK, one + 2 * SMOL_BLOCK, 0]
+    assert kv.used_bytes == 2 * one + 3 * SMOL_BLOCK
     for o in kv.owners():
         kv.release(o)
-    assert (kv.used_bytes, kv.pool.num_free, kv.owners()) == (0, 10, [])
+    assert (kv.used_bytes, kv.pool.num_used, kv.owners()) == (0, 0, [])
 
 
 def test_a_running_owner_also_holds_its_float_working_copy():
-    """On the CPU a running sequence attends through a float32 copy of its full
-    layers: 7.1x its Q4 blocks for SmolLM2, held while it runs, freed after."""
+    """A running sequence attends through a float32 copy of its full layers: 7.1x
+    its Q4 blocks for SmolLM2, held while it runs, freed after."""
     working_block = 256 * 30 * 2 * 3 * 64 * 4  # float32 keys and values
     kv = KVBudget(SMOL, GiB, working_dtype_bytes=4)
-    assert kv.bytes_for(300, running=True) == 2 * (SMOL_BLOCK + working_block)
+    assert kv.bytes_for(300, running=True) == 2 * (SMOL_BLOCK + working_block) + SMOL_OPEN
     assert kv.reserve("a", 300, running=True)
-    assert kv.used_bytes == kv.bytes_of("a") == 2 * (SMOL_BLOCK + working_block)
-    assert set(kv.blocks_of("a")) == {"full", "working"}
+    assert kv.used_bytes == kv.bytes_of("a") == 2 * (SMOL_BLOCK + working_block) + SMOL_OPEN
+    assert set(kv.blocks_of("a")) == {"full", "open", "working"}
     kv.release("a")  # the turn ends: checked back in at its size, idle
-    assert kv.reserve("a", 300) and kv.used_bytes == 2 * SMOL_BLOCK and set(kv.blocks_of("a")) == {"full"}
-    assert KVBudget(SMOL, GiB).bytes_for(300, running=True) == 2 * SMOL_BLOCK  # no working copy (Metal)
-    tight = KVBudget(SMOL, SMOL_BLOCK + working_block, working_dtype_bytes=4)
+    assert kv.reserve("a", 300) and kv.used_bytes == 2 * SMOL_BLOCK + SMOL_OPEN
+    assert set(kv.blocks_of("a")) == {"full", "open"}
+    tight = KVBudget(SMOL, SMOL_BLOCK + SMOL_OPEN + working_block, working_dtype_bytes=4)
     assert tight.fits(256, running=True) and not tight.fits(257, running=True) and tight.fits(256 * 8)
 
 
 def test_budget_for_exactly_three_owners_refuses_a_fourth():
-    n = 1000  # 4 full + 3 sliding blocks each
-    kv = KVBudget(GEMMA, 3 * (4 * GEMMA_FULL + 3 * GEMMA_SLIDING))
-    assert kv.bytes_for(n) == 4 * GEMMA_FULL + 3 * GEMMA_SLIDING
+    n = 1000  # 4 full + the open + 3 sliding blocks each
+    kv = KVBudget(GEMMA, 3 * (4 * GEMMA_FULL + GEMMA_OPEN + 3 * GEMMA_SLIDING))
+    assert kv.bytes_for(n) == 4 * GEMMA_FULL + GEMMA_OPEN + 3 * GEMMA_SLIDING
     assert all(kv.reserve(o, n) for o in "abc")
-    assert kv.blocks_of("c") == {"full": [14, 15, 16, 17], "sliding:512": [18, 19, 20]}
+    assert kv.blocks_of("c") == {"full": [16, 17, 18, 19], "open": [20], "sliding:512": [21, 22, 23]}
     assert kv.free_bytes == 0
     assert not kv.reserve("d", n)
     assert kv.reserve("a", 1024)  # within its 4 blocks: no bytes needed
     assert not kv.reserve("a", 1025)  # a 5th block is refused the same way
-    assert ("d" not in kv, kv.tokens_of("a"), kv.pool.num_used) == (True, 1024, 21)  # refusals took nothing
+    assert ("d" not in kv, kv.tokens_of("a"), kv.pool.num_used) == (True, 1024, 24)  # refusals took nothing
     kv.release("b")  # the caller demotes someone and retries
     assert kv.reserve("d", n)
-    assert kv.blocks_of("d") == {"full": [7, 8, 9, 10], "sliding:512": [11, 12, 13]}
+    assert kv.blocks_of("d") == {"full": [8, 9, 10, 11], "open": [12], "sliding:512": [13, 14, 15]}
     assert kv.owners() == ["a", "c", "d"]
 
 
 def test_growth_that_fits_one_group_but_not_the_other_takes_nothing():
-    kv = KVBudget(GEMMA, 3 * GEMMA_FULL + GEMMA_SLIDING)  # room for 3 full blocks, 1 sliding
+    kv = KVBudget(GEMMA, 3 * GEMMA_FULL + GEMMA_OPEN + GEMMA_SLIDING)  # room for 3 full blocks, 1 sliding
     assert kv.reserve("a", 256) and kv.free_bytes == 2 * GEMMA_FULL
     assert not kv.reserve("a", 257)  # 1 full block would fit, its sliding block would not
-    assert (kv.blocks_of("a"), kv.pool.num_used) == ({"full": [0], "sliding:512": [1]}, 2)
+    assert (kv.blocks_of("a"), kv.pool.num_used) == ({"full": [0], "open": [1], "sliding:512": [2]}, 3)
 
 
 def test_fits_is_about_an_empty_budget():
-    budget = 3 * (4 * GEMMA_FULL + 3 * GEMMA_SLIDING)
+    budget = 3 * (4 * GEMMA_FULL + GEMMA_OPEN + 3 * GEMMA_SLIDING)
     kv = KVBudget(GEMMA, budget)
-    most = (budget - 3 * GEMMA_SLIDING) // GEMMA_FULL  # full blocks left beside a full window and its spare
+    most = (budget - GEMMA_OPEN - 3 * GEMMA_SLIDING) // GEMMA_FULL  # beside the open block, a window and its spare
     assert kv.fits(most * 256) and not kv.fits(most * 256 + 1)
     assert all(kv.reserve(o, 1000) for o in "abc")
     assert kv.fits(1000) and not kv.reserve("d", 1000)  # fits after demotions, not now
@@ -205,8 +213,8 @@ def test_fits_is_about_an_empty_budget():
 
 def test_budget_below_one_block_per_group_is_refused_when_built():
     with pytest.raises(ValueError, match="cannot hold one block per layer group"):
-        KVBudget(GEMMA, GEMMA_FULL + GEMMA_SLIDING - 1)
-    kv = KVBudget(GEMMA, GEMMA_FULL + GEMMA_SLIDING)  # exactly one owner of one block
+        KVBudget(GEMMA, GEMMA_FULL + GEMMA_OPEN + GEMMA_SLIDING - 1)
+    kv = KVBudget(GEMMA, GEMMA_FULL + GEMMA_OPEN + GEMMA_SLIDING)  # exactly one owner of one block
     assert kv.reserve("a", 256) and not kv.reserve("a", 257)
 
 
@@ -256,7 +264,7 @@ def test_default_budget_subtracts_weights_and_headroom():
 def test_default_budget_with_nothing_left_says_so():
     with pytest.raises(SemanticError, match="no memory left for KV caches: 8.0 GiB of device memory less 7.5 GiB"):
         default_budget(GEMMA, 7 * GiB + GiB // 2, 8 * GiB)
-    one_token = GEMMA_FULL + GEMMA_SLIDING
+    one_token = GEMMA_FULL + GEMMA_OPEN + GEMMA_SLIDING
     with pytest.raises(SemanticError, match="one block per layer group needs"):
         default_budget(GEMMA, 4 * GiB - one_token + 1, 5 * GiB)  # positive, below one block each
     assert default_budget(GEMMA, 4 * GiB - one_token, 5 * GiB) == one_token

@@ -1,7 +1,8 @@
-"""Caches on disk: saved caches load bit for bit and continue exactly, Q4 stays Q4
-on disk, a save writes only the blocks that changed, every kind of damage ends in
-quarantine and a cold start, version 1 files load and are migrated, agent ids
-cannot escape the store, and a writer killed mid-save never leaves a wrong cache."""
+"""Caches on disk: saved caches load bit for bit and continue exactly, closed
+blocks stay as packed on disk, a save writes only the blocks that changed, every
+kind of damage ends in quarantine and a cold start, caches of older formats are
+prefilled again, agent ids cannot escape the store, and a writer killed
+mid-save never leaves a wrong cache."""
 
 from __future__ import annotations
 
@@ -21,10 +22,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import QuantizedKVCache
 
 from semantic.runtime import cache_file
-from semantic.runtime.kv import DequantizingKVCache, SequenceCache, StateCache, WindowKVCache
+from semantic.runtime.kv import DequantizingKVCache, SequenceCache, SequenceQuantizedKVCache, StateCache, WindowKVCache
 from semantic.runtime.cache_codec import snapshot
 from semantic.runtime.cache_file import CacheStore, load, model_key, read_manifest, write_atomic
 from semantic.runtime.cache_records import (BLOCK_TOKENS, MANIFEST, CacheFileError, CacheRecord, InvalidAgentId, StaleBlocks,
@@ -41,14 +41,15 @@ REPO = Path(__file__).resolve().parents[2]
 V1_FILE = Path(__file__).parent / "data" / "v1-alice.safetensors"  # written by version 1: writer.record(0) as alice
 
 
-def _quantized(c) -> QuantizedKVCache | None:
-    return c.quantized if isinstance(c, DequantizingKVCache) else c if isinstance(c, QuantizedKVCache) else None
+def _quantized(c) -> SequenceQuantizedKVCache | None:
+    return c.quantized if isinstance(c, DequantizingKVCache) else c if isinstance(c, SequenceQuantizedKVCache) else None
 
 
 def _arrays(c) -> list[mx.array]:
     """The live arrays of one layer's cache: what must survive a round trip bit for bit."""
     if (q := _quantized(c)) is not None:
-        return [x[..., : q.offset, :] for x in (*q.keys, *q.values)] if q.offset else []
+        closed = [x[..., : q.closed, :] for x in (*q.packed, *q.sinks)] if q.closed else []
+        return closed + ([x[..., : q.offset - q.closed, :] for x in q.open] if q.offset > q.closed else [])
     if isinstance(c, StateCache):
         return c.arrays
     return list(c.state) if c.held else []
@@ -117,28 +118,35 @@ def test_empty_cache_round_trips(tmp_path):
 
 def test_bfloat16_triples_and_rings_round_trip(tmp_path):
     rec = writer.record(1)  # bfloat16 scales and ring
-    assert rec.cache[0].keys[1].dtype == mx.bfloat16 and rec.cache[-1].keys.dtype == mx.bfloat16
+    assert rec.cache[0].packed[1].dtype == mx.bfloat16 and rec.cache[-1].keys.dtype == mx.bfloat16
     back = round_trip(tmp_path, rec)
     assert back.tokens == rec.tokens
     assert_same_cache(rec.cache, back.cache)
 
 
 @pytest.mark.parametrize("bits, fraction", [(4, 0.29), (8, 0.54)])
-def test_quantized_triples_are_stored_as_they_are(bits, fraction, tmp_path):
-    model, tok = tiny_model("llama"), ByteTokenizer()
-    cache, tokens = finished(model, tok, prompts(1, seed=6)[0], 4, kv_bits=bits)
-    d = CacheStore(tmp_path).save(CacheRecord("a", "tiny/llama", "s", tokens, "", 0.0, 0.0, cache))
-    data = sum(x.nbytes for c in cache for x in _arrays(c))
-    (block,) = d.glob("*.block")
-    assert block.stat().st_size == data + 4 * len(tokens)  # token ids, then the triples and nothing else
-    n, H, D = len(tokens), cache[0].keys[0].shape[1], 64
-    fp16 = len(cache) * 2 * H * n * D * 2
-    assert data <= fraction * fp16  # bits/8 per element + a 16-bit scale and bias per 64
-    raw = block.read_bytes()
-    assert list(memoryview(raw[: 4 * n]).cast("I")) == tokens
-    w = cache[0].keys[0][..., :n, :]  # layer 0's key weights follow the token ids
-    assert raw[4 * n : 4 * n + w.nbytes] == bytes(memoryview(mx.contiguous(w)))
-    assert read_manifest(d)["layers"][0]["tensors"]["k_weights"] == ["U32", H, D * bits // 32]
+def test_closed_blocks_are_stored_as_they_are(bits, fraction, tmp_path):
+    """A closed block's file: its token ids, then each layer's packed rows as the
+    cache holds them; the open block's file: its floats."""
+    layers = []
+    for seed in range(2):
+        c = SequenceQuantizedKVCache(64, bits)
+        c.append(*mx.random.normal((2, 1, 2, 300, 64), key=mx.random.key(seed)))
+        layers.append(c)
+    tokens = list(range(300))
+    d = CacheStore(tmp_path).save(CacheRecord("a", "tiny/llama", "s", tokens, "", 0.0, 0.0, layers))
+    m = read_manifest(d)
+    closed, last = (d / m["blocks"][0]["file"]).read_bytes(), (d / m["blocks"][1]["file"]).read_bytes()
+    rows = [t[..., :256, :] for c in layers for t in c.packed]
+    assert len(closed) == 4 * 256 + sum(t.nbytes for t in rows)  # token ids, then the rows and nothing else
+    assert list(memoryview(closed[: 4 * 256]).cast("I")) == tokens[:256]
+    w = rows[0]  # layer 0's key weights follow the token ids
+    assert closed[4 * 256 : 4 * 256 + w.nbytes] == bytes(memoryview(mx.contiguous(w)))
+    assert sum(t.nbytes for t in rows) <= fraction * len(layers) * 2 * 2 * 256 * 64 * 2  # of fp16
+    assert len(last) == 4 * 44 + len(layers) * 2 * 2 * 44 * 64 * 4  # 44 tokens' float32 keys and values
+    assert m["layers"][0]["tensors"]["k_weights"] == ["U32", 2, 64 * bits // 32, 0, 256]
+    assert m["layers"][0]["tensors"]["k"] == ["F32", 2, 64, 256, 300]
+    assert m["layers"][0]["tensors"]["k_sinks"] == ["F32", 2, 4, 64]
 
 
 # -- a save writes what changed --------------------------------------------
@@ -167,8 +175,8 @@ def test_a_follow_up_writes_as_much_at_any_context(tmp_path):
         back = store.load(writer.AGENTS[agent], writer.MODEL_ID, writer.SPEC)
         assert_same_cache(_grown(agent, n + 20).cache, back.cache)
     small, large = sorted(follow_up)
-    assert whole[large] > 3 * whole[small]
-    assert follow_up[large] < 1.2 * follow_up[small] and follow_up[large] < whole[large] / 5, (follow_up, whole)
+    assert whole[large] > 2 * whole[small]
+    assert follow_up[large] < 1.2 * follow_up[small] and follow_up[large] < whole[large] / 4, (follow_up, whole)
 
 
 def test_a_diverging_turn_rewrites_from_the_first_changed_block(tmp_path):
@@ -184,8 +192,8 @@ def test_a_diverging_turn_rewrites_from_the_first_changed_block(tmp_path):
     after = [e["file"] for e in read_manifest(d)["blocks"]]
     assert after[:2] == before[:2] and not set(after[2:]) & set(before)
     assert sorted(p.name for p in d.glob("*.block")) == sorted(after)  # the replaced blocks are gone
-    block = (d / after[0]).stat().st_size
-    assert 2 * block < size < 3 * block  # blocks 2 and 3 (of 232 tokens), ring, text, manifest
+    block, new = (d / after[0]).stat().st_size, sum((d / f).stat().st_size for f in after[2:])
+    assert new < size < new + block  # blocks 2 and 3 (the open one, of 232 tokens), ring, text, manifest
     assert_same_cache(diverged.cache, store.load(rec.agent_id, rec.model_id, rec.spec_hash).cache)
 
 
@@ -273,7 +281,6 @@ DAMAGE = {  # name: (how, spec the loader asks for, reason)
     "manifest JSON broken": (lambda d: _rewrite(d / MANIFEST, _flip(0)), SPEC, "unparsable"),
     "other model id": (lambda d: _replace_with(d, _record(model="org/other")), SPEC, "other model"),
     "other spec hash": (lambda d: None, "spec-b", "other spec"),
-    "old format version": (lambda d: _reseal(d, lambda m: m.update(format_version=1)), SPEC, "old format"),
     "another agent's files": (lambda d: _replace_with(d, _record(agent="bob")), SPEC, "other agent"),
     "zero length manifest": (lambda d: (d / MANIFEST).write_bytes(b""), SPEC, "truncated"),
     "garbage manifest": (lambda d: (d / MANIFEST).write_bytes(b"not a manifest, just text\n" * 40), SPEC,
@@ -320,31 +327,44 @@ def test_save_refuses_a_cache_that_does_not_match_its_tokens(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
-# -- version 1 files -------------------------------------------------------
+# -- caches of older formats ----------------------------------------------
 
 
-def test_a_version_1_file_loads_and_its_next_write_moves_it_to_blocks(tmp_path, caplog):
+def test_a_cache_of_the_previous_format_is_prefilled_again(tmp_path, caplog):
+    """Not loaded, not quarantined: one line says why the agent's history is
+    prefilled again, and the next write replaces the cache."""
+    store = CacheStore(tmp_path)
+    d = store.save(_record())
+    _reseal(d, lambda m: m.update(format_version=2))
+    with caplog.at_level(logging.INFO, logger="semantic.cache"):
+        assert store.load("alice", MODEL, SPEC) is None
+    assert [r.getMessage() for r in caplog.records if r.name == "semantic.cache"] == [
+        "the cache of alice is in an older format (format version 2, this Semantic reads 3); its history is "
+        "prefilled again"]
+    assert d.is_dir() and not (tmp_path / "quarantine").exists()
+    assert store.verify() == [(d, True, "format 2, older: its history is prefilled again on its next turn")]
+    store.save(_record())
+    assert store.load("alice", MODEL, SPEC).tokens == _record().tokens
+
+
+def test_a_version_1_file_is_prefilled_again_and_its_next_write_replaces_it(tmp_path, caplog):
     store = CacheStore(tmp_path)
     v1 = store.legacy_path("alice", writer.MODEL_ID)
     v1.parent.mkdir()
     shutil.copy(V1_FILE, v1)
-    want = dataclasses.replace(writer.record(0), agent_id="alice")
     assert [(e["agent"], e["tokens"], e["path"]) for e in store.entries()] == [("alice", 16, v1)]
-    assert store.verify() == [(v1, True, "ok")]
-    back = store.load("alice", writer.MODEL_ID, writer.SPEC)
-    assert back.format_version == 1 and (back.tokens, back.text, back.updated) == (want.tokens, want.text, want.updated)
-    assert_same_cache(want.cache, back.cache)
+    assert store.verify() == [(v1, True, "format 1, older: its history is prefilled again on its next turn")]
     with caplog.at_level(logging.INFO, logger="semantic.cache"):
-        d = store.save(dataclasses.replace(back, updated=back.updated + 1))
+        assert store.load("alice", writer.MODEL_ID, writer.SPEC) is None
     assert [r.getMessage() for r in caplog.records if r.name == "semantic.cache"] == [
-        f"cache of agent 'alice' for {writer.MODEL_ID} moved from a version 1 file to blocks"]
+        "the cache of alice is in an older format (format version 1); its history is prefilled again"]
+    d = store.save(dataclasses.replace(writer.record(0), agent_id="alice"))
     assert not v1.exists() and (d / MANIFEST).is_file()
     again = store.load("alice", writer.MODEL_ID, writer.SPEC)
-    assert again.format_version == 2 and again.tokens == want.tokens
-    assert_same_cache(want.cache, again.cache)
+    assert again.format_version == 3 and again.tokens == writer.record(0).tokens
 
 
-def test_a_damaged_version_1_file_is_quarantined(tmp_path, caplog):
+def test_a_damaged_version_1_file_is_named_by_verify(tmp_path):
     store = CacheStore(tmp_path)
     v1 = store.legacy_path("alice", writer.MODEL_ID)
     v1.parent.mkdir()
@@ -352,10 +372,7 @@ def test_a_damaged_version_1_file_is_quarantined(tmp_path, caplog):
     data[-100] ^= 0x40
     v1.write_bytes(bytes(data))
     assert store.verify() == [(v1, False, "bad checksum")]
-    with caplog.at_level(logging.WARNING, logger="semantic.cache"):
-        assert store.load("alice", writer.MODEL_ID, writer.SPEC) is None
-    assert len(caplog.records) == 1 and "(bad checksum:" in caplog.records[0].getMessage()
-    assert not v1.exists() and len(list((tmp_path / "quarantine").iterdir())) == 1
+    assert store.load("alice", writer.MODEL_ID, writer.SPEC) is None
 
 
 # -- agent ids and the store -----------------------------------------------
@@ -435,7 +452,7 @@ def test_store_lists_verifies_deletes_and_cleans_temp_and_stale_files(tmp_path):
 
     _rewrite(_first(b, "block"), _flip(-1))
     assert {(p.name, ok, why) for p, ok, why in store.verify()} == {
-        ("alice.kv", True, "ok"), ("bob.kv", False, "bad checksum")}
+        ("alice.kv", True, "format 3"), ("bob.kv", False, "bad checksum")}
     assert store.disk_bytes() == sum(p.stat().st_size for d in (a, b, c) for p in d.iterdir())
     assert store.delete("alice") == 2 and store.delete("alice") == 0
     assert store.delete("bob", "org/other") == 0 and store.delete("bob", MODEL) == 1

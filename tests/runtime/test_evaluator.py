@@ -91,7 +91,9 @@ def test_a_cache_resumed_lazy_on_the_callers_stream_decodes_on_its_thread():
             if resumed and step == 6:
                 f = out["preempted"]
                 for c in f.cache:  # each record a lazy copy, on this thread's default stream
-                    c.keys, c.values = tuple(k + 0 for k in c.keys), tuple(v + 0 for v in c.values)
+                    for part in ("packed", "open", "sinks"):
+                        if getattr(c, part) is not None:
+                            setattr(c, part, tuple(x + 0 for x in getattr(c, part)))
                 engine.resume(ids[0], f.cache, len(f.cache_tokens))
 
         done = drain(engine, act)

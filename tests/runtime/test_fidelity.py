@@ -1,18 +1,18 @@
-"""Q4 (and Q8) KV caches against a full-precision cache on the real model.
+"""The 4-bit (and 8-bit) KV cache against a full-precision cache on the real model.
 
 Over a fixed English text of 1,149 tokens (bench/data/lighthouses.txt), the
-model runs once with each cache; we compare next-token top-1 choices and the
-text's perplexity.  Thresholds are set from the measurement printed below
-(SmolLM2-135M, float32 compute, group 64), with a margin:
+model runs once with each cache, in 256-token chunks as the engine cuts them;
+we compare next-token top-1 choices and the text's perplexity. Thresholds are
+the issue's targets (4 bits within 1% of full precision, 8 bits within 0.1%),
+with the measurement printed below (SmolLM2-135M, float32 compute):
 
-    bits  top-1 agreement  perplexity        threshold
-    4     0.83             24.93 -> 28.41   agreement >= 0.78, change <= +20%
-    8     0.99             24.93 -> 24.93   agreement >= 0.97, |change| <= 1%
+    bits  top-1 agreement  perplexity
+    4     0.977            24.93 -> 24.89 (-0.17%)
+    8     0.998            24.93 -> 24.93 (-0.02%)
 
-Q4 costs SmolLM2-135M about 14% perplexity on this text, nearly all of it from
-the keys: 8-bit keys with 4-bit values measured 0.95 agreement and +0.7%.
-Larger models with wider heads are known to quantize better; this test pins
-the small model's figures so a regression in the cache shows up.
+Keys per token at 4 bits cost this model 14% here (version 2 of the cache
+format); keys per channel with the open block in float cost it next to
+nothing (``docs/architecture.md``, "What a token sees").
 """
 
 from pathlib import Path
@@ -50,7 +50,7 @@ def reference(smollm2):
 
 @pytest.mark.slow
 @pytest.mark.model
-@pytest.mark.parametrize("bits, min_agree, max_ppl_change", [(4, 0.78, 0.20), (8, 0.97, 0.01)])
+@pytest.mark.parametrize("bits, min_agree, max_ppl_change", [(4, 0.96, 0.01), (8, 0.99, 0.001)])
 def test_quantized_cache_fidelity(smollm2, reference, bits, min_agree, max_ppl_change):
     tokens, full = reference
     quant = run(smollm2.model, tokens, make_sequence_cache(smollm2.model, bits=bits).view(True))

@@ -99,9 +99,10 @@ def test_the_first_tokens_logprobs_match_a_direct_forward_of_the_prompt():
     first = drain(engine)[sid].logprobs[0]
     view = engine.new_cache().view(engine.float_attention)
     want = log_softmax(np.array(model(mx.array(prompt)[None], cache=view)[0, -1]))
-    assert first.logprob == pytest.approx(want[first.token], abs=1e-5)
+    # (the engine's log-softmax is float32, this one float64: they part at ~1e-5 of logits this large)
+    assert first.logprob == pytest.approx(want[first.token], abs=1e-4)
     assert [t.token for t in first.top] == list(np.argsort(-want)[:5])
-    assert [t.logprob for t in first.top] == pytest.approx(sorted(want, reverse=True)[:5], abs=1e-5)
+    assert [t.logprob for t in first.top] == pytest.approx(sorted(want, reverse=True)[:5], abs=1e-4)
 
 
 def test_a_tokenizer_llguidance_cannot_read_still_gets_logprobs():

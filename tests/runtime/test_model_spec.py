@@ -117,7 +117,7 @@ def test_tiny_models_run_a_forward_pass(arch):
     spec = ModelCacheSpec.from_model(model)
     mla = arch.startswith("deepseek")  # keys: nope + rope (V2) or the latent (V3); values 64
     assert (spec.head_dim, spec.v_head_dim) == ((128, 64) if mla else (64, None))
-    assert spec.attention_sinks == (arch == "gpt_oss") and spec.attends_in_float == (mla or arch == "gpt_oss")
+    assert spec.attention_sinks == (arch == "gpt_oss")
     assert spec.n_sliding == {"gemma3_text": 2, "gemma3": 2, "gpt_oss": 1}.get(arch, 0)
     assert spec.n_recurrent == (3 if arch in ("qwen3_next", "qwen3_5") else 0)
     assert all(k.kind in (FULL, SLIDING, RECURRENT) for k in spec.layers)
@@ -141,7 +141,7 @@ def test_spec_of_mla_configs(config, kv_heads, keys, values):
     assert mx.get_active_memory() - before < 1 << 20, "building the spec must not allocate weights"
     layers = config["num_hidden_layers"]
     assert (spec.n_layers, spec.n_full, spec.n_sliding, spec.n_kv_heads) == (layers, layers, 0, kv_heads)
-    assert (spec.head_dim, spec.v_head_dim, spec.attends_in_float) == (keys, values, True)
+    assert (spec.head_dim, spec.v_head_dim) == (keys, values)
     fp16 = layers * kv_heads * (keys + values) * 2
     assert spec.bytes_per_token(None) == fp16 and spec.sliding_bytes() == 0
     assert spec.bytes_per_token(4) == pytest.approx(fp16 * (0.5 + 4 / 64) / 2)

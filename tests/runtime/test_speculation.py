@@ -90,12 +90,14 @@ def prompts_for(seed: int, n: int) -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", TINY_CONFIGS)
 def test_greedy_with_drafts_is_bitwise_without(arch, monkeypatch):
-    """Three sequences at once, drafts taken in runs and cut where wrong: every
-    token, logprob and cache byte as without drafts (alone, and batched at
-    every measured count), and drafts were both taken and cut."""
+    """Three sequences at once, one across a block's end, drafts taken in runs
+    and cut where wrong: every token, logprob and cache byte as without drafts
+    (alone, and batched at every measured count), and drafts were both taken
+    and cut."""
     model, tok = tiny_model(arch), ByteTokenizer()
     counts = measured(model, tok)
     prompts = prompts_for(0, 3)
+    prompts[0] = (prompts[0] * 20)[:240]  # decodes across its first block's end
     params = [SamplingParams(max_tokens=m, logprobs=2) for m in (30, 17, 24)]
     want = run(model, tok, prompts, params, counts, speculation=False)
     alone = [run(model, tok, [p], [q], counts, speculation=False)[0] for p, q in zip(prompts, params)]

@@ -251,7 +251,7 @@ async def test_dashboard_in_a_browser(tmp_path):
         return found[0] if found else None
 
     try:
-        async with live_server(tmp_path, api_key=KEY, budget=1 << 20) as url, \
+        async with live_server(tmp_path, api_key=KEY, budget=4 << 20) as url, \
                 client(url, **{"x-api-key": KEY}) as http:
             # without the key: a prompt, no data
             await on(driver.get, url + "/")
