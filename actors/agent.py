@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import anyio
@@ -222,7 +222,7 @@ class AgentActor:
         send, events = anyio.create_memory_object_stream[TurnEvent](math.inf)
         gpu = self.ctx.gpu
         gpu.submit(BeginTurn(message.turn_id, self.agent_id, messages, message.sampling, send, message.use_cache,
-                             message.tools, message.model, message.choices))
+                             message.tools, message.model, message.choices, message.prompt))
         end: TurnEnded | TurnFailed | None = None
         consumer_gone = False
         async with events:
@@ -240,7 +240,7 @@ class AgentActor:
         if end is None:  # the GPU actor ended without answering
             end = TurnFailed(message.turn_id, gpu.error or RuntimeClosed("the runtime shut down during this turn"))
         if isinstance(end, TurnEnded):
-            self.slot.last_result = end.result
+            self.slot.last_result = _kept(end.result)
             if end.result.reason != "cancelled":
                 self._set_history((*messages, Message("assistant", end.result.text)))
             self.ctx.turn_ended(self.agent_id, message.turn_id, end.result)
@@ -280,6 +280,16 @@ async def request(send: Callable[[MemoryObjectSendStream], None]) -> Done | Fail
             return await answer.receive()
         except anyio.EndOfStream:
             return Failed(RuntimeClosed("the runtime closed before answering"))
+
+
+def _kept(result: TurnResult) -> TurnResult:
+    """What an agent's slot keeps of its last turn (``Agent.last_result``): all
+    but the prompt's log-probabilities, which only the turn's reader needs
+    (a few hundred bytes a prompt token: a slot lives as long as its agent, and
+    a harness scores thousands of prompts, each on an agent of its own)."""
+    if not result.prompt_logprobs:
+        return result
+    return replace(result, prompt_logprobs=(), choices=tuple(replace(c, prompt_logprobs=()) for c in result.choices))
 
 
 def _final(reply: MemoryObjectSendStream, item) -> None:

@@ -84,12 +84,16 @@ class Message:
 class Delta:
     """New text of a reply as it streams (whole characters), its token ids,
     their log-probabilities when the turn asked for them, and which of the
-    turn's replies it extends (``choice``: 0 unless it asked for several)."""
+    turn's replies it extends (``choice``: 0 unless it asked for several).
+    A choice's first delta carries the prompt's log-probabilities when the
+    turn asked for them (``prompt_logprobs``; a turn that ends with no
+    delta has them in its result only)."""
 
     text: str
     tokens: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
     choice: int = 0
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 # -- generic replies ---------------------------------------------------------
@@ -141,6 +145,7 @@ class BeginTurn:
     tools: tuple[dict, ...] | None = None  # tool definitions for the chat template
     model: str | None = None  # the catalogue's model to run on (None: the one loaded)
     choices: int = 1  # replies to the prompt, prefilled once; choice 0's is the agent's
+    prompt: str | None = None  # raw text to continue as it is (no chat template: ``Agent.complete``)
 
 
 @dataclass(frozen=True)
@@ -244,7 +249,9 @@ class Open:
 class Send:
     """A turn: ``text`` is the new user message, appended to the history; or,
     when ``messages`` is given, the turn's whole conversation, which replaces
-    the history (stateless clients send everything each time)."""
+    the history (stateless clients send everything each time). With
+    ``prompt``, the model continues that raw text instead of the rendered
+    conversation (``messages`` then holds it as the user's message)."""
 
     turn_id: int
     text: str
@@ -255,6 +262,7 @@ class Send:
     tools: tuple[dict, ...] | None = None
     model: str | None = None
     choices: int = 1
+    prompt: str | None = None
 
 
 @dataclass(frozen=True)

@@ -672,7 +672,8 @@ class Agent:
         """Queue a turn now and return its stream: ``async for delta in agent.send(...)``.
 
         ``sampling``: ``SamplingParams`` fields (max_tokens, temperature, top_p,
-        top_k, min_p, stop, seed, grammar, logprobs); greedy by default.
+        top_k, min_p, stop, seed, grammar, logprobs, prompt_logprobs: see
+        ``complete``); greedy by default.
         ``grammar`` (``semantic.actors.grammar.json_schema(schema)``, say) makes
         the reply follow it; ``logprobs=n`` gives each delta its tokens'
         ``TokenLogprob`` (and the result all of them).  ``use_cache=False`` prefills
@@ -713,9 +714,30 @@ class Agent:
             raise ValueError("a conversation needs at least one message")
         return self._queue("", messages, tuple(tools) if tools else None, use_cache, model, choices, sampling)
 
+    def complete(self, prompt: str, *, use_cache: bool = True, model: str | None = None, choices: int = 1,
+                 **sampling) -> Reply:
+        """Queue a turn that continues the raw text ``prompt`` and return its
+        stream (as ``send``): no chat template, the prompt tokenized as the
+        tokenizer encodes text (with its BOS where it adds one). The history
+        becomes ``prompt`` as a user message and the completion as the reply.
+
+        ``prompt_logprobs=n``: each prompt token's log-probability given the
+        tokens before it (the first's is None) and the ``n`` likeliest tokens'
+        at its place, on each choice's first delta and in the result
+        (``TurnResult.prompt_logprobs``). Such a turn prefills the whole
+        prompt whatever ``use_cache`` says: the tokens scored must be
+        computed. ``max_tokens=0`` prefills the prompt and generates nothing.
+
+        Raises what ``send`` raises, and ``ValueError`` for an empty prompt.
+        """
+        if not prompt:
+            raise ValueError("a completion needs a prompt")
+        return self._queue("", (Message("user", prompt),), None, use_cache, model, choices, sampling, prompt)
+
     def _queue(self, text: str, messages: tuple[Message, ...] | None, tools: tuple[dict, ...] | None,
-               use_cache: bool, model: str | None, choices: int, sampling: dict) -> Reply:
+               use_cache: bool, model: str | None, choices: int, sampling: dict, prompt: str | None = None) -> Reply:
         params = SamplingParams(**sampling)
+        use_cache = use_cache and params.prompt_logprobs is None  # scored tokens are prefilled (``Engine.add``)
         if not (isinstance(choices, int) and 1 <= choices <= MAX_CHOICES):
             raise ValueError(f"choices must be 1 to {MAX_CHOICES}, not {choices!r}")
         if model is not None:
@@ -725,7 +747,7 @@ class Agent:
         reply, events = anyio.create_memory_object_stream[TurnEvent](math.inf)
         try:
             self._rt._deliver(self._slot, Send(turn_id, text, params, reply, use_cache, messages, tools, model,
-                                               choices))
+                                               choices, prompt))
         except BaseException:
             reply.close()
             events.close()

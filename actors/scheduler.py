@@ -137,9 +137,12 @@ class Admission:
         cmd, reg = t.cmd, self.registry
         caches, tokenizer = reg.caches, reg.loaded.tokenizer
         try:
-            messages = [m.as_dict() for m in cmd.messages]
-            text = turns.render(tokenizer, messages, cmd.tools)
-            prefix = turns.system_prefix(tokenizer, messages, text)
+            if cmd.prompt is not None:  # raw text: no template, no system prompt to share
+                text, prefix = turns.raw_prompt(tokenizer, cmd.prompt), None
+            else:
+                messages = [m.as_dict() for m in cmd.messages]
+                text = turns.render(tokenizer, messages, cmd.tools)
+                prefix = turns.system_prefix(tokenizer, messages, text)
             turn = turns.begin(caches, tokenizer, cmd.agent_id, text, prefix, use_cache=cmd.use_cache,
                                context_length=reg.context_length)
         except (ContextTooLong, OutOfMemory) as e:
@@ -151,7 +154,8 @@ class Admission:
         # A reply that would run past the context stops at its end (reason "length").
         sampling = cmd.sampling if n + cmd.sampling.max_tokens <= limit else replace(cmd.sampling, max_tokens=limit - n)
         try:
-            t.seq_id = reg.engine.add(turn.prompt, sampling, turn.cache, turn.plan.keep)
+            t.seq_id = reg.engine.add(turn.prompt, sampling, turn.cache, turn.plan.keep,
+                                      continues=cmd.prompt is not None)  # raw text: the reply goes on from it
             t.seq_ids = [t.seq_id, *(reg.engine.add_choices(t.seq_id, cmd.choices - 1) if cmd.choices > 1 else ())]
         except Exception as e:
             caches.abandon(cmd.agent_id)
@@ -322,7 +326,7 @@ class Scheduler:
             if d.text or d.tokens:
                 if t.first_token is None:
                     t.first_token = time.perf_counter()
-                self.post(t.cmd.reply, Delta(d.text, d.tokens, d.logprobs, choice))
+                self.post(t.cmd.reply, Delta(d.text, d.tokens, d.logprobs, choice, d.prompt_logprobs))
             if d.finished is not None:
                 del self.by_seq[d.seq_id]
                 t.ended[d.seq_id] = d.finished

@@ -21,6 +21,10 @@ The GPU actor drives it step by step and is its only caller (one thread):
   step after is built and started on those tokens before they are read, so
   the model's graph is built while the last step computes; a sequence that
   finishes, joins or leaves drops that step (undone in every cache);
+* a sequence that asks for its prompt's log-probabilities
+  (``SamplingParams.prompt_logprobs``) has each prefill chunk's rows scored
+  in the forward that feeds it (``_score_prompt``): it is prefilled alone,
+  from its first token;
 * ``cancel`` drops a sequence wherever it is;
 * ``preempt`` takes a sequence out to free its cache (the owner stores it)
   and ``resume`` puts it back with that cache, or with none (its tokens are
@@ -67,7 +71,7 @@ from .grammar import Grammars
 from .lean import lean
 from .row_counts import RowCounts, choose
 from .rowwise import rowwise
-from .sampling import Draw, Sampler, SamplingParams, TokenLogprob
+from .sampling import Draw, Sampler, SamplingParams, TokenLogprob, row_logprobs
 from .speculation import TRY, Drafter, Indents, StepCosts, allot
 
 __all__ = ["Engine", "Delta", "Finished", "SamplingParams", "TokenLogprob"]
@@ -91,6 +95,9 @@ class Finished:
     logprobs: tuple[TokenLogprob, ...] = ()  # of each output token, when ``SamplingParams.logprobs`` asked
     drafted_tokens: int = 0  # drafts verified (``runtime.speculation``)
     accepted_tokens: int = 0  # of them, taken as output
+    # Of each prompt token (the first's logprob None), when ``SamplingParams.prompt_logprobs`` asked;
+    # a sequence cancelled mid-prefill has those of the chunks it ran.
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,7 @@ class Delta:
     text: str  # new text, safe to show (whole characters, no partial stop string)
     finished: Finished | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # of ``tokens``, when asked
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # of the prompt's tokens: on a sequence's first delta, when asked
 
 
 @dataclass(eq=False)
@@ -122,6 +130,9 @@ class _Sequence:
     stop_hit: str | None = None  # the stop string found in ``text``
     drafted: int = 0  # drafts verified
     accepted: int = 0  # drafts taken
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of the prompt tokens fed so far, when asked
+    delivered: bool = False  # a delta went out (the first carries ``prompt_logprobs``)
+    continues: bool = False  # its text continues the prompt's (``Engine.add``)
     # Its cache came from the caller (``add``, ``resume``) and may be lazy on the caller's own
     # streams, which the evaluator's thread cannot evaluate: its next step starts on the caller's.
     callers_cache: bool = False
@@ -292,18 +303,26 @@ class Engine:
         sampling: SamplingParams = SamplingParams(),
         cache: Seq | None = None,
         cached_tokens: int = 0,
+        continues: bool = False,
     ) -> int:
         """Queue a sequence; return its id.
 
         ``cache`` (a ``SequenceCache``, or its layers) must hold exactly the K/V
         of ``prompt[:cached_tokens]``.  At least one prompt token is always
         prefilled, so a fully cached prompt goes back a token (or to the last
-        point before it that its layers can go back to).
+        point before it that its layers can go back to).  A sequence whose
+        prompt is scored (``sampling.prompt_logprobs``) takes no cache: every
+        token it scores must be fed, and it scores them all.  ``continues``:
+        the reply's text continues the prompt's (a raw completion), so its
+        first token keeps a leading space, which a chat reply's text drops
+        (``_detokenizer``).
         """
         prompt = list(prompt)
         cache = None if cache is None else _sequence_cache(cache)
         if not prompt:
             raise ValueError("prompt must hold at least one token")
+        if cached_tokens and sampling.prompt_logprobs is not None:
+            raise ValueError("a prompt whose log-probabilities are asked for is prefilled whole: give no cache")
         if cache is None:
             if cached_tokens:
                 raise ValueError("cached_tokens given without a cache")
@@ -319,7 +338,7 @@ class Engine:
             cache.rewind(back)
             cached_tokens = back
         cache.mark()  # and where the turn starts: the conversation cached so far
-        seq = self._sequence(prompt, sampling, cache, cached_tokens)
+        seq = self._sequence(prompt, sampling, cache, cached_tokens, continues)
         seq.callers_cache = cached_tokens > 0
         self._prefilling.append(seq)
         return seq.id
@@ -336,19 +355,20 @@ class Engine:
             raise ValueError(f"sequence {seq_id} is not prefilling: choices start with its prompt")
         p = seq.sampling
         choices = [self._sequence(seq.prompt, p if p.seed is None else replace(p, seed=p.seed + i),
-                                  SequenceCache(), 0)
+                                  SequenceCache(), 0, seq.continues)
                    for i in range(1, count + 1)]
         self._choices.setdefault(seq_id, []).extend(choices)
         return [c.id for c in choices]
 
     def _sequence(self, prompt: list[int], sampling: SamplingParams, cache: SequenceCache,
-                  cached_tokens: int) -> _Sequence:
+                  cached_tokens: int, continues: bool = False) -> _Sequence:
         return _Sequence(
             id=next(self._ids),
             prompt=prompt,
             sampling=sampling,
             sampler=Sampler(sampling, sampling.grammar and self._grammars.constraint(sampling.grammar)),
-            detokenizer=self.tokenizer.detokenizer,
+            detokenizer=self._detokenizer(continues),
+            continues=continues,
             cache=cache,
             view=cache.view(self.float_attention),
             fed=prompt[:cached_tokens],
@@ -356,6 +376,24 @@ class Engine:
             prompt_tokens=len(prompt),
             drafter=Drafter(prompt, self._indents) if self.speculation else None,
         )
+
+    def _detokenizer(self, continues: bool):
+        """A fresh streaming detokenizer for a reply. mlx-lm's drop the space
+        that begins a text (its first token's " The" is "The"), as a chat reply
+        wants; one whose text ``continues`` the prompt's is first given the
+        text "a", left out, so nothing begins there (one that holds "a" back
+        is left as it is)."""
+        detokenizer = self.tokenizer.detokenizer
+        if continues:
+            for token in self._primer:
+                detokenizer.add_token(token)
+            if detokenizer.last_segment != "a":
+                detokenizer.reset()
+        return detokenizer
+
+    @functools.cached_property
+    def _primer(self) -> list[int]:
+        return list(self.tokenizer.encode("a", add_special_tokens=False))
 
     def _fork_choices(self, seq: _Sequence) -> list[_Sequence]:
         """The choices waiting on ``seq``'s prompt, each now with a copy of its
@@ -365,6 +403,7 @@ class Engine:
             c.cache = seq.cache.clone()
             c.view = c.cache.view(self.float_attention)
             c.fed, c.reused = list(seq.fed), len(seq.fed)
+            c.prompt_logprobs = list(seq.prompt_logprobs)
         return choices
 
     def prefill_step(self) -> list[Delta]:
@@ -381,6 +420,8 @@ class Engine:
         chunks = [seq.pending[:n] for seq, n, _ in picks]
         if len(picks) == 1:
             logits = self.model(mx.array(chunks[0])[None], cache=picks[0][0].view)
+            if _scores(picks[0][0]):
+                self._score_prompt(picks[0][0], logits[0])
         else:  # only cache writes are read: no logits are computed
             lengths = [len(c) for c in chunks]
             with row_plans.chunked(lengths):
@@ -401,6 +442,10 @@ class Engine:
                     self._prefilling.append(seq)  # round-robin among pending prefills
                 continue
             for s in [seq, *self._fork_choices(seq)]:  # each draws from the prompt's last logits
+                if not s.sampling.max_tokens:  # the prompt was all it asked for
+                    mx.eval(s.view.arrays())
+                    deltas.append(self._delta(s, (), "", LENGTH))
+                    continue
                 draw = s.sampler(logits[0, -1])
                 token = self.shared_tokens(draw.token[None])[0]
                 mx.eval(token, draw.logprobs, s.view.arrays())
@@ -415,9 +460,11 @@ class Engine:
         queue order, each with its chunk's tokens and whether its last prompt
         token rides the next decode step. The first in the queue, alone -- or,
         where the measured counts let chunks of its size batch
-        (``RowCounts.prefill_from``) and it needs no logits, with the ones
-        after it of which the same holds, while the forward holds at most
-        ``prefill_rows`` tokens."""
+        (``RowCounts.prefill_from``) and it needs no logits (no sampling, no
+        scoring of its prompt), with the ones after it of which the same
+        holds, while the forward holds at most ``prefill_rows`` tokens. A
+        sequence that generates nothing (``max_tokens`` 0) takes its last
+        prompt token in its chunk."""
         picks, rows, batching = [], 0, False
         for seq in self._prefilling:
             n = self._chunk_size(len(seq.fed))
@@ -425,13 +472,13 @@ class Engine:
                 n = len(seq.pending)  # a short rest would cost a forward of its own: it comes along
             # A chunk never crosses a block's end: what a token sees depends on its block (``kv.quantized``).
             n = min(n, BLOCK_TOKENS - len(seq.fed) % BLOCK_TOKENS)
-            ride = _LAST_IN_CHUNK < len(seq.pending) <= n
+            ride = _LAST_IN_CHUNK < len(seq.pending) <= n and seq.sampling.max_tokens > 0
             if ride:
                 # Only the last token's logits are needed, but a chunk computes them for
                 # every position (vocab x hidden a token): the last prompt token rides
                 # the next decode step instead, beside the other sequences' tokens.
                 n = len(seq.pending) - 1
-            joins = self.batch_prefill and self.row_counts.prefill_from is not None and (
+            joins = self.batch_prefill and self.row_counts.prefill_from is not None and not _scores(seq) and (
                 n >= self.row_counts.prefill_from and (ride or n < len(seq.pending)))
             if not picks:
                 batching = joins  # the first in the queue decides whether others may join it
@@ -900,8 +947,28 @@ class Engine:
         return new, text, STOP if hit else reason
 
     def _delta(self, seq: _Sequence, new: tuple[int, ...], text: str, reason: str | None) -> Delta:
+        first, seq.delivered = not seq.delivered, True
         return Delta(seq.id, new, text, None if reason is None else self._finished(seq, reason),
-                     tuple(seq.logprobs[-len(new):]) if new and seq.logprobs else ())
+                     tuple(seq.logprobs[-len(new):]) if new and seq.logprobs else (),
+                     tuple(seq.prompt_logprobs) if first else ())
+
+    def _score_prompt(self, seq: _Sequence, logits: mx.array) -> None:
+        """Score the prompt tokens a chunk's ``logits`` predict, the chunk
+        being the tokens after ``seq.fed``: row ``j`` is the model's
+        prediction of the token after the chunk's ``j``-th, so a chunk of
+        ``n`` from offset ``o`` scores prompt tokens ``o + 1`` to ``o + n``
+        (its last row the next chunk's first token, or nothing past the
+        prompt). The first token has nothing before it: logprob None."""
+        start, pieces = len(seq.fed), self._grammars.token_bytes
+        if start == 0:
+            seq.prompt_logprobs.append(TokenLogprob(seq.prompt[0], pieces(seq.prompt[0]), None))
+        targets = seq.prompt[start + 1 : min(start + 1 + logits.shape[0], seq.prompt_tokens)]
+        if not targets:
+            return
+        values, ids = row_logprobs(logits[: len(targets)], targets, seq.sampling.prompt_logprobs)
+        mx.eval(values, ids)
+        for token, v, top in zip(targets, values.tolist(), ids.tolist()):
+            seq.prompt_logprobs.append(TokenLogprob.of(token, v, top, pieces))
 
     def _release(self, seq: _Sequence, final: bool) -> tuple[str, bool]:
         """Text that may be shown now, holding back a possible partial stop string."""
@@ -934,7 +1001,14 @@ class Engine:
             logprobs=tuple(seq.logprobs),
             drafted_tokens=seq.drafted,
             accepted_tokens=seq.accepted,
+            prompt_logprobs=tuple(seq.prompt_logprobs),
         )
+
+
+def _scores(seq: _Sequence) -> bool:
+    """Whether the sequence's next prefill chunk is scored: it asked, and its
+    prompt is not scored yet (a resumed sequence that recomputes it was)."""
+    return seq.sampling.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.prompt_tokens
 
 
 def _batch(views) -> list[BatchQuantizedKVCache]:

@@ -48,6 +48,7 @@ class TurnResult:
     decode_s: float | None = None  # first token -> end
     stop_sequence: str | None = None  # the stop string that ended it (reason "stop")
     logprobs: tuple[TokenLogprob, ...] = ()  # of each output token, when the turn asked for them
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # of each prompt token (the first's None), when asked
     drafted_tokens: int = 0  # drafts its decode steps verified (``runtime.speculation``)
     accepted_tokens: int = 0  # of them, taken as output
     # The turn's other replies when it asked for several (choices 1, 2, ...): the same
@@ -75,6 +76,7 @@ class TurnResult:
             decode_s=None if first is None else ended - first,
             stop_sequence=f.stop_sequence if f else None,
             logprobs=f.logprobs if f else (),
+            prompt_logprobs=f.prompt_logprobs if f else (),
             drafted_tokens=f.drafted_tokens if f else 0,
             accepted_tokens=f.accepted_tokens if f else 0,
         )

@@ -23,7 +23,7 @@ from .kv import SequenceCache
 from .outcome import TurnResult
 from .prefix import COLD, PrefixPlan, encode, plan
 
-__all__ = ["Turn", "begin", "end", "fold_system", "render", "run_turn", "system_prefix"]
+__all__ = ["Turn", "begin", "end", "fold_system", "raw_prompt", "render", "run_turn", "system_prefix"]
 
 
 def render(tokenizer, messages: list[dict], tools: list[dict] | tuple[dict, ...] | None = None) -> str:
@@ -47,6 +47,17 @@ def _apply_template(tokenizer, messages: list[dict], tools) -> str:
     if tools:
         return tokenizer.apply_chat_template(messages, tools=list(tools), tokenize=False, add_generation_prompt=True)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def raw_prompt(tokenizer, text: str) -> str:
+    """The prompt text of a raw completion: ``text`` as it is, after the text of
+    the special tokens the tokenizer puts before every encoding (a BOS:
+    ``<|begin_of_text|>``, ``<bos>``), as a chat template writes them; so it
+    prefills what ``tokenizer.encode(text)`` gives, as mlx-lm's and vLLM's
+    completions do."""
+    plain, ids = encode(tokenizer, text), list(tokenizer.encode(text))
+    lead = len(ids) - len(plain)
+    return tokenizer.decode(ids[:lead]) + text if lead > 0 and ids[lead:] == plain else text
 
 
 def fold_system(messages: list[dict]) -> list[dict]:

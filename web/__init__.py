@@ -5,6 +5,7 @@ Layout (each module one job; routes are thin and speak only ``schema`` to the ru
 - ``schema``    the protocol-neutral request, stream items, result and ``RequestError``
 - ``anthropic`` ``/v1/messages``: body -> ChatRequest; ChatResult -> JSON or SSE events
 - ``openai``    ``/v1/chat/completions``: the same for OpenAI's shapes
+- ``completions`` ``/v1/completions``: OpenAI's legacy raw-text completions and prompt scoring
 - ``responses`` ``/v1/responses``: OpenAI's Responses API; response ids name agent states
 - ``tools``     tool-call formats: parse calls out of generated text, hold them back
                 from streamed text, and flatten tool turns for models without tools
@@ -21,8 +22,8 @@ Layout (each module one job; routes are thin and speak only ``schema`` to the ru
 - ``_validate`` field checks shared by the parsers (private)
 - ``_aio``      closing async iterators, collapsing task groups (private)
 
-The protocol modules (``schema``, ``anthropic``, ``openai``, ``responses``,
-``tools``, ``sse``, ``agents``) are pure: no runtime, no model, no I/O.
+The protocol modules (``schema``, ``anthropic``, ``openai``, ``completions``,
+``responses``, ``tools``, ``sse``, ``agents``) are pure: no runtime, no model, no I/O.
 """
 
 from .schema import ChatRequest, ChatResult, RequestError, StreamItem, TextDelta, ToolCall, Usage

@@ -23,7 +23,7 @@ def error_shape(path: str) -> Callable[[RequestError], dict]:
     """The error JSON a route's clients expect."""
     if path.startswith("/v1/responses"):
         return responses.error_json
-    if path.startswith("/v1/chat/"):
+    if path.startswith("/v1/chat/") or path == "/v1/completions":
         return openai.error_json
     if path.startswith("/v1/agents"):
         return agents.error_json

@@ -42,8 +42,8 @@ from .harmony import call_grammar as harmony_grammar
 from .identity import ConversationIndex, forked_conversation_id, new_conversation_id
 from .metrics import Metrics
 from .reasoning import CLOSE, OPEN, ThinkTags
-from .schema import (ChatRequest, ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem,
-                     TextDelta, Usage)
+from .schema import (ChatRequest, ChatResult, CompletionRequest, Heartbeat, LogprobsDelta, PromptLogprobs,
+                     ReasoningDelta, RequestError, StreamItem, TextDelta, Usage)
 from .tools import (DEEPSEEK, LibraryFormat, ToolCallFilter, ToolFormat, added_tokens, call_grammar,
                     deepseek_tool_prompt, finish_result, flatten_tool_messages, library_format, reply_format,
                     supports_tools, tool_format, tool_prompt)
@@ -72,7 +72,7 @@ class ChatTurn:
 
     agent_id: str
     model: str
-    request: ChatRequest | None  # None: an agent API turn
+    request: ChatRequest | CompletionRequest | None  # None: an agent API turn
     messages: tuple[Message, ...]  # the conversation the reply answers
     items: AsyncIterator[StreamItem]
     created: int
@@ -169,7 +169,7 @@ def context_first(conversation: list[dict]) -> list[dict]:
     return out
 
 
-def sampling(req: ChatRequest) -> dict:
+def sampling(req: ChatRequest | CompletionRequest) -> dict:
     """The runtime's sampling arguments; greedy unless the client set a temperature."""
     out: dict = {"max_tokens": req.max_tokens, "stop": req.stop}
     for key in ("temperature", "top_p", "top_k", "seed", "logprobs"):
@@ -262,6 +262,25 @@ class ChatCore:
                                                          choices=req.choices, **sampling(req),
                                                          grammar=prepared.grammar))
 
+    async def complete(self, req: CompletionRequest, model: str, route: str = "completions") -> ChatTurn:
+        """Start the raw-text completion ``req`` asks for, on ``model``: on the
+        agent it names, else on a new anonymous one (a prompt is one text, not
+        a conversation of messages the index could find a prefix of: as a chat
+        request of one message, each is a new conversation). The prompt's
+        tokens are scored when it asks (``req.prompt_logprobs``: that turn
+        prefills the whole prompt, ``Agent.complete``). Raises
+        ``RequestError`` before anything runs."""
+        if req.agent_id is not None:
+            checked_agent_id(req.agent_id, "X-Agent-Id")
+        agent_id = req.agent_id or new_conversation_id(req.hint)
+        options = sampling(req) | {"prompt_logprobs": req.prompt_logprobs}
+        prepared = Prepared((), None, None, frozenset())  # no template, no tools
+        with self._claimed(agent_id) as release:
+            agent = await self._open(agent_id)
+            return await self._run(agent, model, req, (Message("user", req.prompt),), prepared, release, route,
+                                   lambda: agent.complete(req.prompt, model=model, choices=req.choices, **options),
+                                   raw=True)
+
     async def send(self, agent: Agent, content: str, *, model: str, use_cache: bool, sampling: dict,
                    route: str = "agent") -> ChatTurn:
         """A turn of the agent API on ``model``: ``content`` is the new user message."""
@@ -345,11 +364,13 @@ class ChatCore:
         except SemanticError as e:
             raise turn_error(e) from None
 
-    async def _run(self, agent: Agent, model: str, req: ChatRequest | None, messages: tuple[Message, ...],
-                   prepared: Prepared, release: Callable[[], None], route: str,
-                   start: Callable[[], Reply]) -> ChatTurn:
+    async def _run(self, agent: Agent, model: str, req: ChatRequest | CompletionRequest | None,
+                   messages: tuple[Message, ...], prepared: Prepared, release: Callable[[], None], route: str,
+                   start: Callable[[], Reply], raw: bool = False) -> ChatTurn:
+        """The turn ``start`` begins, as a ``ChatTurn``; ``raw``: its reply is
+        raw text (a completion), read for neither reasoning nor tool calls."""
         try:
-            reasoning = await self._reasoning(model)
+            reasoning = None if raw else await self._reasoning(model)
         except SemanticError as e:
             raise turn_error(e) from None
         choices = req.choices if req is not None else 1
@@ -417,7 +438,8 @@ async def _run_turn(reply: Reply, prepared: Prepared, reasoning: ThinkTags | Har
     """The items of one turn: ``ReasoningDelta`` items (when the model reasons:
     ``reasoning`` reads it apart, and a harmony reply's calls) and ``TextDelta`` items
     (tool-call markup held back), each delta's ``LogprobsDelta`` after its
-    text (when the turn asked), each item of the reply ``choice`` it extends,
+    text and a choice's ``PromptLogprobs`` before its first (when the turn
+    asked), each item of the reply ``choice`` it extends,
     a ``Heartbeat`` whenever nothing came for ``heartbeat_s``, then its
     ``ChatResult`` (the other choices' in it) with reasoning and tool calls
     parsed out.  Runtime errors become ``RequestError``.  Closing the
@@ -444,6 +466,8 @@ async def _run_turn(reply: Reply, prepared: Prepared, reasoning: ThinkTags | Har
             if delta is None:
                 yield Heartbeat()
             else:
+                if delta.prompt_logprobs:
+                    yield PromptLogprobs(delta.prompt_logprobs, delta.choice)
                 for item in items(delta.choice, delta.text):
                     yield item
                 if delta.logprobs:

@@ -1,7 +1,8 @@
 """The stateless chat routes: Anthropic's Messages (and its token count),
-OpenAI's Chat Completions and Responses. Each parses its body with its
-protocol module, starts one turn on the chat core and answers it in that
-protocol's shape; a Responses id names an agent's state (``web.responses``)."""
+OpenAI's Chat Completions, Responses and legacy (raw-text) Completions. Each
+parses its body with its protocol module, starts one turn on the chat core
+and answers it in that protocol's shape; a Responses id names an agent's
+state (``web.responses``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from starlette.routing import Route
 
 from semantic.actors import InvalidAgentId
 
-from . import anthropic, openai, responses
+from . import anthropic, completions, openai, responses
 from .answer import answer
 from .chat import ChatProtocol
 from .state import Routes
@@ -26,6 +27,7 @@ class ChatRoutes(Routes):
             Route("/v1/messages", self.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
             Route("/v1/chat/completions", self.completions, methods=["POST"]),
+            Route("/v1/completions", self.text_completions, methods=["POST"]),
             Route("/v1/responses", self.create_response, methods=["POST"]),
             Route("/v1/responses/{response_id}", self.get_response, methods=["GET"]),
             Route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"]),
@@ -36,6 +38,13 @@ class ChatRoutes(Routes):
 
     async def completions(self, request: Request) -> Response:
         return await self._chat(request, openai, "openai")
+
+    async def text_completions(self, request: Request) -> Response:
+        """OpenAI's legacy completions: raw text continued, no chat template (``web.completions``)."""
+        req = completions.parse_request(await request.body(), _headers(request),
+                                        max_tokens_cap=self.server.max_tokens_cap)
+        turn = await self.server.core.complete(req, self.server.model_for(req.model))
+        return await answer(request, turn, req.stream, completions)
 
     async def _chat(self, request: Request, protocol: ChatProtocol, route: str) -> Response:
         """A turn of a stateless chat protocol: ``protocol`` parses the body and

@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from .chat import ChatTurn
 
 __all__ = ["completion_chunks", "completion_json", "drafts_json", "error_json", "events", "function_tool", "parse_request",
-           "response_json", "session_hint", "tool_arguments"]
+           "response_json", "session_hint", "tool_arguments", "usage_json"]
 
 log = logging.getLogger("semantic.web")
 
@@ -286,7 +286,8 @@ def new_completion_id() -> str:
     return "chatcmpl-" + secrets.token_hex(12)
 
 
-def _usage(result: ChatResult) -> dict:
+def usage_json(result: ChatResult) -> dict:
+    """The request's usage as OpenAI writes it (the prompt once, every choice's output)."""
     usage = result.total_usage
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.output_tokens,
             "total_tokens": usage.prompt_tokens + usage.output_tokens,
@@ -332,7 +333,7 @@ def completion_json(result: ChatResult, *, model: str, completion_id: str | None
         "created": int(time.time()) if created is None else created,
         "model": model,
         "choices": [choice(i, reply) for i, reply in enumerate(result.every)],
-        "usage": _usage(result),
+        "usage": usage_json(result),
         "system_fingerprint": None,
     }
 
@@ -413,5 +414,5 @@ async def completion_chunks(items: AsyncIterable[StreamItem], *, model: str, inc
             yield chunk({"tool_calls": [{"index": i, **call}]}, index=index)
         yield chunk({}, _FINISH[reply.stop_reason], index=index)
     if include_usage:
-        yield encode({**head, "choices": [], "usage": _usage(result)})
+        yield encode({**head, "choices": [], "usage": usage_json(result)})
     yield _DONE

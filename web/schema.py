@@ -34,8 +34,10 @@ from ._aio import closing
 __all__ = [
     "ChatRequest",
     "ChatResult",
+    "CompletionRequest",
     "Heartbeat",
     "LogprobsDelta",
+    "PromptLogprobs",
     "ReasoningDelta",
     "RequestError",
     "ROLES",
@@ -143,6 +145,41 @@ class ChatRequest:
 
 
 @dataclass(frozen=True)
+class CompletionRequest:
+    """One raw-text completion (OpenAI's legacy ``/v1/completions``): the model
+    continues ``prompt`` as it is, no chat template."""
+
+    prompt: str
+    max_tokens: int  # 0: generate nothing (score the prompt: ``echo`` with ``logprobs``)
+    model: str | None = None
+    echo: bool = False  # the reply's text (and logprobs) begin with the prompt's
+    logprobs: int | None = None  # None: not asked; n: each token's logprob and the n likeliest tokens'
+    temperature: float | None = None  # None: not given, greedy
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage
+    agent_id: str | None = None  # None: a new anonymous agent
+    hint: str | None = None  # a client's session key (the new agent's id carries its hash)
+    choices: int = 1  # OpenAI's ``n``: replies to the prompt, prefilled once
+
+    def __post_init__(self):
+        if not self.prompt:
+            raise ValueError("a completion request needs a prompt")
+        if self.max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """What the prompt's tokens are scored with: the echo's logprobs (None: not scored)."""
+        return self.logprobs if self.echo else None
+
+
+@dataclass(frozen=True)
 class Usage:
     input_tokens: int  # prompt tokens prefilled for this request
     cache_read_input_tokens: int = 0  # prompt tokens served from the agent's cache
@@ -224,6 +261,15 @@ class LogprobsDelta:
     choice: int = 0
 
 
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The log-probabilities of the prompt's tokens (only when the request
+    asked: ``CompletionRequest.prompt_logprobs``), before a choice's first text."""
+
+    logprobs: tuple[TokenLogprob, ...]  # every prompt token's; the first's logprob is None
+    choice: int = 0
+
+
 def logprob_json(lp: TokenLogprob, top: bool = True) -> dict:
     """One token's entry as OpenAI writes it: its text, logprob, UTF-8 bytes and the likeliest tokens'."""
     out = {"token": lp.piece.decode("utf-8", "replace"), "logprob": lp.logprob, "bytes": list(lp.piece)}
@@ -238,10 +284,11 @@ class Heartbeat:
 
 
 # What a streaming route consumes: ReasoningDelta, TextDelta and Heartbeat items
-# (and LogprobsDelta, when asked for), then exactly one ChatResult. The text
-# deltas joined are a prefix of the result's text; the stream builders send the
-# rest (text held back while a tool call might have been starting).
-StreamItem = ReasoningDelta | TextDelta | LogprobsDelta | Heartbeat | ChatResult
+# (and LogprobsDelta and PromptLogprobs, when asked for), then exactly one
+# ChatResult. The text deltas joined are a prefix of the result's text; the
+# stream builders send the rest (text held back while a tool call might have
+# been starting).
+StreamItem = ReasoningDelta | TextDelta | LogprobsDelta | PromptLogprobs | Heartbeat | ChatResult
 
 
 def cancelled() -> RequestError:
@@ -257,10 +304,11 @@ async def stream_text(items: AsyncIterable[StreamItem], logprobs: bool = False) 
     parts: dict[int, list[str]] = {}  # by choice
     async with closing(items) as stream:  # closed once the result is in
         async for item in stream:
-            if isinstance(item, (Heartbeat, ReasoningDelta)) or (logprobs and isinstance(item, LogprobsDelta)):
+            if isinstance(item, (Heartbeat, ReasoningDelta)) or (
+                    logprobs and isinstance(item, (LogprobsDelta, PromptLogprobs))):
                 yield item
                 continue
-            if isinstance(item, LogprobsDelta):
+            if isinstance(item, (LogprobsDelta, PromptLogprobs)):
                 continue
             if isinstance(item, TextDelta):
                 if item.text:

@@ -380,7 +380,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="holds 3 tokens"):
         engine.add([1, 2, 3, 4], cached_tokens=2, cache=cache)
     with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)  # (0: prefill only)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
 

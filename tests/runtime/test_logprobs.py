@@ -4,6 +4,7 @@ from (after a grammar's mask, before temperature), the same in any batch."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -11,8 +12,9 @@ import pytest
 
 from semantic.runtime.engine import Engine, SamplingParams
 from semantic.runtime.grammar import Grammars, json_schema
+from semantic.runtime.row_counts import RowCounts
 from semantic.runtime.sampling import Sampler, TokenLogprob
-from tests.runtime.test_engine import drain
+from tests.runtime.test_engine import drain, prefix_cache
 from tests.tiny import embedded_tokenizer, tiny_model_with_tokenizer
 
 
@@ -114,3 +116,96 @@ def test_a_tokenizer_llguidance_cannot_read_still_gets_logprobs():
     sid = engine.add([5, 6, 7], SamplingParams(max_tokens=4, logprobs=1))
     done = drain(engine)[sid]
     assert [lp.piece for lp in done.logprobs] == [tok.decode([t]).encode() for t in done.output_tokens]
+
+
+# -- the prompt's tokens (SamplingParams.prompt_logprobs) ------------------------
+
+TEXT = (Path(__file__).parents[2] / "bench" / "data" / "lighthouses.txt").read_text()
+
+
+def direct_prompt_logprobs(engine: Engine, prompt: list[int], chunks: list[int]) -> np.ndarray:
+    """The float32 log-softmax of each row of a direct forward of the engine's
+    model over a fresh cache of the engine's kind, in ``chunks``: row ``i`` the
+    distribution of prompt token ``i + 1``. (A float64 log-softmax of the same
+    logits is up to 1.2e-4 away on this model's wide rows: float32 sums 49K exps.)"""
+    view, rows, at = engine.new_cache().view(engine.float_attention), [], 0
+    for n in chunks:
+        rows.append(engine.model(mx.array(prompt[at : at + n])[None], cache=view)[0])
+        at += n
+    rows = mx.concatenate(rows)[:-1].astype(mx.float32)
+    return np.array(rows - mx.logsumexp(rows, axis=-1, keepdims=True))
+
+
+@pytest.mark.parametrize("kv_bits", [4, 8, 16])
+def test_each_prompt_tokens_logprob_is_the_log_softmax_of_the_row_before_it(kv_bits):
+    """Scored in the forwards that prefill it (three chunks; the last prompt
+    token rides the decode step), each prompt token's logprob and likeliest
+    alternatives are those of a direct forward over a cache of the same kind,
+    within 1e-4; the first token has none. They come with the sequence's first
+    delta, and the first generated token's are the draw's as ever."""
+    model, tok = tiny_model_with_tokenizer("llama")
+    prompt = tok.encode(TEXT)[:198]
+    engine = Engine(model, tok, kv_bits=kv_bits, max_chunk=64, min_chunk=16)
+    sid = engine.add(prompt, SamplingParams(max_tokens=2, logprobs=1, prompt_logprobs=3))
+    deltas = []
+    while not engine.idle:
+        deltas += [d for d in engine.prefill_step() + engine.step_once() if d.seq_id == sid]
+    done = deltas[-1].finished
+    entries = done.prompt_logprobs
+    assert [e.token for e in entries] == prompt
+    assert entries[0] == TokenLogprob(prompt[0], entries[0].piece, None, ())
+    assert b"".join(e.piece for e in entries).decode() == tok.decode(prompt)
+    want = direct_prompt_logprobs(engine, prompt, [64, 64, 70])
+    got = np.array([e.logprob for e in entries[1:]])
+    assert np.abs(got - want[np.arange(len(prompt) - 1), prompt[1:]]).max() < 1e-4
+    for e, row in zip(entries[1:], want):
+        assert [t.token for t in e.top] == list(np.argsort(-row)[:3])
+        assert [t.logprob for t in e.top] == pytest.approx(list(np.sort(row)[::-1][:3]), abs=1e-4)
+    assert deltas[0].prompt_logprobs == entries and all(d.prompt_logprobs == () for d in deltas[1:])
+    assert len(done.logprobs) == len(done.output_tokens) == 2
+
+
+def test_a_scored_prompt_prefills_alone_and_whole():
+    """Beside prompts whose chunks share forwards, a scored prompt's chunks run
+    alone: its values are those it has alone, bit for bit. ``max_tokens`` 0
+    prefills the whole prompt and generates nothing; choices get the prompt's
+    values; a scored prompt takes no cache (its tokens must be fed)."""
+    model, tok = tiny_model_with_tokenizer("llama")
+    prompt = tok.encode(TEXT)[:150]
+    scored = SamplingParams(max_tokens=0, prompt_logprobs=1)
+    options = dict(max_chunk=32, min_chunk=32, row_counts=RowCounts((1,), prefill_from=9))
+
+    def run(others: int):
+        engine = Engine(model, tok, **options)
+        for n in range(others):
+            engine.add(tok.encode(TEXT)[n * 7 : n * 7 + 120], SamplingParams(max_tokens=1))
+        sid = engine.add(prompt, scored)
+        choices = engine.add_choices(sid, 1)
+        done = drain(engine)
+        return done[sid], done[choices[0]]
+
+    alone, choice = run(0)
+    beside, _ = run(2)
+    assert (alone.reason, alone.output_tokens, alone.text, alone.cache_tokens) == ("length", (), "", tuple(prompt))
+    assert len(alone.prompt_logprobs) == len(prompt) and beside.prompt_logprobs == alone.prompt_logprobs
+    assert choice.prompt_logprobs == alone.prompt_logprobs and choice.output_tokens == ()
+    engine = Engine(model, tok)
+    with pytest.raises(ValueError, match="prefilled whole"):
+        engine.add(prompt, scored, prefix_cache(engine, prompt[:10]), 10)
+
+
+def test_a_reply_that_continues_its_prompt_keeps_its_first_space():
+    """mlx-lm's detokenizers drop the space a text begins with, as a chat reply
+    wants; a raw completion's reply (``continues``) keeps it: its text is its
+    tokens' decoded."""
+    model, tok = tiny_model_with_tokenizer("llama")
+    engine = Engine(model, tok)
+    ids = tok.encode(" openly and", add_special_tokens=False)
+    assert tok.decode(ids) == " openly and"
+    for continues, want in ((False, "openly and"), (True, " openly and")):
+        detokenizer, text = engine._detokenizer(continues), ""
+        for t in ids:  # what the engine reads of it: each token's segment
+            detokenizer.add_token(t)
+            text += detokenizer.last_segment
+        detokenizer.finalize()
+        assert text + detokenizer.last_segment == want
