@@ -7,7 +7,8 @@ makes one from a JSON schema, ``JSON_OBJECT`` allows any JSON object, and
 ``within`` puts a grammar inside another (after a model's reasoning).
 ``check`` refuses what llguidance cannot compile, naming it (unsupported
 schema keywords, bad types), without a tokenizer, so a request is refused
-before it queues.
+before it queues. A schema's objects are closed unless it says otherwise,
+and its numbers are those a float64 holds (``runtime.json_grammar``).
 
 ``Grammars`` belongs to one engine: the tokenizer as llguidance reads it
 (built on first use, ~0.3 s; it also gives a token's exact bytes, for
@@ -23,6 +24,7 @@ must: a finite grammar ends the reply by construction.
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
@@ -30,11 +32,13 @@ import mlx.core as mx
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
+from .json_grammar import LAYOUT, json_lark, strict
+
 __all__ = ["CACHED", "Constraint", "GrammarError", "Grammars", "JSON_OBJECT", "check", "json_rule", "json_schema",
            "lark", "within"]
 
 CACHED = 32  # compiled grammars kept per engine (a compile can take 0.1-1 s for a large schema)
-_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_log = logging.getLogger(__name__)
 
 
 class GrammarError(ValueError):
@@ -50,24 +54,45 @@ def check(grammar: str) -> None:
 def json_schema(schema: Mapping) -> str:
     """The grammar of the JSON documents ``schema`` allows, laid out as
     Python's ``json.dumps`` does (``", "`` and ``": "``, no other whitespace:
-    free whitespace would let a model pad forever); raises ``GrammarError``
+    free whitespace would let a model pad forever), its objects closed where
+    it lists their properties and says nothing of others, its numbers those
+    a float64 holds (``runtime.json_grammar``); raises ``GrammarError``
     naming what is unsupported."""
-    if not isinstance(schema, Mapping):
-        raise GrammarError(f"a JSON schema is an object, not {type(schema).__name__}")
-    try:
-        grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_LAYOUT)
-    except (TypeError, ValueError) as e:
-        raise GrammarError(str(e)) from None
-    check(grammar)
-    return grammar
-
-
-JSON_OBJECT = json_schema({"type": "object"})
+    schema = _checked(schema)
+    text = _written(schema)
+    if text is None:
+        return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=LAYOUT)
+    return LLMatcher.grammar_from_lark(text)
 
 
 def json_rule(schema: Mapping) -> str:
-    """A Lark rule's body matching the JSON ``schema`` allows, laid out as ``json_schema`` lays it out."""
-    return "%json " + json.dumps({**schema, "x-guidance": _LAYOUT})
+    """A Lark rule's body matching what ``json_schema(schema)`` allows; raises ``GrammarError``."""
+    schema = _checked(schema)
+    text = _written(schema)
+    if text is None:
+        return "%json " + json.dumps({**schema, "x-guidance": LAYOUT})
+    return "%lark {\n" + text + "\n}"
+
+
+def _checked(schema: Mapping):
+    """``schema`` closed (``json_grammar.strict``), once llguidance has said it can enforce it."""
+    if not isinstance(schema, Mapping):
+        raise GrammarError(f"a JSON schema is an object, not {type(schema).__name__}")
+    schema = strict(dict(schema))
+    try:
+        check(LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=LAYOUT))
+    except (TypeError, ValueError) as e:
+        raise GrammarError(str(e)) from None
+    return schema
+
+
+def _written(schema) -> str | None:
+    """``schema`` (checked) as Lark, or None where llguidance holds it whole, its numbers unbounded."""
+    text = json_lark(schema)
+    if text is not None and (error := LLMatcher.validate_grammar(text)):  # json_grammar's bug, not the client's
+        _log.warning("a JSON schema's Lark does not compile, llguidance holds the schema alone: %s", error)
+        return None
+    return text
 
 
 def lark(text: str) -> str:
@@ -75,6 +100,9 @@ def lark(text: str) -> str:
     grammar = LLMatcher.grammar_from_lark(text)
     check(grammar)
     return grammar
+
+
+JSON_OBJECT = json_schema({"type": "object"})
 
 
 def within(text: str, grammar: str) -> str:

@@ -22,7 +22,10 @@ class Guard:
     An answer that starts before the whole body has arrived (a refusal before
     the upload) first reads the rest and drops it, up to twice the body limit
     and within the body timeout, so the connection stays usable; past that it
-    closes the connection (``Connection: close``)."""
+    closes the connection (``Connection: close``). A body declared larger
+    than that (``Content-Length``) is not waited for: the answer goes out at
+    once, and the connection closes (hypercorn closes a connection whose
+    request is still coming once its response has gone)."""
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, body_timeout_s: float,
                  open_paths: tuple[str, ...], open_prefix: str, streamed_path: str):
@@ -62,11 +65,14 @@ class Guard:
     def _draining(self, scope: Scope, headers: dict, receive: Receive, send: Send) -> tuple[Receive, Send]:
         """``receive`` and a ``send`` that, on a response begun while the request's
         body is still coming, drain the body first or close (HTTP/1: an HTTP/2
-        stream ends on its own)."""
+        stream ends on its own); at once where the body declared is more than
+        would be drained."""
         length = headers.get(b"content-length", b"0")
-        pending = (length.isdigit() and int(length) > 0) or b"transfer-encoding" in headers
+        declared = int(length) if length.isdigit() else 0
+        pending = declared > 0 or b"transfer-encoding" in headers
         if not pending or not scope.get("http_version", "1.1").startswith("1"):
             return receive, send
+        limit = 2 * self.max_body_bytes  # what is drained at most
 
         async def receiving() -> Message:
             nonlocal pending
@@ -77,10 +83,11 @@ class Guard:
 
         async def sending(message: Message) -> None:
             if message["type"] == "http.response.start" and pending:
-                size, limit = 0, 2 * self.max_body_bytes
-                with anyio.move_on_after(self.body_timeout_s):
-                    while pending and size <= limit:
-                        size += len((await receiving()).get("body", b""))
+                if declared <= limit:  # (a body declared larger is not waited for)
+                    size = 0
+                    with anyio.move_on_after(self.body_timeout_s):
+                        while pending and size <= limit:
+                            size += len((await receiving()).get("body", b""))
                 if pending:
                     message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
             await send(message)

@@ -1,16 +1,24 @@
 """Constrained decoding: a grammar masks one sequence's logits row, so the reply
-follows it whatever the model prefers, and no neighbour's tokens change."""
+follows it whatever the model prefers, and no neighbour's tokens change. A
+schema's objects are closed unless it opens them, its numbers are those a
+float64 holds, and otherwise it allows what llguidance's own grammar of it
+does."""
 
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import jsonschema
 import mlx.core as mx
 import pytest
 
+from llguidance import LLMatcher
+from pydantic import BaseModel, Field
+
 from semantic.runtime.engine import Engine, SamplingParams
 from semantic.runtime.grammar import JSON_OBJECT, GrammarError, Grammars, json_schema
+from semantic.runtime.json_grammar import LAYOUT, json_lark, strict
 from tests.runtime.test_engine import drain
 from tests.tiny import embedded_tokenizer, tiny_model_with_tokenizer
 
@@ -30,7 +38,7 @@ COLOUR = {"enum": ["red", "green", "blue"]}
 
 
 def test_a_schema_compiles_and_unsupported_keywords_are_named():
-    assert json.loads(json_schema(SCHEMA))  # llguidance's grammar text is JSON
+    assert json_lark(strict(SCHEMA)) and json_schema(SCHEMA).startswith("start: ")  # written as Lark
     with pytest.raises(GrammarError, match="not"):
         json_schema({"type": "object", "properties": {"a": {"not": {"type": "string"}}}})
     with pytest.raises(GrammarError, match="strin"):
@@ -124,3 +132,123 @@ def test_compiled_grammars_are_bounded():
     assert len(grammars._compiled) == CACHED
     assert json_schema({"enum": [f"v{CACHED + 2}"]}) in grammars._compiled  # the newest kept, the oldest gone
     assert json_schema({"enum": ["v0"]}) not in grammars._compiled
+
+
+@pytest.fixture(scope="module")
+def grammars() -> Grammars:
+    tok = embedded_tokenizer()
+    return Grammars(tok, tok.eos_token_ids)
+
+
+def takes(grammars: Grammars, grammar: str, text: str) -> bool:
+    """Whether ``text`` is a whole document ``grammar`` allows (its tokens as drafts are checked, then the end)."""
+    tok = grammars._tokenizer
+    constraint, ids = grammars.constraint(grammar), tok.encode(text, add_special_tokens=False)
+    if constraint.allows(ids) < len(ids):
+        return False
+    for t in ids:
+        constraint.advance(t)
+    return constraint.allowed(len(tok.get_vocab()))[min(tok.eos_token_ids)].item()
+
+
+# The schema LangChain's standard tests give ``magic_function``; a small model copies its keywords into the call.
+MAGIC = {"type": "object", "properties": {"input": {"type": "integer", "exclusiveMinimum": -1000,
+                                                    "exclusiveMaximum": 1000}}, "required": ["input"]}
+NESTED = {"type": "object", "$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+          "properties": {"list": {"type": "array", "items": {"$ref": "#/$defs/P"}},
+                         "either": {"anyOf": [{"type": "object", "properties": {"a": {"type": "boolean"}}},
+                                              {"type": "null"}]}}}
+BUILT = {"$defs": NESTED["$defs"], "allOf": [{"$ref": "#/$defs/P"}, {"properties": {"b": {"type": "boolean"}}}]}
+
+
+@pytest.mark.parametrize("schema, taken, refused", [
+    (MAGIC, ['{"input": 3}'], ['{"input": 3, "exclusiveMaximum": 1000}', '{"input": 1000}', '{"type": "integer"}']),
+    ({**MAGIC, "additionalProperties": True}, ['{"input": 3, "exclusiveMaximum": 1000}'], ['{"input": 1000}']),
+    ({**MAGIC, "additionalProperties": {"type": "string"}}, ['{"input": 3, "why": "so"}'],
+     ['{"input": 3, "why": 1}', '{"input": 3, "input": 4}']),
+    ({"properties": {"a": {"type": "integer"}, "no": False}, "additionalProperties": True}, ['{"b": 1}', "[]"],
+     ['{"no": 1}']),
+    (NESTED, ['{"list": [{"x": 1}, {}], "either": {"a": true}}', '{"either": null}'],
+     ['{"list": [{"x": 1, "y": 2}]}', '{"either": {"a": true, "b": 1}}', '{"list": [], "more": 1}']),
+    (BUILT, ['{"x": 1, "b": true}', "{}"], ['{"x": 1, "c": 2}']),  # the parts build one object, closed once
+    ({"type": "object"}, ['{"any": [1, {"k": null}]}'], ["[]"]),  # no properties listed: any object
+    ({"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}},  # llguidance's alone
+     ['{"kids": [{"kids": []}, {}]}'], ['{"kids": [{"x": 1}]}']),
+])
+def test_objects_are_closed_unless_the_schema_opens_them(grammars, schema, taken, refused):
+    g = json_schema(schema)
+    assert [t for t in taken if not takes(grammars, g, t)] == []
+    assert [t for t in refused if takes(grammars, g, t)] == []
+
+
+NUMBER_DIGITS = (["12345678901234567", "-1.2345678901234567e308", "1.2345678901234567E-308", "0.00012345678901234567",
+                  "0.5e+001"],
+                 ["123456789012345678", "1.23456789012345678e308", "1.2345678901234567e3080", "0.12345678901234567891",
+                  "0.0000000000000000001", "1111111111111111111111111111111111"])
+
+
+@pytest.mark.parametrize("schema, taken, refused", [
+    ({"type": "integer"}, ["1234567890123456789", "-1234567890123456789", "0"], ["12345678901234567890", "1e3"]),
+    ({"type": "integer", "minimum": -5}, ["1234567890123456789", "-5"], ["12345678901234567890", "-6"]),
+    ({"type": "integer", "exclusiveMinimum": 0, "maximum": 1e25}, ["1234567890123456789"],
+     ["12345678901234567890", "0"]),
+    ({"type": "number"}, *NUMBER_DIGITS),
+    ({"type": "number", "minimum": 0}, [t.lstrip("-") for t in NUMBER_DIGITS[0]], ["-1", *NUMBER_DIGITS[1]]),
+    ({"type": "number", "exclusiveMaximum": 0}, ["-1.2345678901234567e308", "-1e-5"], ["0", "0.0", "12", "-1e3080"]),
+    # bounded away from 0: written out, as llguidance writes a bounded number; the digits are bounded all the same
+    ({"type": "number", "minimum": -1e18, "maximum": 1e18}, ["12345678901234567", "-0.12345678901234567"],
+     ["123456789012345678", "0.123456789012345678", "1e5"]),
+    ({"type": "number", "minimum": 0.5, "exclusiveMaximum": 2}, ["0.5", "1.9999999999999999", "1"],
+     ["0.49", "2", "1.99999999999999999"]),
+    ({"type": "object", "additionalProperties": {"type": ["number", "null"]}}, ['{"a": 1.5, "b": null}'],
+     ['{"a": 123456789012345678}']),
+])
+def test_numbers_are_those_a_float64_holds(grammars, schema, taken, refused):
+    """17 significant digits (after at most 16 zeros leading a fraction) and a
+    3-digit exponent, integers 19 digits, within the schema's own bounds: a
+    model can no longer write digits that never end."""
+    g = json_schema(schema)
+    assert [t for t in taken if not takes(grammars, g, t)] == []
+    assert [t for t in refused if takes(grammars, g, t)] == []
+    free = ('{"n": 12345678901234567}', '{"n": [123456789012345678]}')  # json_object's numbers too
+    assert [takes(grammars, JSON_OBJECT, t) for t in free] == [True, False]
+
+
+class Addr(BaseModel):
+    street: str = Field(max_length=12)
+    zip: int | None = None
+
+
+class Person(BaseModel):
+    name: str
+    age: int = Field(ge=0, le=150)
+    ratio: float = Field(gt=0, lt=1)
+    tags: list[Literal["a", "b"]] = Field(max_length=2)
+    home: Addr
+    away: Addr | None = None
+    scores: dict[str, float] = {}
+    pair: tuple[int, bool]
+
+
+PERSON_DOCS = [
+    {"name": "Ann", "age": 3, "ratio": 0.5, "tags": [], "home": {"street": "Elm"}, "pair": [1, True]},
+    {"name": "Ann", "age": 3, "ratio": 0.5, "tags": ["a", "b"], "home": {"street": "Elm", "zip": -7},
+     "away": None, "scores": {"x": -2.5, "y": 1e-5}, "pair": [0, False]},
+    {"name": "Ann", "age": 151, "ratio": 0.5, "tags": [], "home": {"street": "Elm"}, "pair": [1, True]},
+    {"name": "Ann", "age": 3, "ratio": 1, "tags": [], "home": {"street": "Elm"}, "pair": [1, True]},
+    {"name": "Ann", "age": 3, "ratio": 0.5, "tags": ["c"], "home": {"street": "Elm"}, "pair": [1, True]},
+    {"name": "Ann", "age": 3, "ratio": 0.5, "tags": [], "home": {"street": "Elm Street 123"}, "pair": [1, True]},
+    {"name": "Ann", "age": 3, "ratio": 0.5, "tags": [], "home": {"street": "Elm", "town": "X"}, "pair": [1, True]},
+    {"name": "Ann", "age": 3, "ratio": 0.5, "tags": [], "home": {"street": "Elm"}, "pair": [1, True, 2]},
+    {"age": 3, "name": "Ann", "ratio": 0.5, "tags": [], "home": {"street": "Elm"}, "pair": [1, True]},  # order
+]
+
+
+def test_a_schema_allows_what_llguidance_allows_but_for_numbers(grammars):
+    """Written as Lark, a schema allows the same documents as llguidance's own
+    grammar of it (numbers within the bounds above)."""
+    schema = strict(Person.model_json_schema())
+    ours, theirs = json_schema(schema), LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=LAYOUT)
+    docs = [json.dumps(d) for d in PERSON_DOCS]
+    assert [takes(grammars, ours, d) for d in docs] == [takes(grammars, theirs, d) for d in docs]
+    assert [takes(grammars, ours, d) for d in docs] == [True, True] + [False] * 7

@@ -1,6 +1,7 @@
 """Hostile input over a real socket: JSON nested past the limit, in a body or
 inside a string field or an archive, is a 400 in the route's own shape; an
-answer sent before the body has arrived leaves the connection usable; an
+answer sent before the body has arrived leaves the connection usable, and
+comes at once where the body declared is more than would be drained; an
 archive member no file system holds is a 400 (and one CLI line); imports
 stay within the disk budget; and generated bodies and headers at every JSON
 route never make a 5xx."""
@@ -118,6 +119,37 @@ async def test_a_body_past_what_is_drained_closes_the_connection(tmp_path):
                     answer += chunk
         head = answer.split(b"\r\n\r\n")[0].lower()
         assert head.startswith(b"http/1.1 413") and b"connection: close" in head, answer[:300]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("expect", [False, True], ids=["a few KB sent", "expect: 100-continue"])
+@pytest.mark.parametrize("path, status", [("/v1/messages", 413), ("/v1/agents/bo/import", 507)],
+                         ids=["over the body limit", "an import over the disk"])
+async def test_a_body_declared_past_what_is_drained_is_refused_at_once(tmp_path, path, status, expect):
+    """A client that declares 1 TiB and waits for the status (a few KB sent,
+    or none, as one that sends ``Expect: 100-continue`` does) gets its answer
+    at once -- a 413 by the body limit, a 507 by the disk an import needs --
+    with ``Connection: close``, and the server closes without reading on.
+    (hypercorn answers ``100 Continue`` as soon as it reads the head, before
+    the app sees the request: the refusal follows it.)"""
+    async with live_server(tmp_path) as url:
+        host, port = url.removeprefix("http://").split(":")
+        async with await anyio.connect_tcp(host, int(port)) as sock:
+            start = anyio.current_time()
+            expectation = "expect: 100-continue\r\n" if expect else ""
+            head = (f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+                    f"content-length: {1 << 40}\r\n{expectation}\r\n")
+            await sock.send(head.encode() + (b"" if expect else b"x" * 4096))
+            answer = b""
+            with anyio.fail_after(5):
+                while chunk := await _receive(sock):
+                    answer += chunk
+            took = anyio.current_time() - start
+    if expect and answer.startswith(b"HTTP/1.1 100"):
+        answer = answer.partition(b"\r\n\r\n")[2]
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(f"HTTP/1.1 {status}".encode()) and b"connection: close" in head.lower(), answer[:300]
+    assert json.loads(body)["error"]["message"] and took < 1, (took, answer[:300])
 
 
 async def _receive(sock) -> bytes:

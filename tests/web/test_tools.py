@@ -233,13 +233,13 @@ def test_tool_call_is_hashable_by_id_and_name():
 
 
 # Closed schemas: a forced call of these tools has finitely many forms.
+# (their objects say nothing of other keys: closed by default, ``runtime.json_grammar``)
 WEATHER_FN = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city", "parameters": {
         "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
                                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city", "days"], "additionalProperties": False}}}
-NOOP_FN = {"type": "function", "function": {"name": "noop", "parameters": {
-    "type": "object", "properties": {}, "additionalProperties": False}}}
+        "required": ["city", "days"]}}}
+NOOP_FN = {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}
 
 
 def takes(g: str, reply: str | list[int], tokenizer=None) -> bool:
@@ -654,3 +654,58 @@ def test_a_named_tool_is_the_one_called_and_every_tool_is_still_shown():
     assert told.messages[0].content == deepseek_tool_prompt([WEATHER_FN, NOOP_FN], fmt)
     assert told.messages[0] == prepare(ChatRequest(**ask), DEEPSEEK_V31, fmt).messages[0]
     assert told.grammar == call_grammar(fmt, [NOOP_FN])
+
+
+# LangChain's standard tests call it with 3; a small model shown its schema copies the keywords into the call.
+MAGIC_FN = {"type": "function", "function": {"name": "magic_function", "description": "Applies a magic function.",
+                                              "parameters": {"type": "object", "properties": {"input": {
+                                                  "type": "integer", "exclusiveMinimum": -1000,
+                                                  "exclusiveMaximum": 1000}}, "required": ["input"]}}}
+
+
+def magic_calls(fmt: str, *arguments: dict):
+    """The tokenizer of ``fmt``'s model, the grammars of a forced and of a
+    strict ``auto`` call of MAGIC_FN in ``fmt``, and its replies calling it with
+    each of ``arguments``."""
+    from semantic.web.harmony import call_grammar as harmony_grammar
+
+    from .test_harmony import HARMONY_TOKENS
+
+    if fmt == "gpt-oss":
+        tok = with_tokens(None, *HARMONY_TOKENS)
+        grammars = harmony_grammar([MAGIC_FN]), harmony_grammar([MAGIC_FN], forced=False)
+        return tok, grammars, [f"<|channel|>commentary to=functions.magic_function <|constrain|>json<|message|>"
+                               f"{json.dumps(a)}" for a in arguments]
+    tok = {"mistral": lambda: with_tokens("mistral", "[TOOL_CALLS]"), "qwen3-coder": lambda: wrapper("qwen3_coder"),
+           "deepseek-v3.1": lambda: deepseek(DEEPSEEK_V31)}.get(fmt, lambda: wrapper(None))()
+    form = fmt if fmt in ("hermes", "llama3") else library_format(tok)
+    render = {
+        "hermes": lambda a: f'<tool_call>\n{{"name": "magic_function", "arguments": {json.dumps(a)}}}\n</tool_call>',
+        "llama3": lambda a: json.dumps({"name": "magic_function", "parameters": a}),
+        "mistral": lambda a: "[TOOL_CALLS]" + json.dumps([{"name": "magic_function", "arguments": a}]),
+        "qwen3-coder": lambda a: render_call(QWEN3_CODER, [("magic_function", a)]),
+        "deepseek-v3.1": lambda a: render_deepseek(DEEPSEEK_V31, [("magic_function", a)])}[fmt]
+    grammars = [call_grammar(form, [MAGIC_FN], forced, added_tokens(tok)) for forced in (True, False)]
+    return tok, grammars, [render(a) for a in arguments]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral", "qwen3-coder", "deepseek-v3.1", "gpt-oss"])
+def test_a_call_carries_no_argument_its_schema_does_not_list(fmt):
+    """``magic_function(3)``: the schema says nothing of other keys, so a call
+    that copies its keywords into the arguments is refused, forced or strict."""
+    from semantic.runtime.grammar import Grammars
+
+    tok, grammars, (call, copied) = magic_calls(fmt, {"input": 3}, {"input": 3, "exclusiveMaximum": 1000})
+    matchers, size = Grammars(tok, tok.eos_token_ids), len(tok._tokenizer)
+
+    def takes(g: str, reply: str) -> bool:  # (``takes`` above, on one tokenizer's matchers)
+        constraint = matchers.constraint(g)
+        for t in tok.encode(reply, add_special_tokens=False):
+            if not constraint.allowed(size).tolist()[t]:
+                return False
+            constraint.advance(t)
+        return constraint.allowed(size).tolist()[min(tok.eos_token_ids)]
+
+    assert [takes(g, call) for g in grammars] == [True, True]
+    assert [takes(g, copied) for g in grammars] == [False, False]
