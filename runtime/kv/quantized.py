@@ -101,14 +101,10 @@ class SequenceQuantizedKVCache(_BaseCache):
 
     def update_and_fetch(self, keys, values):
         """mlx-lm's protocol, for a caller that attends over the record itself (the
-        engine attends through ``view``): the chunk sees the blocks closed before
-        it unpacked, and the open block and itself in float."""
-        if not self.offset:
-            self.append(keys, values)
-            return keys, values
-        old_k, old_v = self.floats(keys.dtype)
+        engine attends through ``view``, which keeps the floats): the chunk sees
+        the blocks before its own unpacked, its own block in float."""
         self.append(keys, values)
-        return mx.concatenate([old_k, keys], axis=2), mx.concatenate([old_v, values], axis=2)
+        return self.floats(keys.dtype)
 
     # -- reading
 

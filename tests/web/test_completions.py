@@ -207,3 +207,30 @@ async def test_the_sdk_completes_text_with_choices_and_stop_strings(tmp_path):
                                                   "max_tokens: must be at least 0, not -1", "prompt: must not be empty"]
     same = re.compile(r"the prompt has \d+ tokens, more than fit the model's 512-token context \(at most 511")
     assert chat.status_code == 400 and same.match(chat.json()["error"]["message"]) and same.match(errors[3]["message"])
+
+
+@pytest.mark.anyio
+async def test_a_texts_perplexity_over_http_is_bench_fidelitys(tmp_path):
+    """Scored through ``/v1/completions`` (``echo``, ``logprobs``, ``max_tokens:
+    0``) or by ``semantic bench fidelity``, a text of two blocks has the same
+    perplexity at 4 bits: both go through the engine's cache path, cut alike."""
+    from pathlib import Path
+
+    from semantic.bench.fidelity import perplexity
+    from semantic.runtime.engine import Engine
+
+    text = (Path(__file__).parents[2] / "bench" / "data" / "lighthouses.txt").read_text()[:2000]
+
+    def ask(url):
+        with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c:
+            return c.completions.create(model="tiny", prompt=text, echo=True, logprobs=0, max_tokens=0)
+
+    async with live_server(tmp_path) as url:
+        with anyio.fail_after(120):
+            scored = await anyio.to_thread.run_sync(ask, url)
+    values = scored.choices[0].logprobs.token_logprobs[1:]
+    loaded = tiny_loaded()
+    tokens = loaded.tokenizer.encode(text)
+    assert len(values) == len(tokens) - 1 > 256
+    over_http = math.exp(-sum(values) / len(values))
+    assert over_http == pytest.approx(perplexity(Engine(loaded.model, loaded.tokenizer), tokens), rel=1e-5)
