@@ -52,7 +52,7 @@ from semantic.actors import MAX_CHOICES, TokenLogprob
 
 from . import _validate as v
 from ._aio import closing
-from .openai import error_json, session_hint, usage_json
+from .openai import error_json, request_fields, usage_json
 from .schema import (ChatResult, CompletionRequest, Heartbeat, LogprobsDelta, PromptLogprobs, RequestError,
                      StreamItem, cancelled, load_json, stream_text)
 from .sse import KEEP_ALIVE, encode
@@ -81,33 +81,19 @@ def parse_request(body: bytes, headers: Mapping[str, str] | None = None, *, max_
     the first field that breaks a rule."""
     data = load_json(body)
     prompt = _prompt(data)
-    agent_id = (headers or {}).get("x-agent-id")
-    session = v.string(data, "session_id", nonempty=True)
-    if agent_id is not None and session is not None and session != agent_id:
-        raise v.bad("session_id", f"names agent {session!r} but the X-Agent-Id header names {agent_id!r}")
+    common = request_fields(data, headers)
     asked = v.integer(data, "max_tokens", lo=0)
     choices = v.integer(data, "n", lo=1, hi=MAX_CHOICES) or 1
     if (best_of := v.integer(data, "best_of", lo=1)) not in (None, choices):
         raise v.bad("best_of", f"must equal n ({choices}): every reply generated is returned")
     if v.string(data, "suffix"):
         raise v.bad("suffix", "is not supported (this server does not insert text); leave it out")
-    stream = v.boolean(data, "stream")
-    options = v.obj(data, "stream_options") or {}
     return CompletionRequest(
         prompt=prompt,
         max_tokens=min(DEFAULT_MAX_TOKENS if asked is None else asked, max_tokens_cap),
-        model=v.string(data, "model"),
         echo=v.boolean(data, "echo"),
         logprobs=v.integer(data, "logprobs", lo=0, hi=MAX_LOGPROBS),
-        temperature=v.number(data, "temperature", lo=0, hi=2),
-        top_p=v.number(data, "top_p", lo=0, hi=1, lo_open=True),
-        top_k=v.integer(data, "top_k", lo=0),  # not OpenAI's, but common among local servers
-        stop=v.strings(data, "stop", allow_one=True),
-        seed=v.integer(data, "seed"),
-        stream=stream,
-        include_usage=stream and v.boolean(options, "include_usage", "stream_options."),
-        agent_id=agent_id if agent_id is not None else session,
-        hint=session_hint(data),
+        **common,
         choices=choices,
     )
 

@@ -84,6 +84,31 @@ _DONE = encode("[DONE]")
 # --- requests -----------------------------------------------------------------
 
 
+def request_fields(data: dict, headers: Mapping[str, str] | None) -> dict:
+    """What a request says alike on the chat and the legacy completions routes:
+    its agent (the ``x-agent-id`` header, or the body's ``session_id``; the
+    two must agree), model, sampling settings and streaming, as the request
+    types name them."""
+    agent_id = (headers or {}).get("x-agent-id")
+    session = v.string(data, "session_id", nonempty=True)
+    if agent_id is not None and session is not None and session != agent_id:
+        raise v.bad("session_id", f"names agent {session!r} but the X-Agent-Id header names {agent_id!r}")
+    stream = v.boolean(data, "stream")
+    options = v.obj(data, "stream_options") or {}
+    return dict(
+        model=v.string(data, "model"),
+        temperature=v.number(data, "temperature", lo=0, hi=2),
+        top_p=v.number(data, "top_p", lo=0, hi=1, lo_open=True),
+        top_k=v.integer(data, "top_k", lo=0),  # not OpenAI's, but common among local servers
+        stop=v.strings(data, "stop", allow_one=True),
+        seed=v.integer(data, "seed"),
+        stream=stream,
+        include_usage=stream and v.boolean(options, "include_usage", "stream_options."),
+        agent_id=agent_id if agent_id is not None else session,
+        hint=session_hint(data),
+    )
+
+
 def parse_request(body: bytes, headers: Mapping[str, str] | None = None, *, max_tokens_cap: int) -> ChatRequest:
     """The ``ChatRequest`` in a ``/v1/chat/completions`` body.
 
@@ -95,14 +120,9 @@ def parse_request(body: bytes, headers: Mapping[str, str] | None = None, *, max_
     """
     data = load_json(body)
     system, messages = _messages(data)
-    agent_id = (headers or {}).get("x-agent-id")
     asked = v.integer(data, "max_completion_tokens", lo=1) or v.integer(data, "max_tokens", lo=1)
     max_tokens = min(asked or max_tokens_cap, max_tokens_cap)
-    session = v.string(data, "session_id", nonempty=True)
-    if agent_id is not None and session is not None and session != agent_id:
-        raise v.bad("session_id", f"names agent {session!r} but the X-Agent-Id header names {agent_id!r}")
-    stream = v.boolean(data, "stream")
-    options = v.obj(data, "stream_options") or {}
+    common = request_fields(data, headers)
     tools, tool_choice, tool_name = _tools(data)
     grammar = v.output_format(data, "response_format", schema_in="json_schema")
     top = v.integer(data, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
@@ -113,16 +133,7 @@ def parse_request(body: bytes, headers: Mapping[str, str] | None = None, *, max_
         messages=messages,
         max_tokens=max_tokens,
         system=system,
-        model=v.string(data, "model"),
-        temperature=v.number(data, "temperature", lo=0, hi=2),
-        top_p=v.number(data, "top_p", lo=0, hi=1, lo_open=True),
-        top_k=v.integer(data, "top_k", lo=0),  # not OpenAI's, but common among local servers
-        stop=v.strings(data, "stop", allow_one=True),
-        seed=v.integer(data, "seed"),
-        stream=stream,
-        include_usage=stream and v.boolean(options, "include_usage", "stream_options."),
-        agent_id=agent_id if agent_id is not None else session,
-        hint=session_hint(data),
+        **common,
         tools=tools,
         tool_choice=tool_choice,
         tool_name=tool_name,
