@@ -452,8 +452,9 @@ def test_a_prompt_cut_anywhere_into_turns_leaves_the_same_cache():
     past it: the same tokens leave the same cache -- the same blocks closed, and
     every key and value as a token at its position sees it (a chunk never
     crosses a block's end). Within float rounding: chunks of other lengths
-    compute in other orders (~1e-6); a token that saw the block before its own
-    in float instead of quantized would be off by its rounding (~1e-2)."""
+    compute in other orders (~1e-6), which may move a value across a 4-bit
+    step here and there (under 0.2% of them, on Haswell's kernels); a chunk
+    across a block's end puts 30-70% of them off."""
     from semantic.runtime.kv import SequenceQuantizedKVCache
 
     model, tok = tiny_model("llama"), ByteTokenizer()
@@ -473,4 +474,5 @@ def test_a_prompt_cut_anywhere_into_turns_leaves_the_same_cache():
         cut = cache_after(cuts)
         for a, b in zip(whole, cut):
             assert isinstance(a, SequenceQuantizedKVCache) and (a.offset, a.closed) == (b.offset, b.closed)
-            assert all(mx.allclose(x, y, atol=1e-4).item() for x, y in zip(a.floats(), b.floats())), cuts
+            off = max((mx.abs(x - y) > 1e-4).mean().item() for x, y in zip(a.floats(), b.floats()))
+            assert off < 0.01, (cuts, off)
