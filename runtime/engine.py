@@ -470,8 +470,6 @@ class Engine:
             n = self._chunk_size(len(seq.fed))
             if len(seq.pending) - n < self.min_chunk:
                 n = len(seq.pending)  # a short rest would cost a forward of its own: it comes along
-            # A chunk never crosses a block's end: what a token sees depends on its block (``kv.quantized``).
-            n = min(n, BLOCK_TOKENS - len(seq.fed) % BLOCK_TOKENS)
             ride = _LAST_IN_CHUNK < len(seq.pending) <= n and seq.sampling.max_tokens > 0
             if ride:
                 # Only the last token's logits are needed, but a chunk computes them for

@@ -21,6 +21,7 @@ decode step of that token. Two ways, with the same result by construction:
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Callable
 
 import mlx.core as mx
@@ -86,7 +87,7 @@ def _rowwise_class(cls: type) -> type:
         if not isinstance(cache, BatchQuantizedKVCache):
             if standard and _in_float(self, x, [cache]):  # a prefill chunk on the CPU
                 return _standard_chunks(self, x, PrefillBatch([cache], [x.shape[1]]), [mask])
-            return cls.__call__(self, x, mask, cache)
+            return _by_piece(functools.partial(cls.__call__, self), x, mask, cache)
         if sum(cache.widths) > x.shape[1]:
             raise ValueError(f"{sum(cache.widths)} token slots used in a forward of {x.shape[1]}")
         if standard:
@@ -142,8 +143,33 @@ def _standard(attn: nn.Module, x: mx.array, batch: BatchQuantizedKVCache) -> mx.
 
 def _per_chunk(attention: Callable, x: mx.array, batch: PrefillBatch, masks: list) -> mx.array:
     """``attention(x, mask, cache)`` once per sequence on its own chunk of ``x`` (1, rows, D)."""
-    outs = [attention(chunk, mask, c) for chunk, mask, c in zip(batch.chunks(x, axis=1), masks, batch.caches)]
+    outs = [_by_piece(attention, chunk, mask, c) for chunk, mask, c in zip(batch.chunks(x, axis=1), masks, batch.caches)]
     return mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+
+
+def _by_piece(attention: Callable, x: mx.array, mask, cache) -> mx.array:
+    """``attention(x, mask, cache)`` on a chunk ``x`` (1, rows, D) of one
+    sequence, once a piece of it that attends alike (``_pieces``)."""
+    sizes = _pieces(cache, x.shape[1])
+    if len(sizes) == 1:
+        return attention(x, mask, cache)
+    outs = [attention(x[:, at : at + n], _piece_mask(mask, at, n, x.shape[1]), cache) for at, n in sizes]
+    return mx.concatenate(outs, axis=1)
+
+
+def _pieces(cache, rows: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each piece of a chunk that attends over the same
+    keys: one, but where a quantized cache's block ends inside the chunk
+    (``kv.quantized``: a token sees the blocks before its own closed)."""
+    sizes = cache.pieces(rows) if hasattr(cache, "pieces") else [rows]
+    return list(zip(itertools.accumulate(sizes[:-1], initial=0), sizes))
+
+
+def _piece_mask(mask, at: int, n: int, rows: int):
+    """A chunk's ``mask`` for its rows [at, at + n): they see the keys up to the last of them."""
+    if mask is None or isinstance(mask, str):
+        return mask
+    return mask[..., at : at + n, : mask.shape[-1] - rows + at + n]
 
 
 def _standard_chunks(attn: nn.Module, x: mx.array, batch: PrefillBatch, masks: list) -> mx.array:
@@ -151,18 +177,21 @@ def _standard_chunks(attn: nn.Module, x: mx.array, batch: PrefillBatch, masks: l
     the projections over every row at once, then per chunk the rotation from
     its sequence's offset, the cache write and the attention -- as mlx-lm's
     own call runs one chunk, but for the attention (``runtime.attention`` on
-    the CPU)."""
+    the CPU), which runs a piece of the chunk at a time (``_pieces``)."""
     rows = x.shape[1]
     parts = zip(*(batch.chunks(t, axis=2) for t in _project(attn, x, (1, rows))))
     outs = []
     for (q, k, v), c, mask in zip(parts, batch.caches, masks):
         q, k = rotate(attn.rope, q, c.offset), rotate(attn.rope, k, c.offset)
-        keys, values = c.update_and_fetch(k, v)
-        if _in_float(attn, x, [c]):
-            outs.append(attend(q, keys, values, _scale(attn), mask))
-        else:
-            outs.append(scaled_dot_product_attention(q, keys, values, c, scale=_scale(attn), mask=mask,
-                                                     sinks=attn.get("sinks")))
+        for at, n in _pieces(c, q.shape[2]):
+            piece = slice(at, at + n)
+            keys, values = c.update_and_fetch(k[:, :, piece], v[:, :, piece])
+            m = _piece_mask(mask, at, n, q.shape[2])
+            if _in_float(attn, x, [c]):
+                outs.append(attend(q[:, :, piece], keys, values, _scale(attn), m))
+            else:
+                outs.append(scaled_dot_product_attention(q[:, :, piece], keys, values, c, scale=_scale(attn), mask=m,
+                                                         sinks=attn.get("sinks")))
     out = mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]  # (1, heads, rows, head_dim)
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, rows, -1))
 

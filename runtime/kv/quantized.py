@@ -9,8 +9,8 @@ floats the model computed; the first ``SINKS`` tokens stay in float too.
 The newest tokens, which attention leans on most, are never rounded, and a
 key channel's outliers stay in its own scale. Once a block is full it is
 quantized and never changes; a sequence's cache depends on its own tokens
-only (batch invariance), and on how they were cut into forwards only where
-a forward crosses a block's end, which the engine never runs.
+only (batch invariance), not on how they were cut into forwards: a chunk
+that crosses a block's end attends a piece a block (``pieces``).
 
 **Exact under rewinds.** What a token sees is a function of its position
 alone, and so is what the cache holds after ``t`` tokens: the blocks before
@@ -130,6 +130,17 @@ class SequenceQuantizedKVCache(_BaseCache):
 
     def make_mask(self, *args, **kwargs):
         return create_attention_mask(*args, offset=self.offset, **kwargs)
+
+    def pieces(self, n: int) -> list[int]:
+        """The lengths a chunk of ``n`` new tokens attends in, in order: one
+        piece a block it falls in, as its tokens see different blocks closed."""
+        if self.kv_bits == 16:
+            return [n]
+        out, at = [], self.offset
+        while n:
+            out.append(min(n, self.block - at % self.block))
+            at, n = at + out[-1], n - out[-1]
+        return out
 
     # -- going back
 
@@ -307,6 +318,9 @@ class DequantizingKVCache(_BaseCache):
 
     def make_mask(self, *args, **kwargs):
         return create_attention_mask(*args, offset=self.offset, **kwargs)
+
+    def pieces(self, n: int) -> list[int]:
+        return self.quantized.pieces(n)
 
     @property
     def state(self):

@@ -447,17 +447,19 @@ def test_a_preempted_sequence_whose_cache_was_lost_recomputes_it():
         engine.resume(sid)  # not preempted any more
 
 
-def test_a_prompt_cut_anywhere_into_turns_leaves_the_same_cache():
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v2"])  # standard and other attention
+def test_a_prompt_cut_anywhere_into_turns_leaves_the_same_cache(arch):
     """Prefilled at once, or as turns that end inside a block, at its end, or just
     past it: the same tokens leave the same cache -- the same blocks closed, and
-    every key and value as a token at its position sees it (a chunk never
-    crosses a block's end). Within float rounding: chunks of other lengths
-    compute in other orders (~1e-6), which may move a value across a 4-bit
-    step here and there (under 0.2% of them, on Haswell's kernels); a chunk
-    across a block's end puts 30-70% of them off."""
+    every key and value as a token at its position sees it (a chunk across a
+    block's end attends a piece a block). Within float rounding: chunks of
+    other lengths compute in other orders (~1e-6), which may move a value
+    across a 4-bit step here and there (under 0.2% of them, on Haswell's
+    kernels); a chunk attended whole across a block's end puts 30-70% of them
+    off."""
     from semantic.runtime.kv import SequenceQuantizedKVCache
 
-    model, tok = tiny_model("llama"), ByteTokenizer()
+    model, tok = tiny_model(arch), ByteTokenizer()
     prompt = [1 + (i * 7919) % 250 for i in range(700)]
 
     def cache_after(cuts):
