@@ -42,7 +42,7 @@ def perplexity(engine, tokens: list[int], restart: int | None = None) -> float:
     from semantic.runtime.model_spec import ModelCacheSpec
 
     cache = engine.new_cache()
-    view = cache.view(True)
+    view = cache.view()
     nll = 0.0
     for a, b in chunks(len(tokens), restart, BLOCK_TOKENS):
         if a == restart:
@@ -50,7 +50,7 @@ def perplexity(engine, tokens: list[int], restart: int | None = None) -> float:
             with tempfile.TemporaryDirectory() as d:
                 record = CacheRecord("fidelity", "bench/fidelity", spec, tokens[:a], "", 0.0, 0.0, cache)
                 cache = load(CacheStore(d).save(record), model_id="bench/fidelity", spec_hash=spec).cache
-            view = cache.view(True)
+            view = cache.view()
         logits = engine.model(mx.array(tokens[a:b])[None], cache=view)[0].astype(mx.float32)
         targets = mx.array(tokens[a + 1 : b + 1])
         logprobs = logits[: targets.size] - mx.logsumexp(logits[: targets.size], axis=-1, keepdims=True)

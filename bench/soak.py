@@ -42,11 +42,10 @@ async def soak(loaded, root: Path, *, agents: int, turns: int, concurrency: int,
     import mlx.core as mx
 
     from semantic.actors import Runtime
-    from semantic.runtime.block_pool import KVBudget
+    from semantic.runtime.agent_cache import kv_budget
     from semantic.runtime.cache_records import BLOCK_TOKENS
 
-    working = loaded.dtype.size if mx.default_device() == mx.cpu else 0
-    kv = KVBudget(loaded.spec, 1 << 40, sliding_dtype_bytes=loaded.dtype.size, working_dtype_bytes=working)
+    kv = kv_budget(loaded, 1 << 40)
     # ``concurrency`` turns in progress (with their working copies), the rest of ``hot_agents`` idle.
     budget = (concurrency * kv.bytes_for(TOKENS_PER_AGENT, running=True)
               + max(0, hot_agents - concurrency) * kv.bytes_for(TOKENS_PER_AGENT))

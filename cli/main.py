@@ -137,6 +137,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=parse_positive_int, default=4096, help="most tokens of each text (default 4096)")
     _add_json(p, "the results")
 
+    p = bench.add_parser("attention", help="a long agent's decode: its past read from a float copy or packed")
+    _add_model(p)
+    p.add_argument("--contexts", default="1024,4096,16384,32768,65536",
+                   help="keys of one layer's attention, comma-separated (default 1024,4096,16384,32768,65536)")
+    p.add_argument("--engine-contexts", default="4096,16384,32768",
+                   help="tokens of the agent the engine decodes, comma-separated (default 4096,16384,32768)")
+    p.add_argument("--tokens", type=parse_positive_int, default=16, help="tokens decoded at each (default 16)")
+    p.add_argument("--rounds", type=parse_positive_int, default=9, help="rounds of each layer timing (default 9)")
+    _add_json(p, "the results")
+
     p = bench.add_parser("speculation", help="decode tokens/s with speculation (drafts from history) on vs off")
     _add_model(p)
     p.add_argument("--quick", action="store_true", help="2 rounds (about 8 minutes on 2 cores)")

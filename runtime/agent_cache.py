@@ -516,14 +516,25 @@ def cache_layouts(root: Path, model_name: str, kv_bits: int = 4) -> set[int]:
     return found
 
 
+def kv_budget(loaded, budget_bytes: int, kv_bits: int = 4) -> KVBudget:
+    """The KV budget of ``loaded``'s agents in ``budget_bytes``, as
+    ``open_caches`` counts it: a running turn with its float working copy
+    (``kv.DequantizingKVCache``, as far as ``kv.device_float_head`` says)."""
+    from .kv import device_float_head
+
+    return KVBudget(loaded.spec, budget_bytes, bits=kv_bits, sliding_dtype_bytes=loaded.dtype.size,
+                    working_dtype_bytes=loaded.dtype.size, working_head=device_float_head(loaded.model))
+
+
 def open_caches(loaded, root: CacheDisk | CacheStore | os.PathLike | str | None = None, budget_bytes: int | None = None,
                 kv_bits: int = 4, **options) -> AgentCaches:
     """The agent caches of a loaded model (``runtime.models.LoadedModel``) on ``root``:
     a ``CacheDisk``, or a ``CacheStore`` or its directory (default: the user's cache
     directory) to reach straight; in ``budget_bytes`` of hot memory (default:
     device memory less the weights less headroom).
-    Running turns attend through a float copy of their full layers
-    (``kv.DequantizingKVCache``), which their reservations include.
+    Running turns attend through a float copy of their full layers' first
+    blocks and open block (``kv.DequantizingKVCache``, as far as
+    ``kv.device_float_head`` says), which their reservations include.
     ``kv_bits``: the cache's quantization (4, 8 or 16), as the engine's.
     ``options``: the rest of ``AgentCaches``'s keywords."""
     import mlx.core as mx
@@ -536,8 +547,7 @@ def open_caches(loaded, root: CacheDisk | CacheStore | os.PathLike | str | None 
         weights = sum(p.nbytes for _, p in tree_flatten(loaded.model.parameters()))
         memory = mx.device_info().get("max_recommended_working_set_size") or describe()["memory_bytes"]
         budget_bytes = default_budget(loaded.spec, weights, memory, bits=kv_bits, sliding_dtype_bytes=loaded.dtype.size)
-    budget = KVBudget(loaded.spec, budget_bytes, bits=kv_bits, sliding_dtype_bytes=loaded.dtype.size,
-                      working_dtype_bytes=loaded.dtype.size)
+    budget = kv_budget(loaded, budget_bytes, kv_bits)
     if root is None or isinstance(root, (str, os.PathLike)):
         root = CacheStore(root or agents_dir())
     return AgentCaches(root, cache_model_id(loaded.name, kv_bits, loaded.spec.shard), loaded.spec, budget, **options)

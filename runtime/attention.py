@@ -12,18 +12,49 @@ value depends on its own row alone: ``attend_each`` runs the exp once over
 the scores of every sequence of a decode step with ``LONG`` keys or more (a
 shorter one takes MLX's softmax, which costs fewer ops), and a sequence's
 result is bitwise what it is alone.
+
+A long sequence attends over part of its past **packed** (``PackedPast``: closed
+blocks as ``runtime.kv.quantize.close_block`` lays them out, read by MLX's
+quantized matmul without a float copy) beside its float keys: one softmax
+over both, on every device.
 """
 
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from .fastmath import LOG2E, exp2
 
-__all__ = ["attend", "attend_each"]
+__all__ = ["PackedPast", "attend", "attend_each"]
+
+
+class PackedPast(NamedTuple):
+    """Closed blocks a sequence attends over packed: ``keys`` (packed, scales,
+    biases), each (1, KVH, blocks, D, block * bits / 32 or / group) -- a
+    block's keys by channel, grouped along its tokens; ``values`` each (1,
+    KVH, tokens, D * bits / 32 or / group) -- by token, grouped along
+    channels. Every key precedes the rows that attend: no mask applies."""
+
+    keys: tuple[mx.array, mx.array, mx.array]
+    values: tuple[mx.array, mx.array, mx.array]
+    group_size: int
+    bits: int
+
+    def scores(self, queries: mx.array) -> mx.array:
+        """``queries`` (1, KVH, R, D) against every packed key: (1, KVH, R, tokens)."""
+        kw, ks, kb = self.keys
+        by_block = mx.quantized_matmul(queries[:, :, None], kw, ks, kb, transpose=False,
+                                       group_size=self.group_size, bits=self.bits)  # (1, KVH, blocks, R, block)
+        return by_block.swapaxes(2, 3).reshape(*queries.shape[:3], -1)
+
+    def mix(self, weights: mx.array) -> mx.array:
+        """``weights`` (1, KVH, R, tokens) times the values: (1, KVH, R, D)."""
+        return mx.quantized_matmul(weights, *self.values, transpose=False, group_size=self.group_size,
+                                   bits=self.bits)
 
 BLOCK = 128  # the most query rows of a prompt chunk attended at once (masked keys skipped)
 SCORES_BYTES = 4 << 20  # about what a block's scores take over long keys (``_block_rows``)
@@ -31,7 +62,8 @@ MIN_BLOCK = 4  # the fewest rows a block, however many keys
 LONG = 1024  # keys from which a decode step's exp is ours (below: MLX's softmax, fewer ops; measured here)
 
 
-def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None) -> mx.array:
+def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None,
+           packed: Optional[PackedPast] = None) -> mx.array:
     """``softmax(q k^T * scale + mask) v`` for one sequence: ``queries`` (1, H,
     S, D), the last S of ``keys`` and ``values`` (1, KVH, L, D); ``mask`` as
     mlx-lm passes it (None, ``"causal"``, a boolean array, or one added to
@@ -41,18 +73,19 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, ma
     scores in memory stay a block's size (under ``"causal"`` a block skips
     the keys after its last row); the query heads that share a key head are
     the rows of one matmul. A block's size follows the chunk's own shape,
-    so a sequence's result never depends on others'."""
+    so a sequence's result never depends on others'. ``packed``: more keys
+    and values, before all of ``keys`` (the mask is ``keys``' alone)."""
     S, L = queries.shape[2], keys.shape[2]
     causal = isinstance(mask, str)  # mlx-lm's "causal": a row sees no key after its own position
     if causal:
         mask = create_causal_mask(S, L - S)
     outs = []
-    rows = _block_rows(queries.shape[1], L)
+    rows = _block_rows(queries.shape[1], L + (0 if packed is None else packed.values[0].shape[2]))
     for a in range(0, S, rows):
         b = min(S, a + rows)
         seen = L - S + b if causal else L
         block = None if mask is None else mask[..., a:b, :seen]
-        outs.append(_attend_block(queries[:, :, a:b], keys[:, :, :seen], values[:, :, :seen], scale, block))
+        outs.append(_attend_block(queries[:, :, a:b], keys[:, :, :seen], values[:, :, :seen], scale, block, packed))
     return mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
 
 
@@ -67,23 +100,40 @@ def _block_rows(heads: int, keys: int) -> int:
     return max(MIN_BLOCK, min(BLOCK, SCORES_BYTES // (4 * heads * keys)))
 
 
-def _attend_block(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
+def _attend_block(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask,
+                  packed: Optional[PackedPast] = None) -> mx.array:
     _, heads, S, D = queries.shape
     kv_heads, L = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
-    scores = (queries * (scale * LOG2E)).reshape(1, kv_heads, group * S, D) @ keys.swapaxes(-1, -2)
+    scaled = (queries * (scale * LOG2E)).reshape(1, kv_heads, group * S, D)
+    scores = scaled @ keys.swapaxes(-1, -2)
     if mask is not None:
         by_query = scores.reshape(1, kv_heads, group, S, L)
         by_query = mx.where(mask, by_query, -mx.inf) if mask.dtype == mx.bool_ else by_query + mask * LOG2E
         scores = by_query.reshape(1, kv_heads, group * S, L)
+    if packed is not None:
+        return _with_packed(scaled, scores, values, packed).reshape(1, heads, S, D).astype(queries.dtype)
     weights = exp2(scores, scores.max(axis=-1, keepdims=True))
     return ((weights @ values) / weights.sum(axis=-1, keepdims=True)).reshape(1, heads, S, D)
 
 
-def attend_each(queries: mx.array, fetched: list[tuple[mx.array, mx.array]], scale: float) -> mx.array:
+def _with_packed(scaled: mx.array, scores: mx.array, values: mx.array, packed: PackedPast) -> mx.array:
+    """Attention of ``scaled`` queries (1, KVH, R, D; times log2(e)) over the
+    float keys whose ``scores`` they have and over ``packed``: one softmax,
+    in float32."""
+    scaled, scores = scaled.astype(mx.float32), scores.astype(mx.float32)
+    far = packed.scores(scaled)
+    top = mx.maximum(scores.max(axis=-1, keepdims=True), far.max(axis=-1, keepdims=True))
+    near_w, far_w = exp2(scores, top), exp2(far, top)
+    total = near_w.sum(axis=-1, keepdims=True) + far_w.sum(axis=-1, keepdims=True)
+    return (near_w @ values.astype(mx.float32) + packed.mix(far_w)) / total
+
+
+def attend_each(queries: mx.array, fetched: list[tuple], scale: float) -> mx.array:
     """One new token's attention for each sequence over its own keys and values
     (one token sees them all: no mask): ``queries`` (n, H, 1, D), ``fetched[i]``
-    sequence ``i``'s (keys, values), (1, KVH, L_i, D). Returns (n, H, 1, D).
+    sequence ``i``'s (keys, values), (1, KVH, L_i, D), then its ``PackedPast``
+    past where it has one (attended alone). Returns (n, H, 1, D).
 
     The query heads that share a key head are the rows of one matmul, as in
     ``attend``. A sequence with fewer than ``LONG`` keys takes MLX's softmax,
@@ -99,8 +149,11 @@ def attend_each(queries: mx.array, fetched: list[tuple[mx.array, mx.array]], sca
     short = mx.split(scaled, n) if n > 1 else [scaled]
     outs: list = [None] * n
     long = []
-    for i, (keys, values) in enumerate(fetched):
-        if keys.shape[2] < LONG:
+    for i, (keys, values, *packed) in enumerate(fetched):
+        if packed and packed[0] is not None:
+            q = by_key_head[i : i + 1] * (scale * LOG2E)
+            outs[i] = _with_packed(q, q @ keys.swapaxes(-1, -2), values, packed[0]).astype(queries.dtype)
+        elif keys.shape[2] < LONG:
             outs[i] = mx.softmax(short[i] @ keys.swapaxes(-1, -2), axis=-1, precise=True) @ values
         else:
             scores = (by_key_head[i : i + 1] * (scale * LOG2E)) @ keys.swapaxes(-1, -2)
@@ -111,7 +164,7 @@ def attend_each(queries: mx.array, fetched: list[tuple[mx.array, mx.array]], sca
     else:
         weights = [exp2(s) for _, s in long]
     for (i, _), w in zip(long, weights):
-        keys, values = fetched[i]
+        keys, values = fetched[i][:2]
         w = w.reshape(1, kv_heads, group, keys.shape[2])
         outs[i] = (w @ values) / w.sum(axis=-1, keepdims=True)
     return (mx.concatenate(outs) if n > 1 else outs[0]).reshape(n, heads, 1, D)

@@ -237,6 +237,22 @@ class OpenBlockManager(FullAttentionManager):
         return min(tokens, 1)
 
 
+class WorkingCopyManager(FullAttentionManager):
+    """Running owners' float working copies of their full layers: every token up
+    to the float head (``kv.DequantizingKVCache``; None: no head, all), and
+    after it the open block (two blocks: it may run a step's tokens past its
+    end before it closes); blocks past the head are read packed from the
+    record, counted in the "full" group."""
+
+    def __init__(self, group: LayerGroup, pool: BlockPool, block_tokens: int, head: int | None):
+        super().__init__(group, pool, block_tokens)
+        self.head = head
+
+    def blocks_for(self, tokens: int) -> int:
+        every = _cdiv(tokens, self.block_tokens)
+        return every if self.head is None else min(every, _cdiv(self.head, self.block_tokens) + 2)
+
+
 class StateManager(FullAttentionManager):
     """Recurrent layers: an owner's state is one block of fixed size, and each
     of its checkpoints another (``kv.StateCache``), held from its
@@ -293,6 +309,7 @@ class KVBudget:
         group_size: int = 64,
         sliding_dtype_bytes: int = 2,
         working_dtype_bytes: int = 0,
+        working_head: int | None = None,
     ):
         self.spec = spec
         self.block_tokens = block_tokens
@@ -311,13 +328,13 @@ class KVBudget:
         managers = {SLIDING: SlidingWindowManager, RECURRENT: StateManager}
         self._managers = [(OpenBlockManager if g.name == OPEN else managers.get(g.kind, FullAttentionManager))(
             g, self.pool, block_tokens) for g in self.groups]
-        # A running sequence that attends through a float working copy of its full
-        # layers (the CPU; sink models) holds that copy too, while it runs.
+        # A running sequence holds a float working copy of its full layers' first
+        # ``working_head`` tokens (None: all) and its open block, while it runs.
         self._working = None
         if working_dtype_bytes and spec.n_full:
             per_token = spec.n_kv_heads * spec.kv_width * working_dtype_bytes * spec.n_full
             group = LayerGroup(WORKING, FULL, None, spec.n_full, per_token * block_tokens)
-            self._working = FullAttentionManager(group, self.pool, block_tokens)
+            self._working = WorkingCopyManager(group, self.pool, block_tokens, working_head)
         self._tokens: dict[Owner, int] = {}  # reservation order = owners() order
 
     # -- owners

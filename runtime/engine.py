@@ -65,7 +65,7 @@ from mlx.utils import tree_flatten
 from .batch_cache import BatchQuantizedKVCache, PrefillBatch
 from .cache_records import BLOCK_TOKENS
 from .evaluator import Evaluator
-from .kv import LayerCache, SequenceCache, make_sequence_cache
+from .kv import LayerCache, SequenceCache, device_float_head, make_sequence_cache
 from . import row_plans
 from .grammar import Grammars
 from .lean import lean
@@ -199,7 +199,9 @@ class Engine:
     rank goes on with (rank 0's: another CPU may round the logits differently).
     ``speculation``: decoding sequences verify drafts from their own history
     in the same forwards (``runtime.speculation``; not sharded: each rank
-    would choose its own).
+    would choose its own). ``float_head``: the closed tokens of a running
+    sequence attended over unpacked in float, the rest packed
+    (``kv.DequantizingKVCache``; None: all; "device": ``device_float_head``).
     """
 
     def __init__(
@@ -214,7 +216,7 @@ class Engine:
         batch_prefill: bool = True,
         min_chunk: int = 32,
         attention_budget: int = 128 << 20,
-        float_attention: bool | None = None,
+        float_head: int | None | str = "device",
         decode_rows: int = DECODE_ROWS,
         row_counts: RowCounts | None = None,
         shared_tokens=None,
@@ -231,8 +233,7 @@ class Engine:
         self.batch_prefill = batch_prefill
         self.min_chunk = min_chunk
         self.attention_budget = attention_budget
-        # MLX's CPU quantized matmul is slow: attend over a dequantized working copy there.
-        self.float_attention = mx.default_device() == mx.cpu if float_attention is None else float_attention
+        self.float_head = device_float_head(model) if float_head == "device" else float_head
         self.decode_rows = decode_rows
         # BLAS picks kernels by shape, and kernels sum differently: decode forwards have only
         # token slot counts whose rows agree (``calibrate``), or one count.
@@ -370,7 +371,7 @@ class Engine:
             detokenizer=self._detokenizer(continues),
             continues=continues,
             cache=cache,
-            view=cache.view(self.float_attention),
+            view=cache.view(self.float_head),
             fed=prompt[:cached_tokens],
             reused=cached_tokens,
             prompt_tokens=len(prompt),
@@ -401,7 +402,7 @@ class Engine:
         choices = self._choices.pop(seq.id, [])
         for c in choices:
             c.cache = seq.cache.clone()
-            c.view = c.cache.view(self.float_attention)
+            c.view = c.cache.view(self.float_head)
             c.fed, c.reused = list(seq.fed), len(seq.fed)
             c.prompt_logprobs = list(seq.prompt_logprobs)
         return choices
@@ -633,7 +634,7 @@ class Engine:
         def batch(m: int, at: int) -> list[BatchQuantizedKVCache]:  # the probe at slot ``at`` of ``m``
             others = rng.sample(neighbours, m - 1)
             records = others[:at] + [probe] + others[at:]
-            return _batch(r.clone().view(self.float_attention) for r in records)
+            return _batch(r.clone().view(self.float_head) for r in records)
 
         def forward(caches: list[BatchQuantizedKVCache], at: int) -> mx.array:  # the probe's logits
             fed = [rng.randrange(1, 256) for _ in caches[0].caches]
@@ -683,7 +684,7 @@ class Engine:
         prefixes = [self._prefilled(tokens(n)) for n in (3, 17, 38)]  # what sequences have cached
 
         def view(cache: SequenceCache) -> SequenceCache:  # a copy, as attention sees it
-            return cache.clone().view(self.float_attention)
+            return cache.clone().view(self.float_head)
 
         ladder = list(itertools.takewhile(lambda n: 2 * n <= self.max_chunk,
                                           (self.decode_rows + 1 << i for i in itertools.count())))
@@ -756,7 +757,7 @@ class Engine:
         if len(seq.fed) >= len(seq.prompt):  # it was decoding: its next input is the last token it sampled
             seq.prompt = seq.fed + seq.output[-1:]
         seq.fed = seq.fed[:cached_tokens]
-        seq.cache, seq.view = cache, cache.view(self.float_attention)
+        seq.cache, seq.view = cache, cache.view(self.float_head)
         seq.callers_cache = cached_tokens > 0
         # One token left is a decode input (as before it left); more are a prefill, chunked as before.
         (self._decoding.append if len(seq.pending) == 1 else self._prefilling.append)(seq)
@@ -804,6 +805,10 @@ class Engine:
             self._batches = {key: _batch(s.view for s in tile) for key, (tile, _, _) in zip(keys, tiles)}
         for layer in (layer for batch in self._batches.values() for layer in batch if layer.full):
             layer.flush()  # only steps that are read (``after`` is, next) are ever held
+        for key, (tile, _, _) in zip(keys, tiles):
+            if any(c.offset and c.offset % BLOCK_TOKENS == 0 for seq in tile for c in seq.view if c.attends_new):
+                for layer in self._batches[key]:
+                    layer.flush()  # the record closes the block before a step's first token (``kv.quantized``)
         states = [(c, c.offset, list(c.cache)) for seq in rows for c in seq.view if c.recurrent]
         written = [[(layer, layer.held) for layer in self._batches[key]] for key in keys]
         if after is None:
@@ -908,7 +913,7 @@ class Engine:
     def _prefilled(self, tokens: list[int]) -> SequenceCache:
         """A fresh sequence cache holding ``tokens``, prefilled alone."""
         cache = self.new_cache()
-        view = cache.view(self.float_attention)
+        view = cache.view(self.float_head)
         self.model(mx.array(tokens)[None], cache=view)
         mx.eval(view.arrays())
         return cache

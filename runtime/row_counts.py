@@ -177,7 +177,7 @@ def key(engine) -> str:
     parts = {
         "model": [(name, v.shape, str(v.dtype)) for name, v in tree_flatten(engine.model.parameters())],
         "class": type(engine.model).__module__,
-        "kv": [engine.kv_bits, engine.kv_group_size, engine.float_attention],
+        "kv": [engine.kv_bits, engine.kv_group_size, engine.float_head],
         "max_rows": engine.decode_rows,
         "measured": "per weight shape and the decode forward at every slot, again for the counts chosen, prompt chunks together; CPU attention, RoPE tables, lean norms, weights laid out",  # older: less
         "device": str(mx.default_device()),

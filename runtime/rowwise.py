@@ -129,14 +129,12 @@ def _standard(attn: nn.Module, x: mx.array, batch: BatchQuantizedKVCache) -> mx.
     if batch.in_float:  # working copies: one quantization for every slot (``attend_new``)
         fetched = batch.attend_new(k, v)
     else:  # slot by slot: a sequence's later slots see its earlier ones' tokens
-        fetched = [c.update_and_fetch(k[i : i + 1], v[i : i + 1]) for i, c in enumerate(caches)]
+        fetched = [_fetch(c, k[i : i + 1], v[i : i + 1]) for i, c in enumerate(caches)]
     if _in_float(attn, x, caches):
         out = attend_each(q[: len(caches)], fetched, scale)
     else:
-        out = mx.concatenate([
-            scaled_dot_product_attention(q[i : i + 1], keys, values, c, scale=scale, mask=_mask(c),
-                                         sinks=attn.get("sinks"))
-            for i, (c, (keys, values)) in enumerate(zip(caches, fetched))])
+        out = mx.concatenate([_attend(attn, q[i : i + 1], f, c, _mask(c)) for i, (c, f) in
+                              enumerate(zip(caches, fetched))])
     out = _pad_slots(out, slots, axis=0)  # (slots, heads, 1, head_dim)
     return attn.o_proj(out.transpose(2, 0, 1, 3).reshape(1, slots, -1))
 
@@ -185,15 +183,34 @@ def _standard_chunks(attn: nn.Module, x: mx.array, batch: PrefillBatch, masks: l
         q, k = rotate(attn.rope, q, c.offset), rotate(attn.rope, k, c.offset)
         for at, n in _pieces(c, q.shape[2]):
             piece = slice(at, at + n)
-            keys, values = c.update_and_fetch(k[:, :, piece], v[:, :, piece])
+            fetched = _fetch(c, k[:, :, piece], v[:, :, piece])
             m = _piece_mask(mask, at, n, q.shape[2])
             if _in_float(attn, x, [c]):
-                outs.append(attend(q[:, :, piece], keys, values, _scale(attn), m))
+                keys, values, packed = fetched
+                outs.append(attend(q[:, :, piece], keys, values, _scale(attn), m, packed))
             else:
-                outs.append(scaled_dot_product_attention(q[:, :, piece], keys, values, c, scale=_scale(attn), mask=m,
-                                                         sinks=attn.get("sinks")))
+                outs.append(_attend(attn, q[:, :, piece], fetched, c, m))
     out = mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]  # (1, heads, rows, head_dim)
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, rows, -1))
+
+
+def _fetch(cache, keys: mx.array, values: mx.array) -> tuple:
+    """Write a sequence's new keys and values; what its queries attend over:
+    float keys and values, and its ``PackedPast`` (or None)."""
+    if hasattr(cache, "update_and_fetch_past"):
+        return cache.update_and_fetch_past(keys, values)
+    return (*cache.update_and_fetch(keys, values), None)
+
+
+def _attend(attn: nn.Module, queries: mx.array, fetched: tuple, cache, mask) -> mx.array:
+    """One sequence's attention off the CPU's float path: ``runtime.attention``
+    where part of its past is packed, else mlx-lm's."""
+    keys, values, packed = fetched
+    if packed is not None:
+        assert attn.get("sinks") is None, "attention sinks need every key in float (Engine.float_head)"
+        return attend(queries, keys, values, _scale(attn), mask, packed)
+    return scaled_dot_product_attention(queries, keys, values, cache, scale=_scale(attn), mask=mask,
+                                        sinks=attn.get("sinks"))
 
 
 def _project(attn: nn.Module, x: mx.array, shape: tuple[int, int]) -> tuple[mx.array, mx.array, mx.array]:

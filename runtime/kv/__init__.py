@@ -3,6 +3,7 @@
 
 * ``quantized``: full attention, blocks quantized as they fill
   (``SequenceQuantizedKVCache``), attended over through a float working copy
+  of its first blocks and its open one and the rest packed
   (``DequantizingKVCache``);
 * ``window``: sliding-window attention (``WindowKVCache``);
 * ``state``: recurrent layers (``StateCache``).
@@ -16,18 +17,20 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from .layer import LayerCache, SequenceCache
-from .quantized import DequantizingKVCache, SequenceQuantizedKVCache
+from .quantized import CPU_FLOAT_HEAD, DequantizingKVCache, SequenceQuantizedKVCache, device_float_head
 from .state import StateCache
 from .window import WindowKVCache
 
 __all__ = [
     "BY_KIND",
+    "CPU_FLOAT_HEAD",
     "DequantizingKVCache",
     "LayerCache",
     "SequenceCache",
     "SequenceQuantizedKVCache",
     "StateCache",
     "WindowKVCache",
+    "device_float_head",
     "make_sequence_cache",
 ]
 

@@ -45,9 +45,10 @@ class LayerCache(Protocol):
     def mark(self) -> None:
         """Remember this point to rewind to, where trimming cannot."""
 
-    def view(self, float_attention: bool) -> LayerCache:
-        """Itself as a forward attends over it: through a float working copy of the
-        same record when ``float_attention``, else as it is; writes reach the record."""
+    def view(self, float_head: int | None = None) -> LayerCache:
+        """Itself as a forward attends over it (a quantized record: through a
+        float working copy of its first ``float_head`` closed tokens (None:
+        all) and its open block, the rest packed); writes reach the record."""
 
     @property
     def arrays(self) -> list:
@@ -116,11 +117,11 @@ class SequenceCache(list):
         for c in self:
             c.mark()
 
-    def view(self, float_attention: bool) -> SequenceCache:
+    def view(self, float_head: int | None = None) -> SequenceCache:
         """The caches as the engine attends over them (``LayerCache.view``): writes
         go to these records, so ``self`` is what a finished sequence hands back;
         the working copies go with the view."""
-        return SequenceCache(c.view(float_attention) for c in self)
+        return SequenceCache(c.view(float_head) for c in self)
 
     def arrays(self) -> list:
         """Every array the layers hold: what a step evaluates so graphs never grow."""

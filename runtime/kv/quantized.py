@@ -31,10 +31,25 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
+from ..attention import PackedPast
 from ..cache_records import BLOCK_TOKENS, OPEN, PACKED, QUANTIZED, SINK, SINKS
 from .quantize import Packed, check_format, close_block, grown, open_blocks
 
-__all__ = ["DequantizingKVCache", "SequenceQuantizedKVCache"]
+__all__ = ["CPU_FLOAT_HEAD", "DequantizingKVCache", "SequenceQuantizedKVCache", "device_float_head"]
+
+CPU_FLOAT_HEAD = 4096  # closed tokens a running sequence attends over in float on the CPU (docs/benchmarks.md)
+
+
+def device_float_head(model) -> Optional[int]:
+    """The closed tokens a running sequence of ``model`` attends over unpacked
+    in float (``DequantizingKVCache``), the rest packed: the first
+    ``CPU_FLOAT_HEAD`` on the CPU, where MLX's quantized matmul reads keys at
+    about half the speed of a float matmul; the first block (the sinks')
+    elsewhere; all for attention with learned sinks, which
+    ``runtime.attention`` does not take."""
+    if any(isinstance(layer, dict) and "sinks" in layer.get("self_attn", {}) for layer in model.layers):
+        return None
+    return CPU_FLOAT_HEAD if mx.default_device() == mx.cpu else BLOCK_TOKENS
 
 
 class SequenceQuantizedKVCache(_BaseCache):
@@ -85,6 +100,12 @@ class SequenceQuantizedKVCache(_BaseCache):
         self.open = (k, v)
         self.offset += S
 
+    def close_full(self) -> None:
+        """Quantize a full open block now rather than when the next token comes:
+        the same bits (a decode step starting the next block reads it packed)."""
+        if self.kv_bits != 16 and self.offset - self.closed == self.block:
+            self._close()
+
     def _close(self) -> None:
         k, v = (x[..., : self.block, :] for x in self.open)
         first = self.closed == 0
@@ -127,6 +148,16 @@ class SequenceQuantizedKVCache(_BaseCache):
             keys = mx.concatenate([self.sinks[0].astype(dtype), keys[..., SINKS:, :]], axis=2)
             values = mx.concatenate([self.sinks[1].astype(dtype), values[..., SINKS:, :]], axis=2)
         return keys, values
+
+    def packed_past(self, start: int, stop: int) -> PackedPast:
+        """Closed blocks' tokens [start, stop) (block bounds, after block 0) as
+        attention reads them packed, in place."""
+        assert start >= self.block, "block 0 holds the sinks' floats: it is attended in float"
+        kw, ks, kb, vw, vs, vb = (t[..., start:stop, :] for t in self.packed)
+        _, H, T, _ = vw.shape
+        D = vw.shape[-1] * 32 // self.kv_bits
+        keys = tuple(t.reshape(1, H, T // self.block, D, -1) for t in (kw, ks, kb))
+        return PackedPast(keys, (vw, vs, vb), self.group_size, self.kv_bits)
 
     def make_mask(self, *args, **kwargs):
         return create_attention_mask(*args, offset=self.offset, **kwargs)
@@ -194,8 +225,8 @@ class SequenceQuantizedKVCache(_BaseCache):
     def arrays(self) -> list:
         return [*(self.packed or ()), *(self.open or ()), *(self.sinks or ())]
 
-    def view(self, float_attention: bool) -> DequantizingKVCache:
-        return DequantizingKVCache(self)
+    def view(self, float_head: Optional[int] = None) -> DequantizingKVCache:
+        return DequantizingKVCache(self, float_head)
 
     # -- files
 
@@ -223,27 +254,35 @@ class SequenceQuantizedKVCache(_BaseCache):
 
 
 class DequantizingKVCache(_BaseCache):
-    """A cache of record (``quantized``) attended over through a float working
-    copy: what a token sees (the module docstring), held so that a decode
-    step writes one row, not the context.
+    """A cache of record (``quantized``) as a running sequence attends over it:
+    what a token sees (the module docstring), held so that a decode step
+    writes one row, not the context, and a long past costs its packed bytes.
 
-    Rows [0, ``synced``) are closed blocks unpacked; the rest are the floats as
-    written. A block closed by the record is unpacked here before the next
-    write; a decode step whose first token starts a block closes the block
-    before it here first (the record closes it when the batch's rows reach it,
-    from the same floats, to the same bits). In a decode forward the copy runs
-    ahead of the record by ``unwritten`` tokens, whose rows the forward's
-    ``BatchQuantizedKVCache`` holds.
+    The first closed blocks, up to ``float_head`` tokens (None: all), are
+    unpacked into a float working copy; the closed blocks after them are
+    read packed from the record (``runtime.attention.PackedPast``); the
+    tokens after the closed blocks are floats as written. So the copy holds
+    rows [0, ``head``) unpacked, then the tokens from ``synced`` (the closed
+    tokens it has taken in) on. A block closed by the record is taken in
+    before the next write. A decode step whose first token starts a block
+    closes the block before it: in the record where the record holds it
+    (the engine writes a batch's held rows to the records before such a
+    step), else in the copy from the same floats, to the same bits. In a
+    decode forward the copy runs ahead of the record by ``unwritten``
+    tokens, whose rows the forward's ``BatchQuantizedKVCache`` holds.
     """
 
     KINDS = ()  # never written: its record is
     recurrent = False
     float_keys = attends_new = True
 
-    def __init__(self, quantized: SequenceQuantizedKVCache):
+    def __init__(self, quantized: SequenceQuantizedKVCache, float_head: Optional[int] = None):
         self.quantized = quantized
-        self._float: Optional[tuple[mx.array, mx.array]] = None  # same positions as the record
-        self.synced = 0
+        block = quantized.block  # at least the first block: the sinks' floats stay in the copy
+        self.float_head = None if float_head is None else max(block, float_head // block * block)
+        self._float: Optional[tuple[mx.array, mx.array]] = None
+        self.head = 0  # closed tokens unpacked in the copy: rows [0, head)
+        self.synced = 0  # closed tokens taken in: [head, synced) are read packed
         self.unwritten = 0  # decoded tokens after the record's, whose rows a ``BatchQuantizedKVCache`` holds
 
     @property
@@ -258,22 +297,42 @@ class DequantizingKVCache(_BaseCache):
     def kv_bits(self) -> int:
         return self.quantized.kv_bits
 
+    def _row(self, position: int) -> int:
+        """The copy's row of a token at or after ``synced``."""
+        return position - self.synced + self.head
+
     def _sync(self, like: mx.array) -> None:
         """Make the copy hold what the record does (first use: all of it)."""
         q = self.quantized
         if self._float is None:
-            if q.offset:
-                self._float = q.floats(like.dtype)
-            self.synced = q.closed
+            self.head = self.synced = 0
+            self._take_in(q.closed, like)
+            if q.offset > q.closed:
+                self._put(self.head, tuple(x[..., : q.offset - q.closed, :] for x in q.open))
             return
-        if q.offset < self.synced:  # the record went back (a copy closes ahead of it only at its end)
-            self.synced = q.closed
+        if q.closed < self.synced:  # the record went back to a block's start (nothing after it)
+            self.head, self.synced = min(self.head, q.closed), q.closed
         if q.closed > self.synced:
-            self._put(self.synced, q.unpacked(self.synced, q.closed, like.dtype))
-            self.synced = q.closed
+            self._take_in(q.closed, like)
+
+    def _take_in(self, closed: int, like: mx.array) -> None:
+        """Take in the record's blocks from ``synced`` to ``closed``: unpacked in
+        place while the head has room, else read packed from now on (their
+        float rows leave the copy)."""
+        q = self.quantized
+        for start in range(self.synced, closed, q.block):
+            if self.float_head is None or self.head + q.block <= self.float_head:
+                self._put(self.head, q.unpacked(start, start + q.block, like.dtype))
+                self.head += q.block
+            elif self._float is not None:
+                after = self.offset - start - q.block  # the copy's rows after the block move up over it
+                if after > 0:
+                    at = self.head + q.block
+                    self._put(self.head, tuple(x[..., at : at + after, :] for x in self._float))
+            self.synced += q.block
 
     def _put(self, at: int, rows: tuple[mx.array, mx.array]) -> None:
-        """Write rows (1, H, n, D) from position ``at``, growing the copy as needed."""
+        """Write rows (1, H, n, D) from row ``at``, growing the copy as needed."""
         n = rows[0].shape[2]
         fk, fv = self._float or (None, None)
         if fk is None or fk.shape[2] < at + n:
@@ -284,37 +343,66 @@ class DequantizingKVCache(_BaseCache):
         fv[..., at : at + n, :] = rows[1]
         self._float = (fk, fv)
 
-    def update_and_fetch(self, keys, values):
+    def _fetched(self) -> tuple:
+        """What a token attends over now: the copy's live rows, then the packed blocks (or None)."""
+        fk, fv = self._float
+        live = self._row(self.offset)
+        packed = self.quantized.packed_past(self.head, self.synced) if self.synced > self.head else None
+        return fk[..., :live, :], fv[..., :live, :], packed
+
+    def update_and_fetch_past(self, keys, values) -> tuple:
+        """Add a prompt chunk's keys and values (1, H, S, D; within one block);
+        return the float keys and values attended over (the chunk's at their
+        end) and the ``PackedPast`` before them (None when there is none)."""
         if self.unwritten:
             raise RuntimeError("a decoded token's rows are not in the record yet (BatchQuantizedKVCache.flush)")
         self._sync(keys)
         prev = self.offset
         self.quantized.append(keys, values)
-        self._put(prev, (keys, values))
+        self._put(self._row(prev), (keys, values))
         self._sync(keys)  # the full block before, closed by this chunk's first token
-        fk, fv = self._float
-        return fk[..., : self.offset, :], fv[..., : self.offset, :]
+        return self._fetched()
 
-    def attend_new(self, new_k: mx.array, new_v: mx.array) -> list[tuple[mx.array, mx.array]]:
+    def update_and_fetch(self, keys, values):
+        """mlx-lm's protocol (attention modules that run their own call): the
+        keys and values in float, packed blocks unpacked for the call."""
+        fk, fv, packed = self.update_and_fetch_past(keys, values)
+        if packed is None:
+            return fk, fv
+        middle = self.quantized.unpacked(self.head, self.synced, keys.dtype)
+        return tuple(mx.concatenate([f[..., : self.head, :], m, f[..., self.head :, :]], axis=2)
+                     for f, m in zip((fk, fv), middle))
+
+    def attend_new(self, new_k: mx.array, new_v: mx.array) -> list[tuple]:
         """Add decoded tokens (1, H, n, D, all in one block) to the working copy
         only (their ``BatchQuantizedKVCache`` writes them to the record later);
-        return what each attends over: the keys and values up to and including it."""
+        return what each attends over (``update_and_fetch_past``'s triple), up
+        to and including it."""
         self._sync(new_k)
         prev, n, q = self.offset, new_k.shape[2], self.quantized
-        if q.kv_bits != 16 and prev % q.block == 0 and prev > self.synced:  # closes the block before: as the record will
-            start = prev - q.block
-            fk, fv = (x[..., start:prev, :] for x in self._float)
-            packed = close_block(fk, fv, q.group_size, q.kv_bits, first=start == 0)
-            keys, values = open_blocks(packed, q.group_size, q.kv_bits, new_k.dtype, q.block)
-            if start == 0:
-                keys = mx.concatenate([fk[..., :SINKS, :], keys[..., SINKS:, :]], axis=2)
-                values = mx.concatenate([fv[..., :SINKS, :], values[..., SINKS:, :]], axis=2)
-            self._put(start, (keys, values))
-            self.synced = prev
-        self._put(prev, (new_k, new_v))
+        if q.kv_bits != 16 and prev % q.block == 0 and prev > self.synced:  # the block before closes first
+            if q.offset == prev:  # the record holds it: closed now, as at its next token
+                q.close_full()
+                self._sync(new_k)
+            elif self.float_head is not None and self.head + q.block > self.float_head:
+                raise RuntimeError("a step that starts a block past the float head needs its sequence's rows in "
+                                   "the record first (BatchQuantizedKVCache.flush)")
+            else:  # closed here, from the floats the record will close it from
+                start = prev - q.block
+                fk, fv = (x[..., self._row(start) : self._row(prev), :] for x in self._float)
+                packed = close_block(fk, fv, q.group_size, q.kv_bits, first=start == 0)
+                keys, values = open_blocks(packed, q.group_size, q.kv_bits, new_k.dtype, q.block)
+                if start == 0:
+                    keys = mx.concatenate([fk[..., :SINKS, :], keys[..., SINKS:, :]], axis=2)
+                    values = mx.concatenate([fv[..., :SINKS, :], values[..., SINKS:, :]], axis=2)
+                self._put(self.head, (keys, values))
+                self.head += q.block
+                self.synced = prev
+        self._put(self._row(prev), (new_k, new_v))
         self.unwritten += n
-        fk, fv = self._float
-        return [(fk[..., : prev + j + 1, :], fv[..., : prev + j + 1, :]) for j in range(n)]
+        fk, fv, packed = self._fetched()
+        end = fk.shape[2]
+        return [(fk[..., : end - n + j + 1, :], fv[..., : end - n + j + 1, :], packed) for j in range(n)]
 
     def make_mask(self, *args, **kwargs):
         return create_attention_mask(*args, offset=self.offset, **kwargs)
@@ -358,8 +446,8 @@ class DequantizingKVCache(_BaseCache):
     def mark(self) -> None:
         pass
 
-    def view(self, float_attention: bool):
-        return DequantizingKVCache(self.quantized)  # a fresh working copy
+    def view(self, float_head: Optional[int] = None):
+        return DequantizingKVCache(self.quantized, float_head)  # a fresh working copy
 
     @property
     def arrays(self):

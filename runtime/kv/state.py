@@ -91,7 +91,7 @@ class StateCache(ArraysCache):
     def can_rewind(self, tokens: int) -> bool:
         return tokens == self.offset or tokens in self.rewind_points()
 
-    def view(self, float_attention: bool):
+    def view(self, float_head=None):
         return self
 
     def describe(self):

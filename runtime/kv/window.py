@@ -103,7 +103,7 @@ class WindowKVCache(Trimmed, _BaseCache):
     def nbytes(self):
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
-    def view(self, float_attention: bool):
+    def view(self, float_head=None):
         return self
 
     @property

@@ -10,7 +10,6 @@ import logging
 import threading
 
 import anyio
-import mlx.core as mx
 import pytest
 
 from semantic.actors import (
@@ -22,7 +21,7 @@ from semantic.actors import (
     TurnCancelled,
 )
 from semantic.actors.messages import Message
-from semantic.runtime.agent_cache import AgentCaches
+from semantic.runtime.agent_cache import AgentCaches, kv_budget
 from semantic.runtime.block_pool import KVBudget
 from semantic.runtime.cache_file import CacheStore
 from semantic.runtime.engine import Engine, SamplingParams
@@ -336,8 +335,7 @@ async def test_fork_delete_and_restart(open_runtime, smollm2):
 async def test_tight_budget_demotes_to_disk_and_keeps_working(open_runtime, smollm2):
     """Hot caches exceed the budget: turns still run (dirty caches are written before
     they are dropped) and every agent's cache comes back from disk."""
-    working = smollm2.dtype.size if mx.default_device() == mx.cpu else 0  # the CPU's float working copies
-    kv = KVBudget(smollm2.spec, 1 << 30, sliding_dtype_bytes=smollm2.dtype.size, working_dtype_bytes=working)
+    kv = kv_budget(smollm2, 1 << 30)
     async with open_runtime(budget=3 * kv.bytes_for(1, running=True), eviction_watermarks=(0.5, 0.3)) as rt:
         agents = [await rt.agent(f"t{i}", system="You are terse.") for i in range(5)]
         async def one_word(agent):

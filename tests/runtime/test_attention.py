@@ -69,7 +69,7 @@ def test_models_prefill_and_decode_through_it_on_the_cpu(arch, monkeypatch):
     computes what mlx-lm's own attention computes, within float tolerance."""
     plain = tiny_model(arch)
     prompt = mx.array([[random.Random(1).randrange(1, VOCAB) for _ in range(40)]])
-    view = make_sequence_cache(plain).view(True)
+    view = make_sequence_cache(plain).view()
     want = plain(prompt, cache=view)  # mlx-lm's own attention: not rowwise yet
     want_next = plain(mx.array([[5]]), cache=view)
 
@@ -78,9 +78,33 @@ def test_models_prefill_and_decode_through_it_on_the_cpu(arch, monkeypatch):
         monkeypatch.setattr(f"semantic.runtime.rowwise.{name}", (lambda f: lambda *a: calls.append(f.__name__) or f(*a))(
             getattr(attention, name)))
     model = rowwise(plain)
-    view = make_sequence_cache(model).view(True)
+    view = make_sequence_cache(model).view()
     got = model(prompt, cache=view)
     got_next = model(mx.array([[5]]), cache=[BatchQuantizedKVCache([c]) for c in view])
     assert mx.allclose(got, want, atol=1e-4).item() and mx.allclose(got_next, want_next, atol=1e-4).item()
     layers = sum("self_attn" in layer for layer in model.layers)
     assert calls == ["attend"] * layers + ["attend_each"] * layers
+
+
+@pytest.mark.parametrize("S", [1, 37])
+def test_attention_over_packed_blocks_matches_the_float_copy(S):
+    """Past the float head a sequence reads its closed blocks packed (MLX's
+    quantized matmul, Metal's and CUDA's path too): what it attends over is
+    the same keys and values, in another order of sums -- within 1e-5 of
+    attending over them unpacked, prefill (causal) and decode alike."""
+    from semantic.runtime.kv import SequenceQuantizedKVCache
+
+    heads, kv_heads, n = 9, 3, 1100
+    q, k, v = _qkv(heads, kv_heads, S, n, seed=5)
+    out = {}
+    for head in (None, 256):  # every closed block unpacked; the first only (three read packed)
+        view = SequenceQuantizedKVCache().view(head)
+        view.update_and_fetch(k[..., : n - S, :], v[..., : n - S, :])
+        keys, values, packed = view.update_and_fetch_past(k[..., n - S :, :], v[..., n - S :, :])
+        assert (packed is None) == (head is None)
+        if S == 1:
+            out[head] = attend_each(q, [(keys, values, packed)], 0.125)
+        else:
+            out[head] = attend(q, keys, values, 0.125, "causal", packed)
+    assert out[256].shape == out[None].shape
+    assert mx.abs(out[256] - out[None]).max().item() < 1e-5

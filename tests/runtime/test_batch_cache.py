@@ -39,8 +39,8 @@ def _forward(model, tokens: list[int], views: list[list]) -> list[mx.array]:
     return [logits[i] for i in range(len(tokens))]
 
 
-def _prefilled(model, prompt: list[int], float_attention: bool, bits: int = 4) -> list:
-    view = make_sequence_cache(model, bits=bits).view(float_attention)
+def _prefilled(model, prompt: list[int], float_head: int | None = None, bits: int = 4) -> list:
+    view = make_sequence_cache(model, bits=bits).view(float_head)
     model(mx.array([prompt]), cache=view)
     return view
 
@@ -57,7 +57,7 @@ def test_each_sequence_in_a_forward_computes_as_alone(arch):
     feeds = [_tokens(rng, 12) for _ in prompts]
 
     def run(members: dict[int, range]) -> dict[int, list[mx.array]]:
-        views = {i: _prefilled(model, prompts[i], True) for i in members}
+        views = {i: _prefilled(model, prompts[i]) for i in members}
         got = {i: [] for i in members}
         for step in range(12):
             live = [i for i in sorted(members, reverse=step % 2 == 1) if step in members[i]]  # order flips
@@ -82,12 +82,12 @@ def test_standard_attention_path_computes_what_the_module_computes(arch):
     model = tiny_model(arch)
     rng = random.Random(3)
     prompts = [_tokens(rng, n) for n in (30, 9, 17)]
-    plain = [_prefilled(model, p, True) for p in prompts]
+    plain = [_prefilled(model, p) for p in prompts]
     own = [model(mx.array([[7]]), cache=v)[0, -1] for v in plain]  # mlx-lm's own attention, alone
     rowwise(model)
     attn = next(layer.self_attn for layer in model.layers if "self_attn" in layer)
     assert type(attn).__mro__[2].__module__.startswith("mlx_lm.models.")
-    batched = _forward(model, [7, 7, 7], [_prefilled(model, p, True) for p in prompts])
+    batched = _forward(model, [7, 7, 7], [_prefilled(model, p) for p in prompts])
     assert all(mx.allclose(a, b, atol=1e-4).item() for a, b in zip(own, batched))
 
 
@@ -95,10 +95,10 @@ def test_eight_bit_sequences_batch_alike():
     model = rowwise(tiny_model("llama"))
     rng = random.Random(1)
     prompts = [_tokens(rng, n) for n in (7, 30)]
-    views = [_prefilled(model, p, True, bits=8) for p in prompts]
+    views = [_prefilled(model, p, bits=8) for p in prompts]
     assert all(c.kv_bits == 8 for v in views for c in v)
     together = _forward(model, [3, 4], views)
-    alone = [_forward(model, [t], [_prefilled(model, p, True, bits=8)])[0] for p, t in zip(prompts, (3, 4))]
+    alone = [_forward(model, [t], [_prefilled(model, p, bits=8)])[0] for p, t in zip(prompts, (3, 4))]
     assert all(mx.array_equal(a, b).item() for a, b in zip(alone, together))
 
 
@@ -119,7 +119,7 @@ def test_other_attention_classes_run_per_sequence():
     """A class outside the standard list takes the module per sequence: the same
     logits as alone, and close to the standard path."""
     model = rowwise(tiny_model("llama"))
-    views = [[_prefilled(model, p, True) for p in ([1, 2, 3], [4, 5])] for _ in range(3)]
+    views = [[_prefilled(model, p) for p in ([1, 2, 3], [4, 5])] for _ in range(3)]
     fast = _forward(model, [6, 7], views[0])
     for layer in model.layers:  # as if mlx-lm's class were unknown to the fast path
         layer.self_attn.__class__ = _rowwise_class(type("Custom", (type(layer.self_attn).__mro__[2],), {}))
@@ -134,7 +134,7 @@ def test_batch_arguments():
         BatchQuantizedKVCache([])
     model = rowwise(tiny_model("llama"))
     with pytest.raises(ValueError, match="9 token slots used in a forward of 8"):
-        _forward(model, [1] * 8, [_prefilled(model, [2, 3], True) for _ in range(9)])
+        _forward(model, [1] * 8, [_prefilled(model, [2, 3]) for _ in range(9)])
     batch = BatchQuantizedKVCache([SequenceQuantizedKVCache()] * 5)
     out = _per_sequence(lambda x, mask, cache: x + 1, mx.zeros((1, 8, 4)), batch)
     assert out.tolist()[0] == [[1.0] * 4] * 5 + [[0.0] * 4] * 3  # padding slots: zeros
@@ -181,10 +181,10 @@ def test_what_a_token_sees_depends_on_its_position_only():
     """Prefilled in chunks that end anywhere in a block, or decoded a token a step
     through a batch across a block's end: the same records and working copies, bit for bit."""
     k, v = _kv(700, 1)
-    whole = SequenceQuantizedKVCache().view(True)
+    whole = SequenceQuantizedKVCache().view()
     for a, b in ((0, 256), (256, 512), (512, 700)):
         whole.update_and_fetch(k[..., a:b, :], v[..., a:b, :])
-    pieces = SequenceQuantizedKVCache().view(True)
+    pieces = SequenceQuantizedKVCache().view()
     for a, b in ((0, 100), (100, 256), (256, 300), (300, 500)):
         pieces.update_and_fetch(k[..., a:b, :], v[..., a:b, :])
     batch = BatchQuantizedKVCache([pieces])
@@ -231,7 +231,7 @@ def test_unpack_is_bit_exact_against_mx_dequantize(bits, group_size, dtype):
 def test_bfloat16_models_keep_bfloat16_scales():
     model = rowwise(tiny_model("llama"))
     model.set_dtype(mx.bfloat16)
-    views = [_prefilled(model, p, True) for p in (list(range(1, 300)), [4, 5])]
+    views = [_prefilled(model, p) for p in (list(range(1, 300)), [4, 5])]
     (logits, _) = _forward(model, [6, 7], views)
     assert logits.dtype == mx.bfloat16 and views[0][0].quantized.packed[1].dtype == mx.bfloat16
 
@@ -260,7 +260,7 @@ def test_cache_kinds_per_architecture():
     assert [type(c) for c in make_sequence_cache(gemma)] == [WindowKVCache, SequenceQuantizedKVCache] * 2
     assert [type(c) for c in make_sequence_cache(oss)] == [WindowKVCache, SequenceQuantizedKVCache]
     # Attention reads float working copies of full layers; sliding layers as they are.
-    assert [type(c) for c in make_sequence_cache(gemma).view(True)] == [WindowKVCache, DequantizingKVCache] * 2
+    assert [type(c) for c in make_sequence_cache(gemma).view()] == [WindowKVCache, DequantizingKVCache] * 2
     # Neither has ``bits``: mlx-lm would take it for its own quantized cache, which refuses sinks.
     assert not hasattr(DequantizingKVCache(SequenceQuantizedKVCache()), "bits")
     assert not hasattr(SequenceQuantizedKVCache(), "bits") and SequenceQuantizedKVCache().kv_bits == 4
@@ -285,3 +285,34 @@ def test_fixed_shape_matmul_rows_do_not_depend_on_their_neighbours(smollm2):
             if not mx.array_equal((alone @ w.T)[0], together[row]).item():
                 failures.append(f"{shape} row {row}")
     assert not failures, "this BLAS computes a row by its position or neighbours: " + ", ".join(failures)
+
+
+def test_past_the_float_head_blocks_are_read_packed_from_the_record():
+    """A view with a float head of one block holds that block and the open one
+    in float, whatever the context; the model's own call (mlx-lm's protocol)
+    still gets every key and value as a view with no head gives them, bit for
+    bit -- after a rewind to a block's start too. A decode step that starts
+    a block past the head needs the rows in the record first."""
+    k, v = _kv(1300, 4)
+    full, headed = SequenceQuantizedKVCache().view(), SequenceQuantizedKVCache().view(256)
+    for a, b in ((0, 100), (100, 256), (256, 512), (512, 700), (700, 768), (768, 1000)):  # a chunk a block
+        want = full.update_and_fetch(k[..., a:b, :], v[..., a:b, :])
+        got = headed.update_and_fetch(k[..., a:b, :], v[..., a:b, :])
+        assert all(mx.array_equal(x, y).item() for x, y in zip(want, got))
+    assert (headed.head, headed.synced) == (256, 768) and headed._float[0].shape[2] <= 3 * 256
+    for cache in (full, headed):
+        cache.rewind(512)
+    want = full.update_and_fetch(k[..., 512:600, :], v[..., 512:600, :])
+    got = headed.update_and_fetch(k[..., 512:600, :], v[..., 512:600, :])
+    assert all(mx.array_equal(x, y).item() for x, y in zip(want, got))
+    headed.update_and_fetch(k[..., 600:768, :], v[..., 600:768, :])
+    batch = BatchQuantizedKVCache([headed])
+    batch.attend_new(k[..., 768:769, :], v[..., 768:769, :])  # the record holds block 2: it closes it
+    batch.flush()
+    assert headed.quantized.closed == 768
+    for t in range(769, 1024):  # 255 steps: 31 of them held at the end
+        if batch.full:
+            batch.flush()
+        batch.attend_new(k[..., t : t + 1, :], v[..., t : t + 1, :])
+    with pytest.raises(RuntimeError, match="in the record first"):
+        batch.attend_new(k[..., 1024:1025, :], v[..., 1024:1025, :])

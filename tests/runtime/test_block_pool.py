@@ -178,6 +178,17 @@ def test_a_running_owner_also_holds_its_float_working_copy():
     assert tight.fits(256, running=True) and not tight.fits(257, running=True) and tight.fits(256 * 8)
 
 
+def test_a_running_owners_working_copy_stops_at_its_float_head():
+    """Past the float head a running sequence reads its closed blocks packed:
+    its working copy holds the head and two blocks (the open one, and a
+    step's tokens past its end), however long the context."""
+    working_block = 256 * 30 * 2 * 3 * 64 * 4
+    kv = KVBudget(SMOL, 4 * GiB, working_dtype_bytes=4, working_head=4096)
+    assert kv.bytes_for(1000, running=True) == 4 * (SMOL_BLOCK + working_block) + SMOL_OPEN
+    for tokens in (32_768, 65_536):
+        assert kv.bytes_for(tokens, running=True) == tokens // 256 * SMOL_BLOCK + SMOL_OPEN + 18 * working_block
+
+
 def test_budget_for_exactly_three_owners_refuses_a_fourth():
     n = 1000  # 4 full + the open + 3 sliding blocks each
     kv = KVBudget(GEMMA, 3 * (4 * GEMMA_FULL + GEMMA_OPEN + 3 * GEMMA_SLIDING))

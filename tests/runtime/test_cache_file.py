@@ -92,7 +92,7 @@ def test_round_trip_is_bit_identical_and_continues_the_same(arch, tmp_path):
     decoded = finished(model, tok, prompt, 6)  # extracted from the decode batch
     stepped = SequenceCache(prefilled[0]).clone()
     for t in (11, 12, 13):  # single tokens, past the window
-        model(mx.array([[t]]), cache=stepped.view(True))
+        model(mx.array([[t]]), cache=stepped.view())
     mx.eval([c.state for c in stepped])
     cases = {"prefilled": prefilled, "decoded": decoded, "stepped": (stepped, prefilled[1] + [11, 12, 13])}
     if ModelCacheSpec.from_model(model).n_sliding:

@@ -8,6 +8,7 @@ import pytest
 
 from semantic.runtime import row_counts
 from semantic.runtime.batch_cache import PrefillBatch
+from semantic.runtime.cache_records import BLOCK_TOKENS
 from semantic.runtime.engine import Engine, SamplingParams
 from semantic.runtime.row_counts import RowCounts
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
@@ -59,14 +60,16 @@ def prefix_cache(engine: Engine, prefix: list[int]) -> list:
     return finished.cache
 
 
-def prompts(n: int, seed: int) -> list[list[int]]:
+def prompts(n: int, seed: int, long: bool = False) -> list[list[int]]:
     rng = mx.random.key(seed)
     lengths = [100, 7, 23, 90, 13][:n]  # A and D end in a long chunk: their last token rides a decode step
+    if long:  # past two blocks; C's decode steps start its third
+        lengths = [760, 7, 506, 640, 13][:n]
     return [mx.random.randint(1, VOCAB, (L,), key=mx.random.split(rng, n)[i]).tolist() for i, L in enumerate(lengths)]
 
 
-def busy_batch_equals_alone(model, tokenizer, steps: int = 12, **options):
-    A, B, C, D, E = prompts(5, seed=1)
+def busy_batch_equals_alone(model, tokenizer, steps: int = 12, long: bool = False, **options):
+    A, B, C, D, E = prompts(5, seed=1, long=long)
     greedy = SamplingParams(max_tokens=steps)
     short = SamplingParams(max_tokens=3)  # B finishes early
     expected = {
@@ -151,23 +154,24 @@ def test_busy_batch_equals_alone_smollm2(smollm2):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("arch", [a for a in TINY_CONFIGS if a != "gpt_oss"])  # (learned sinks: all in float)
 def test_busy_batch_equals_alone_attending_over_q4(arch):
-    """Attention over the Q4 records themselves (Metal's path): a step computed
-    ahead and dropped (the cancel, the sequences that join) is cut back out of
-    the records, and recurrent states go back."""
+    """Attention over the Q4 records themselves past the first block (Metal's
+    path; MLA and gated attention get them unpacked for their own call): a
+    step computed ahead and dropped (the cancel, the sequences that join) is
+    cut back out of the records, and recurrent states go back."""
     model, tok = tiny_model(arch), ByteTokenizer()
-    busy_batch_equals_alone(model, tok, float_attention=False, row_counts=measured(model, tok))
+    busy_batch_equals_alone(model, tok, float_head=BLOCK_TOKENS, row_counts=measured(model, tok), long=True)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
 def test_quantized_and_float_attention_agree(arch):
-    """Decode attends over Q4 directly (Metal) or over a dequantized working copy
-    (CPU, and sinks): the same tokens either way."""
+    """Decode attends over Q4 packed past the first block (Metal) or over a
+    dequantized working copy (CPU, and sinks): the same tokens either way."""
     model, tok = tiny_model(arch), ByteTokenizer()
     runs = []
-    for float_attention in (False, True):
-        engine = Engine(model, tok, float_attention=float_attention)
+    for float_head in (BLOCK_TOKENS, None):
+        engine = Engine(model, tok, float_head=float_head)
         ids = [engine.add(p, SamplingParams(max_tokens=10)) for p in prompts(3, seed=9)]
         done = drain(engine)
         runs.append([done[i].output_tokens for i in ids])
@@ -182,7 +186,7 @@ def test_decoded_tokens_reach_the_record_exactly(leave):
     from semantic.runtime.batch_cache import BatchQuantizedKVCache
 
     model, tok = tiny_model("llama"), ByteTokenizer()
-    engine = Engine(model, tok, float_attention=True)
+    engine = Engine(model, tok, float_head=None)
     steps = 2 * BatchQuantizedKVCache.ROWS + 5  # two flushes of full rows, then a partial one
     long_, short = (engine.add(p, SamplingParams(max_tokens=steps + 10)) for p in prompts(2, seed=4))
     while engine.prefilling:
@@ -209,7 +213,7 @@ def test_decoded_tokens_reach_the_record_exactly(leave):
 
 def test_a_one_token_prompt_preempted_before_its_prefill_resumes_as_a_decode_input():
     model, tok = tiny_model("llama"), ByteTokenizer()
-    engine = Engine(model, tok, float_attention=True)
+    engine = Engine(model, tok, float_head=None)
     sid = engine.add([42], SamplingParams(max_tokens=6))
     assert engine.preempt(sid).cache_tokens == ()
     engine.resume(sid)  # no cache: its one token is the next decode input, over an empty record

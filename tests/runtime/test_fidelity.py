@@ -53,7 +53,7 @@ def reference(smollm2):
 @pytest.mark.parametrize("bits, min_agree, max_ppl_change", [(4, 0.96, 0.01), (8, 0.99, 0.001)])
 def test_quantized_cache_fidelity(smollm2, reference, bits, min_agree, max_ppl_change):
     tokens, full = reference
-    quant = run(smollm2.model, tokens, make_sequence_cache(smollm2.model, bits=bits).view(True))
+    quant = run(smollm2.model, tokens, make_sequence_cache(smollm2.model, bits=bits).view())
     agree = (full.argmax(-1) == quant.argmax(-1)).mean().item()
     ppl_full, ppl_quant = perplexity(full, tokens), perplexity(quant, tokens)
     change = ppl_quant / ppl_full - 1

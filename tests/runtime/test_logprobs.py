@@ -99,7 +99,7 @@ def test_the_first_tokens_logprobs_match_a_direct_forward_of_the_prompt():
     engine = Engine(model, tok)  # (makes the model's norms and MLPs the engine's, in place)
     sid = engine.add(prompt, SamplingParams(max_tokens=1, logprobs=5))
     first = drain(engine)[sid].logprobs[0]
-    view = engine.new_cache().view(engine.float_attention)
+    view = engine.new_cache().view(engine.float_head)
     want = log_softmax(np.array(model(mx.array(prompt)[None], cache=view)[0, -1]))
     # (the engine's log-softmax is float32, this one float64: they part at ~1e-5 of logits this large)
     assert first.logprob == pytest.approx(want[first.token], abs=1e-4)
@@ -128,7 +128,7 @@ def direct_prompt_logprobs(engine: Engine, prompt: list[int], chunks: list[int])
     model over a fresh cache of the engine's kind, in ``chunks``: row ``i`` the
     distribution of prompt token ``i + 1``. (A float64 log-softmax of the same
     logits is up to 1.2e-4 away on this model's wide rows: float32 sums 49K exps.)"""
-    view, rows, at = engine.new_cache().view(engine.float_attention), [], 0
+    view, rows, at = engine.new_cache().view(engine.float_head), [], 0
     for n in chunks:
         rows.append(engine.model(mx.array(prompt[at : at + n])[None], cache=view)[0])
         at += n

@@ -85,13 +85,10 @@ def first_word_only(loaded: LoadedModel) -> LoadedModel:
 
 def kv_bytes(blocks: int, running: bool = True) -> int:
     """Bytes of ``blocks`` 256-token blocks of a ``tiny_loaded()`` agent: a running
-    turn's (with the float working copy the engine keeps on the CPU), or an idle cache's."""
-    from semantic.runtime.block_pool import KVBudget
+    turn's (with its float working copy), or an idle cache's."""
+    from semantic.runtime.agent_cache import kv_budget
 
-    loaded = tiny_loaded()
-    working = loaded.dtype.size if mx.default_device() == mx.cpu else 0
-    budget = KVBudget(loaded.spec, 1 << 30, sliding_dtype_bytes=loaded.dtype.size, working_dtype_bytes=working)
-    return budget.bytes_for(256 * blocks, running)
+    return kv_budget(tiny_loaded(), 1 << 30).bytes_for(256 * blocks, running)
 
 
 @asynccontextmanager

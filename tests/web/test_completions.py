@@ -114,7 +114,7 @@ def direct_logprobs(tokens: list[int], kv_bits: int) -> np.ndarray:
     the engine's own kind of cache at 4 bits, over mlx-lm's float ``KVCache``
     at 16: row ``i`` is prompt token ``i + 1``'s distribution."""
     model = tiny_loaded().model
-    cache = make_prompt_cache(model) if kv_bits == 16 else make_sequence_cache(model, bits=kv_bits).view(True)
+    cache = make_prompt_cache(model) if kv_bits == 16 else make_sequence_cache(model, bits=kv_bits).view()
     rows = model(mx.array(tokens)[None], cache=cache)[0, :-1].astype(mx.float32)
     return np.array(rows - mx.logsumexp(rows, axis=-1, keepdims=True))
 
