@@ -305,31 +305,35 @@ class DequantizingKVCache(_BaseCache):
         """Make the copy hold what the record does (first use: all of it)."""
         q = self.quantized
         if self._float is None:
-            self.head = self.synced = 0
-            self._take_in(q.closed, like)
+            self.head, self.synced = self._head_of(q.closed), q.closed
+            parts = [q.unpacked(0, self.head, like.dtype)] if self.head else []
             if q.offset > q.closed:
-                self._put(self.head, tuple(x[..., : q.offset - q.closed, :] for x in q.open))
+                parts.append(tuple(x[..., : q.offset - q.closed, :] for x in q.open))
+            if parts:
+                self._float = tuple(mx.concatenate(p, axis=2) if len(p) > 1 else p[0] for p in zip(*parts))
             return
         if q.closed < self.synced:  # the record went back to a block's start (nothing after it)
             self.head, self.synced = min(self.head, q.closed), q.closed
         if q.closed > self.synced:
             self._take_in(q.closed, like)
 
+    def _head_of(self, closed: int) -> int:
+        """Closed tokens unpacked in the copy when ``closed`` are: up to the float head."""
+        return closed if self.float_head is None else min(closed, self.float_head)
+
     def _take_in(self, closed: int, like: mx.array) -> None:
         """Take in the record's blocks from ``synced`` to ``closed``: unpacked in
         place while the head has room, else read packed from now on (their
-        float rows leave the copy)."""
-        q = self.quantized
-        for start in range(self.synced, closed, q.block):
-            if self.float_head is None or self.head + q.block <= self.float_head:
-                self._put(self.head, q.unpacked(start, start + q.block, like.dtype))
-                self.head += q.block
-            elif self._float is not None:
-                after = self.offset - start - q.block  # the copy's rows after the block move up over it
-                if after > 0:
-                    at = self.head + q.block
-                    self._put(self.head, tuple(x[..., at : at + after, :] for x in self._float))
-            self.synced += q.block
+        float rows leave the copy: the rows after them move up)."""
+        head = self._head_of(closed)
+        if head > self.head:  # (the head is full before any block is read packed: head == synced)
+            self._put(self.head, self.quantized.unpacked(self.head, head, like.dtype))
+            self.head = self.synced = head
+        if closed > self.synced:
+            after, at = self.offset - closed, self._row(closed)
+            if after > 0:
+                self._put(self.head, tuple(x[..., at : at + after, :] for x in self._float))
+            self.synced = closed
 
     def _put(self, at: int, rows: tuple[mx.array, mx.array]) -> None:
         """Write rows (1, H, n, D) from row ``at``, growing the copy as needed."""
