@@ -15,7 +15,8 @@ long for a bound). Where nothing progresses the first allowed move is taken
 (a string that must be longer). Then a best-first search over every move
 that progresses at each step looks for a completion of fewer bytes than the
 walk's (at a choice: an optional member left out, the smaller value), for
-``SEARCHED`` states at most.
+``SEARCHED`` states at most, where the walk chose at most half as many
+moves.
 
 Every move is one the matcher allowed, so what ``close`` returns completes
 any grammar by construction; its bytes are retokenized as the tokenizer
@@ -150,8 +151,9 @@ class Closer:
         if walk is None:
             return None
         moves, chosen = walk
-        # (a search tries no literal, which is what ends free text; nor ends past SEARCHED choices)
-        if chosen <= SEARCHED and not any(tuple(m) in literals for m in moves):
+        # (a search tries no literal, which is what ends free text; and one state a choice, it seldom
+        # ends a long walk within SEARCHED)
+        if chosen <= SEARCHED // 2 and not any(tuple(m) in literals for m in moves):
             moves = self._search(matcher, sum(len(self.text(m)) for m in moves)) or moves
         return self._written(matcher, moves)
 

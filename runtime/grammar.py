@@ -199,9 +199,9 @@ class Constraint:
 
     def _closing_after(self, token: int) -> list[int] | None:
         """A closing after ``token``: the rest of this one where the token is
-        its next; this one still, where it holds (the token was a string's
-        content); its bytes after the token's, where the token writes them
-        otherwise; else a new one (None: none found)."""
+        its next; where it holds, the rest after the bytes the token wrote of
+        it, or this one still (``_closings_kept``); else a new one (None: none
+        found)."""
         if self._after is not None and self._after[0] == token:
             return self._after[1]
         closing = self._closing
@@ -219,12 +219,17 @@ class Constraint:
         return after
 
     def _closings_kept(self, token: int, closing: list[int]):
-        """The closings that may still hold after ``token``, from the one before it."""
-        yield closing
+        """The closings that may still hold after ``token``, from the one before
+        it: where the token's text ends with the closing's first bytes (all of
+        them: ``", "`` of ``", ""]}``; the last: the ``"`` of ``."``), the rest
+        of the closing; else all of it (the token was content: a string's next word)."""
         plain = next((i for i, t in enumerate(closing) if self._closer.is_special(t)), len(closing))
         head, piece = self._closer.text(closing[:plain]), self._closer.text([token])
-        if piece and not self._closer.is_special(token) and head.startswith(piece):
-            yield self._closer.tokens(head[len(piece):]) + closing[plain:]
+        if piece and not self._closer.is_special(token):
+            for start in range(len(piece)):
+                if head.startswith(piece[start:]):
+                    yield self._closer.tokens(head[len(piece) - start:]) + closing[plain:]
+        yield closing
 
     def allows(self, drafts: list[int]) -> int:
         """How many of ``drafts`` the grammar allows in a row from here (up to
