@@ -2,13 +2,19 @@
 
 In one process, on one engine: B agents (each of ``--batch``, default 1 and
 8) decode at once, free or each under a JSON schema (an array of at least 50
-short strings, so no reply can end within the timed steps), in alternating
-rounds. Each
-``step_once`` is timed while all B decode; reported are the medians of those
-steps for both, their ratio, and the time the grammar's mask takes alone per
-row (llguidance's ``compute_mask`` and making it an MLX array: the rest of the
-difference is the step no longer built while the last one computes, as a
-grammar's next mask waits on the last token).
+short strings, so no reply can end within the timed steps; ``max_tokens``
+far past them, so no reply is closing at its limit there), in alternating
+rounds. Each ``step_once`` is timed while all B decode; reported are the
+medians of those steps for both, their ratio, and two parts of a row's
+grammar work timed alone, walking a valid reply token by token: the mask
+(llguidance's ``compute_mask`` and making it an MLX array) and keeping the
+reply closable within its limit (``Constraint.fit`` and ``advance`` against
+``advance`` alone: checking the closing still holds, and finding a new one
+where it does not), and finding a closing anew from each place of that
+reply (``runtime.closing``: what a token that leaves the kept one costs,
+once). The rest of the difference is the
+step no longer built while the last one computes, as a grammar's next mask
+waits on the last token.
 """
 
 from __future__ import annotations
@@ -46,19 +52,61 @@ def step_times(engine, prompts: list[list[int]], sampling, steps: int) -> list[f
     return times[1:]  # the first step after the prefill builds its forwards
 
 
+REPLY = json.dumps({"notes": ["a short note about the sea"] * 8})
+
+
 def mask_us(grammar: str, tokenizer, vocab: int) -> float:
     """Median microseconds of one row's mask, walking a valid reply token by token."""
     from semantic.runtime.grammar import Grammars
 
     constraint = Grammars(tokenizer, tokenizer.eos_token_ids).constraint(grammar)
-    reply = json.dumps({"notes": ["a short note about the sea"] * 8})
     times = []
-    for token in tokenizer.encode(reply, add_special_tokens=False):
+    for token in tokenizer.encode(REPLY, add_special_tokens=False):
         start = time.perf_counter()
         mx.eval(constraint.allowed(vocab))
         times.append(time.perf_counter() - start)
         constraint.advance(token)
     return statistics.median(times) * 1e6
+
+
+def closing_us(grammar: str, tokenizer, limit: int) -> dict:
+    """Microseconds a token takes to follow a valid reply under ``limit``
+    (``fit`` and ``advance``) and without one (``advance``): medians and means
+    (a mean holds the new closings found where the reply left the last)."""
+    from semantic.runtime.grammar import Grammars
+
+    grammars = Grammars(tokenizer, tokenizer.eos_token_ids)
+    grammars.constraint(grammar, limit)  # (the grammar compiled, its first closing found: once per engine)
+    out = {}
+    for name, kept in (("advance", None), ("closing", limit)):
+        constraint, times = grammars.constraint(grammar, kept), []
+        for token in tokenizer.encode(REPLY, add_special_tokens=False):
+            start = time.perf_counter()
+            constraint.advance(token if kept is None else constraint.fit(token))
+            times.append(time.perf_counter() - start)
+        out[name] = {"median": round(statistics.median(times) * 1e6, 1), "mean": round(statistics.mean(times) * 1e6, 1)}
+    return out
+
+
+def search_ms(grammar: str, tokenizer) -> dict:
+    """Milliseconds a closing takes to find anew (``Closer.close``: what a
+    token that leaves the kept one costs), from each place of a valid reply:
+    median and most."""
+    import llguidance.hf
+    from llguidance import LLMatcher
+
+    from semantic.runtime.closing import Closer
+
+    ends = sorted(tokenizer.eos_token_ids)
+    ll = llguidance.hf.from_tokenizer(getattr(tokenizer, "_tokenizer", tokenizer), eos_token=ends)
+    closer, matcher = Closer(ll, ends), LLMatcher(ll, grammar, log_level=0)
+    literals, times = closer.literals(grammar), []
+    for token in tokenizer.encode(REPLY, add_special_tokens=False):
+        start = time.perf_counter()
+        closer.close(matcher, literals)
+        times.append(time.perf_counter() - start)
+        matcher.consume_token(token)
+    return {"median": round(statistics.median(times) * 1e3, 2), "max": round(max(times) * 1e3, 2)}
 
 
 def structured(loaded, batches: tuple[int, ...], steps: int, rounds: int, log=lambda line: None) -> dict:
@@ -68,7 +116,8 @@ def structured(loaded, batches: tuple[int, ...], steps: int, rounds: int, log=la
     engine = Engine(loaded.model, loaded.tokenizer, speculation=False)  # the decode step itself, without drafts
     tok = loaded.tokenizer
     grammar = json_schema(SCHEMA)
-    free, shaped = SamplingParams(max_tokens=steps + 4), SamplingParams(max_tokens=steps + 4, grammar=grammar)
+    limit = steps + 1024  # (far past the timed steps: the grammar's steps, not its closing at the limit)
+    free, shaped = SamplingParams(max_tokens=limit), SamplingParams(max_tokens=limit, grammar=grammar)
     out = {"steps": steps, "rounds": rounds, "batches": []}
     for b in batches:
         prompts = [tok.apply_chat_template([{"role": "user", "content": f"Write notes about {TOPICS[i % 8]} as JSON."}],
@@ -86,6 +135,8 @@ def structured(loaded, batches: tuple[int, ...], steps: int, rounds: int, log=la
         out["batches"].append(row)
         log(f"batch {b}: free {row['free_step_ms']} ms a step, grammar {row['grammar_step_ms']} ms: {row['ratio']}x")
     out["mask_us_per_row"] = round(mask_us(grammar, tok, loaded.config["vocab_size"]), 1)
+    out["closing_us_per_row"] = closing_us(grammar, tok, limit)
+    out["closing_search_ms"] = search_ms(grammar, tok)
     return out
 
 
@@ -103,4 +154,9 @@ def run(args: argparse.Namespace) -> int:
               f"JSON schema: {row['ratio']}x, target <= 1.10 (medians of {row['steps_timed']['free']} / "
               f"{row['steps_timed']['grammar']} steps)")
     print(f"the mask alone: {result['mask_us_per_row']} us a row (median)")
+    kept = result["closing_us_per_row"]
+    print(f"a token taken: {kept['advance']['median']} us a row (mean {kept['advance']['mean']}); kept closable "
+          f"within its limit: {kept['closing']['median']} us (mean {kept['closing']['mean']})")
+    search = result["closing_search_ms"]
+    print(f"a closing found anew: {search['median']} ms (median over the reply's places; at most {search['max']})")
     return 0

@@ -367,7 +367,8 @@ class Engine:
             id=next(self._ids),
             prompt=prompt,
             sampling=sampling,
-            sampler=Sampler(sampling, sampling.grammar and self._grammars.constraint(sampling.grammar)),
+            sampler=Sampler(sampling, sampling.grammar and self._grammars.constraint(sampling.grammar,
+                                                                                    sampling.max_tokens)),
             detokenizer=self._detokenizer(continues),
             continues=continues,
             cache=cache,
@@ -550,6 +551,8 @@ class Engine:
         while reason is None and taken <= agreed:
             more, shown, reason = self._accept(seq, tokens[taken], logprobs[taken])
             new, text, taken = new + more, text + shown, taken + 1
+            if more != (tokens[taken - 1],):  # an end, or the grammar took another token: later slots are moot
+                break
         if drafts:
             seq.drafted += len(drafts)
             seq.accepted += taken - 1
@@ -926,18 +929,27 @@ class Engine:
 
     def _accept(self, seq: _Sequence, token: int, logprobs=None) -> tuple[tuple[int, ...], str, str | None]:
         """Record a sampled token (with its ``Draw.logprobs``, evaluated, if
-        asked for): (new token ids, text to show, finish reason or None)."""
+        asked for) -- or, under a grammar, the token it takes instead to close
+        within ``max_tokens`` (``Constraint.fit``): (new token ids, text to
+        show, finish reason or None)."""
         reason = None
-        new: tuple[int, ...] = (token,)
-        if seq.sampler.constraint is not None:
-            seq.sampler.constraint.advance(token)
-        if token in self._eos:
+        c = seq.sampler.constraint
+        drawn, token = token, token if c is None else c.fit(token)  # (another, to close within max_tokens)
+        if c is not None and token is not None:
+            c.advance(token)
+        new: tuple[int, ...] = () if token is None else (token,)
+        if token is None:  # the grammar is complete here and what was drawn would not fit: the limit ends it
+            reason = LENGTH
+        elif token in self._eos:
             reason, new = STOP, ()
         else:
             seq.output.append(token)
             if seq.drafter is not None:
                 seq.drafter.extend(token)
-            if logprobs is not None:
+            if token != drawn and seq.sampling.logprobs is not None:  # the only token the grammar allowed
+                seq.logprobs.append(TokenLogprob.certain(token, self._grammars.token_bytes(token),
+                                                         seq.sampling.logprobs > 0))
+            elif logprobs is not None:
                 seq.logprobs.append(TokenLogprob.read(token, logprobs, self._grammars.token_bytes))
             seq.detokenizer.add_token(token)
             seq.text += seq.detokenizer.last_segment

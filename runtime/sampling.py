@@ -84,6 +84,12 @@ class TokenLogprob:
         return cls.of(token, *(a.tolist() for a in packed), pieces)
 
     @classmethod
+    def certain(cls, token: int, piece: bytes, top: bool) -> TokenLogprob:
+        """A token that was the only one allowed (a grammar closing within the
+        limit): log-probability 0, and itself as the top (``top``) alternative."""
+        return cls(token, piece, 0.0, (cls(token, piece, 0.0),) if top else ())
+
+    @classmethod
     def of(cls, token: int, values: list[float], ids: list[int], pieces: Callable[[int], bytes]) -> TokenLogprob:
         """From ``values`` (the token's logprob, then the top's) and the top's ``ids``."""
         top = tuple(cls(t, pieces(t), v) for t, v in zip(ids, values[1:]) if v > -math.inf)

@@ -20,8 +20,9 @@ Tools depend on the model's chat template (``web.tools``):
   ``tool_use`` blocks when the format is known (Hermes/Qwen ``<tool_call>``,
   Llama 3.1 JSON); an unknown format answers with the calls left in the text;
 * a template without tools (the embedded SmolLM2) cannot show the model a
-  tool, so definitions are dropped and tool calls and results in the history
-  are flattened into plain text; the reply is always text (``end_turn``).
+  tool: its tools are told in the system prompt in the Hermes format, the
+  reply is held to text or a call in that format, and tool calls and
+  results in the history are flattened into plain text.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class Prepared:
     fmt: ToolFormat | None  # how to parse calls out of the reply
     tool_names: frozenset[str]
     grammar: str | None = None  # what the reply must follow: the request's format, or a forced call
+    holds_calls: bool = False  # the grammar holds the reply's calls: they are whole even where the limit cut it
+    tools_told: bool = False  # the tools are told in the system prompt in the Hermes format (``tool_prompt``)
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,8 @@ class ChatProtocol(Answers, Protocol):
 
 
 def prepare(req: ChatRequest, chat_template: str | None, library: LibraryFormat | None = None,
-            tokens: Mapping[str, int] | None = None, reasoning: ThinkTags | Harmony | None = None) -> Prepared:
+            tokens: Mapping[str, int] | None = None, reasoning: ThinkTags | Harmony | None = None,
+            tell_tools: bool = True) -> Prepared:
     """The conversation and tools of ``req`` as this model's template can take
     them (``library``: the call format mlx-lm found for its tokenizer;
     ``tokens``: its ``added_tokens``; ``reasoning``: how its replies reason),
@@ -108,15 +112,19 @@ def prepare(req: ChatRequest, chat_template: str | None, library: LibraryFormat 
     A template that takes tools gets them; DeepSeek's, which takes none but
     writes calls, has them told in the system prompt as DeepSeek lays them
     out (``deepseek_tool_prompt``); any other template gets the conversation
-    flattened to text, and, when a call is forced, the tools told in the
-    system prompt in the Hermes format (``tool_prompt``). A forced call
-    (``required``) is held to one call of the tools in the model's format,
-    and tools that ask to be ``strict`` hold an ``auto`` reply to text or
-    valid calls (``call_grammar``; GPT-OSS: ``harmony.call_grammar``). A
-    model that reasons may think before the reply the grammar holds.
-    Raises ``RequestError`` (400) for tools whose schemas cannot be enforced."""
+    flattened to text and the tools told in the system prompt in the Hermes
+    format (``tool_prompt``), whatever the ``tool_choice`` but ``none``
+    (``tell_tools`` False: not under ``auto``, where they would not fit). A
+    forced call (``required``) is held to one call of the tools in the
+    model's format; tools that ask to be ``strict``, and tools told in the
+    Hermes format, hold an ``auto`` reply to text or valid calls
+    (``call_grammar``; GPT-OSS: ``harmony.call_grammar``). A model that
+    reasons may think before the reply the grammar holds. Raises
+    ``RequestError`` (400) for forced or strict tools whose schemas cannot
+    be enforced (told ones are then told, and their calls not held)."""
     conversation = context_first(req.conversation())
     forced = bool(req.tools) and req.tool_choice == "required"
+    told = False  # the tools are told in the system prompt in the Hermes format: their calls are held to it
     if supports_tools(chat_template):
         tools = req.tools or None
         fmt = tool_format(chat_template, library) if tools else None
@@ -127,24 +135,30 @@ def prepare(req: ChatRequest, chat_template: str | None, library: LibraryFormat 
     else:
         if any(m["role"] == "tool" or m.get("tool_calls") for m in conversation):
             conversation = flatten_tool_messages(conversation)
-        tools, fmt = None, None
-        if forced:
+        tools, fmt, told = None, None, bool(req.tools) and (tell_tools or forced)
+        if told:
             conversation = with_system(conversation, tool_prompt(req.tools))
             fmt = "hermes"
     grammar = req.grammar
-    if forced or (req.strict_tools and (tools or fmt)):
+    required = forced or (req.strict_tools and bool(tools or fmt))  # what cannot be enforced is refused
+    holds_calls = required or told
+    if holds_calls:
         try:
             if speaks_harmony(chat_template) and tools:
                 grammar, reasoning = harmony_grammar(req.callable_tools, forced), None  # (its own thoughts first)
             elif fmt is not None:
                 grammar = call_grammar(fmt, req.callable_tools, forced, tokens) or grammar
         except GrammarError as e:
-            raise RequestError(400, f"tools: this server cannot enforce a call of these tools: {e}", "tools") from None
+            if required:
+                raise RequestError(400, f"tools: this server cannot enforce a call of these tools: {e}",
+                                   "tools") from None
+            holds_calls = False  # told under auto: its calls are parsed as a template's are, not held
     if grammar is not None and reasoning is not None:
         grammar = reasoning.constrain(grammar, tokens or {})
     messages = tuple(Message(m["role"], m["content"], tuple(m.get("tool_calls") or ()), m.get("tool_call_id"),
                              m.get("name")) for m in conversation)
-    return Prepared(messages, tools, fmt, req.tool_names if fmt else frozenset(), grammar)
+    return Prepared(messages, tools, fmt, req.tool_names if fmt else frozenset(), grammar,
+                    holds_calls and grammar is not None, told)
 
 
 def with_system(conversation: list[dict], text: str) -> list[dict]:
@@ -323,8 +337,22 @@ class ChatCore:
             raise turn_error(e) from None
         if model not in self._added_tokens:
             self._added_tokens[model] = added_tokens(tokenizer)
-        return prepare(req, getattr(tokenizer, "chat_template", None), library_format(tokenizer),
-                       self._added_tokens[model], reasoning)
+        template, library = getattr(tokenizer, "chat_template", None), library_format(tokenizer)
+        prepared = prepare(req, template, library, self._added_tokens[model], reasoning)
+        if prepared.tools_told and req.tool_choice != "required" and not await self._fits(prepared, model):
+            # (tools a small context cannot hold, Claude Code's 8K tokens of them: left out, as a template without
+            # tools leaves them, rather than a prompt refused as too long)
+            prepared = prepare(req, template, library, self._added_tokens[model], reasoning, tell_tools=False)
+        return prepared
+
+    async def _fits(self, prepared: Prepared, model: str) -> bool:
+        """Whether ``prepared``'s prompt leaves room in ``model``'s context (unknown: yes)."""
+        if self.rt.model != model or not self.rt.context_length:
+            return True
+        try:
+            return (await self.rt.prompt(prepared.messages, prepared.tools, model=model))[1] < self.rt.context_length
+        except SemanticError as e:
+            raise turn_error(e) from None
 
     async def _template(self, model: str) -> str | None:
         return getattr(await self._tokenizer(model), "chat_template", None)
@@ -486,7 +514,8 @@ async def _run_turn(reply: Reply, prepared: Prepared, reasoning: ThinkTags | Har
                 yield item
             thought, text, calls = reasoning.read(turn.text)
             result = replace(result, text=text, reasoning=thought)
-            if calls and result.stop_reason == "stop":
-                result = replace(result, stop_reason="tool_use", tool_calls=tuple(calls))
-        results.append(finish_result(result, prepared.fmt, prepared.tool_names, prepared.tools))
+            if calls and (result.stop_reason == "stop" or prepared.holds_calls and result.stop_reason == "length"):
+                result = replace(result, stop_reason="tool_use" if result.stop_reason == "stop" else "length",
+                                 tool_calls=tuple(calls))
+        results.append(finish_result(result, prepared.fmt, prepared.tool_names, prepared.tools, prepared.holds_calls))
     yield replace(results[0], choices=tuple(results[1:]))

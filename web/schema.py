@@ -213,7 +213,7 @@ class ChatResult:
     stop_reason: StopReason
     usage: Usage
     stop_sequence: str | None = None  # the stop string that ended it ("stop_sequence" only)
-    tool_calls: tuple[ToolCall, ...] = ()  # non-empty exactly when stop_reason is "tool_use"
+    tool_calls: tuple[ToolCall, ...] = ()  # non-empty when stop_reason is "tool_use"; or "length" (a held call, cut)
     reasoning: str | None = None  # what the model thought before answering (``web.reasoning``), if it did
     turn: object = field(default=None, compare=False)  # the runtime's record (timings), when there is one
     choices: tuple[ChatResult, ...] = ()  # the request's other replies (``ChatRequest.choices``), 1 first
@@ -223,8 +223,10 @@ class ChatResult:
             raise ValueError(f"stop_reason must be one of {_STOP_REASONS}, not {self.stop_reason!r}")
         if (self.stop_sequence is not None) != (self.stop_reason == "stop_sequence"):
             raise ValueError("stop_sequence is given exactly when stop_reason is 'stop_sequence'")
-        if bool(self.tool_calls) != (self.stop_reason == "tool_use"):
-            raise ValueError("tool_calls are given exactly when stop_reason is 'tool_use'")
+        if self.stop_reason == "tool_use" and not self.tool_calls:
+            raise ValueError("stop_reason 'tool_use' needs tool_calls")
+        if self.tool_calls and self.stop_reason not in ("tool_use", "length"):
+            raise ValueError("tool_calls are given only when stop_reason is 'tool_use' or 'length'")
         object.__setattr__(self, "tool_calls", tuple(self.tool_calls))
 
     @property

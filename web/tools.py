@@ -16,12 +16,11 @@ Known formats (``ToolFormat``):
   mlx-lm's own parser (``mlx_lm.tool_parsers``), given the request's tools;
   and DeepSeek's (``<｜tool▁calls▁begin｜>``), read here.
 
-A model whose chat template never mentions ``tools`` is not told about
-tools; ``flatten_tool_messages`` turns a conversation with tool calls and
-results into plain user/assistant text such a template can render, and the
-server answers with text -- unless the request forces a call: then
-``tool_prompt`` tells the model of the tools in the Hermes format, in the
-system prompt. DeepSeek's templates take no tools but write calls and
+A model whose chat template never mentions ``tools`` is told of them by
+``tool_prompt``, in the Hermes format, in the system prompt, and its reply
+is held to text or a call in that format; ``flatten_tool_messages`` turns a
+conversation with tool calls and results into plain user/assistant text
+such a template can render. DeepSeek's templates take no tools but write calls and
 results: its model is told of the tools as DeepSeek lays them out
 (``deepseek_tool_prompt``), and its tool turns stay as they are.
 
@@ -307,11 +306,12 @@ def _xml_value(spec: dict, where: str) -> str:
 
 
 def tool_prompt(tools: Collection[dict]) -> str:
-    """What a model whose template takes no tools is told when it must call
-    one: the tools and the Hermes call format (``call_grammar`` holds it to it)."""
+    """What a model whose template takes no tools is told of them: the tools
+    and the Hermes call format (``call_grammar`` holds it to it). The same
+    whatever the ``tool_choice``, so the prompt's cache serves both."""
     listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return ("# Tools\n\nAnswer by calling one of these functions. Their signatures are within <tools></tools> "
-            f"XML tags:\n<tools>\n{listed}\n</tools>\n\nReturn the call as a JSON object with the function's "
+    return ("# Tools\n\nYou may call one of these functions. Their signatures are within <tools></tools> "
+            f"XML tags:\n<tools>\n{listed}\n</tools>\n\nTo call one, return a JSON object with the function's "
             f'name and arguments within {_HERMES_OPEN}{_HERMES_CLOSE} XML tags:\n{_HERMES_OPEN}\n'
             f'{{"name": <function-name>, "arguments": <args-json-object>}}\n{_HERMES_CLOSE}')
 
@@ -504,17 +504,19 @@ class ToolCallFilter:
 
 
 def finish_result(result: ChatResult, fmt: ToolFormat | None, tool_names: Collection[str] | None = None,
-                  tools: Collection[dict] | None = None) -> ChatResult:
+                  tools: Collection[dict] | None = None, held: bool = False) -> ChatResult:
     """``result`` with tool calls parsed out of its text; a turn that ended
     normally with calls ends with ``"tool_use"``. A turn cut by ``max_tokens``
-    or a stop string keeps its reason (its calls may be incomplete) and its calls
-    stay in the text."""
-    if fmt is None or result.stop_reason != "stop" or result.tool_calls:
+    keeps its reason: its calls are read too where a grammar ``held`` them
+    (it closes a call within the limit: ``runtime.grammar``), else they stay
+    in the text (they may be cut), as after a stop string."""
+    if fmt is None or result.tool_calls or result.stop_reason not in ("stop", "length" if held else "stop"):
         return result
     text, calls = parse_tool_calls(result.text, fmt, tool_names, tools)
     if not calls:
         return result
-    return replace(result, text=text, stop_reason="tool_use", tool_calls=tuple(calls))
+    reason = "tool_use" if result.stop_reason == "stop" else result.stop_reason
+    return replace(result, text=text, stop_reason=reason, tool_calls=tuple(calls))
 
 
 def flatten_tool_messages(messages: list[dict]) -> list[dict]:

@@ -11,6 +11,7 @@ from semantic.runtime.outcome import TurnResult
 from semantic.web.anthropic import parse_request
 from semantic.web.chat import chat_result, context_first, prepare
 from semantic.web.identity import ConversationIndex, forked_conversation_id, new_conversation_id, route_scope
+from semantic.web.tools import tool_prompt
 
 from .test_anthropic import CLAUDE_CODE
 
@@ -33,13 +34,17 @@ def test_a_template_with_tools_gets_them_and_the_tool_turns_as_they_are():
     assert p.messages[2].as_dict()["tool_calls"] == list(p.messages[2].tool_calls)
 
 
-def test_a_template_without_tools_gets_plain_text_and_never_a_tool_call():
-    p = prepare(claude_code(), PLAIN)
-    assert (p.tools, p.fmt, p.tool_names) == (None, None, frozenset())
-    assert [m.role for m in p.messages] == ["system", "user", "assistant", "user"]
-    assert '[tool call: Bash({"command": "ls"})]' in p.messages[2].content
-    assert "[tool result from Read]\nError: no such file" in p.messages[3].content
-    assert all(not m.tool_calls and m.tool_call_id is None for m in p.messages)
+def test_a_template_without_tools_is_told_them_and_gets_its_tool_turns_as_plain_text():
+    told = prepare(claude_code(), PLAIN)
+    assert (told.tools, told.fmt, told.tool_names, told.tools_told) == (None, "hermes", {"Bash", "Read"}, True)
+    assert told.messages[0].content.endswith(tool_prompt(claude_code().tools)) and told.holds_calls
+    p = prepare(claude_code(), PLAIN, tell_tools=False)  # (tools its context cannot hold: ``ChatCore``)
+    assert (p.tools, p.fmt, p.tool_names, p.grammar) == (None, None, frozenset(), None)
+    for q in (told, p):
+        assert [m.role for m in q.messages] == ["system", "user", "assistant", "user"]
+        assert '[tool call: Bash({"command": "ls"})]' in q.messages[2].content
+        assert "[tool result from Read]\nError: no such file" in q.messages[3].content
+        assert all(not m.tool_calls and m.tool_call_id is None for m in q.messages)
 
 
 def test_results_map_the_runtimes_reasons():

@@ -65,8 +65,8 @@ def test_usage():
     ({"stop_reason": "eos"}, "stop_reason must be one of"),
     ({"stop_reason": "stop_sequence"}, "stop_sequence is given exactly when"),
     ({"stop_sequence": "END"}, "stop_sequence is given exactly when"),
-    ({"stop_reason": "tool_use"}, "tool_calls are given exactly when"),
-    ({"tool_calls": (CALL,)}, "tool_calls are given exactly when"),
+    ({"stop_reason": "tool_use"}, "stop_reason 'tool_use' needs tool_calls"),
+    ({"tool_calls": (CALL,)}, "tool_calls are given only when"),  # (and with "length": a held call, cut)
 ])
 def test_result_rules(fields, rule):
     with pytest.raises(ValueError, match=rule):

@@ -341,3 +341,19 @@ async def test_old_anonymous_conversations_are_pruned_counted_and_forgotten(tmp_
         follow_up = [ASK["messages"][0], {"role": "assistant", "content": reply}, {"role": "user", "content": "And?"}]
         r = await http.post("/v1/messages", json={**ASK, "messages": follow_up})
         assert r.status_code == 200 and r.headers["x-agent-id"] not in (old, "named")  # the index forgot it
+
+
+async def test_tools_a_template_without_tools_is_told_are_left_out_under_auto_where_they_do_not_fit(tmp_path):
+    small = {"type": "function", "function": {"name": "now", "description": "The time.", "parameters": {
+        "type": "object", "properties": {}}}}
+    large = copy.deepcopy(small)
+    large["function"]["description"] = TOO_LONG  # more than the whole context
+    ask = {**CHAT, "messages": [{"role": "user", "content": "Hi"}]}
+    async with live_server(tmp_path) as url, client(url) as http:
+        bare = (await http.post("/v1/chat/completions", json=ask)).json()["usage"]["prompt_tokens"]
+        told = (await http.post("/v1/chat/completions", json={**ask, "tools": [small]})).json()
+        left_out = await http.post("/v1/chat/completions", json={**ask, "tools": [large]})
+        forced = await http.post("/v1/chat/completions", json={**ask, "tools": [large], "tool_choice": "required"})
+    assert told["usage"]["prompt_tokens"] > bare + 30  # the tool, in the system prompt (SmolLM2's template)
+    assert left_out.status_code == 200 and left_out.json()["usage"]["prompt_tokens"] == bare
+    assert forced.status_code == 400 and f"{CONTEXT}-token context" in forced.text  # a call needs them told

@@ -168,18 +168,19 @@ def test_the_filter_releases_text_as_soon_as_it_is_safe():
 U = Usage(5, 0, 9)
 
 
-@pytest.mark.parametrize("reason, fmt, expect_calls", [
-    ("stop", "hermes", True),
-    ("length", "hermes", False),  # cut short: the calls stay text
-    ("stop_sequence", "hermes", False),
-    ("stop", None, False),
+@pytest.mark.parametrize("reason, fmt, held, expect_reason", [
+    ("stop", "hermes", False, "tool_use"),
+    ("length", "hermes", False, None),  # cut short: the calls stay text
+    ("length", "hermes", True, "length"),  # a grammar closed the call within the limit: a call, cut
+    ("stop_sequence", "hermes", True, None),
+    ("stop", None, False, None),
 ])
-def test_finish_result(reason, fmt, expect_calls):
+def test_finish_result(reason, fmt, held, expect_reason):
     text = 'Checking.\n<tool_call>{"name": "a", "arguments": {"k": 1}}</tool_call>'
     result = ChatResult(text, reason, U, stop_sequence="END" if reason == "stop_sequence" else None)
-    done = finish_result(result, fmt, {"a"})
-    if expect_calls:
-        assert (done.text, done.stop_reason, [c.name for c in done.tool_calls]) == ("Checking.", "tool_use", ["a"])
+    done = finish_result(result, fmt, {"a"}, held=held)
+    if expect_reason:
+        assert (done.text, done.stop_reason, [c.name for c in done.tool_calls]) == ("Checking.", expect_reason, ["a"])
     else:
         assert done == result
 
@@ -311,23 +312,32 @@ def test_auto_gets_a_grammar_only_when_a_tool_is_strict():
     assert prepare(ChatRequest(**ask, tools=(WEATHER_FN,)), HERMES).grammar is None
     strict = prepare(ChatRequest(**ask, tools=(WEATHER_FN,), strict_tools=True), HERMES)
     assert strict.grammar == call_grammar("hermes", [WEATHER_FN], forced=False)
-    assert prepare(ChatRequest(**ask, tools=(WEATHER_FN,), strict_tools=True), SMOLLM2).grammar is None  # unseen
+    told = prepare(ChatRequest(**ask, tools=(WEATHER_FN,), strict_tools=True), SMOLLM2)  # told, so held anyway
+    assert told.grammar == call_grammar("hermes", [WEATHER_FN], forced=False)
 
 
-def test_a_model_without_tools_is_told_of_them_only_when_it_must_call_one():
+def test_a_model_without_tools_is_told_of_them_and_held_to_text_or_a_call():
     from semantic.web.chat import prepare
     from semantic.web.schema import ChatRequest
 
     ask = dict(messages=({"role": "user", "content": "Weather?"},), max_tokens=50, system="Be brief.")
-    free = prepare(ChatRequest(**ask, tools=(WEATHER_FN,)), SMOLLM2)
-    assert (free.fmt, free.grammar, free.messages[0].content) == (None, None, "Be brief.")
+    auto = prepare(ChatRequest(**ask, tools=(WEATHER_FN,)), SMOLLM2)
+    assert auto.fmt == "hermes" and auto.grammar == call_grammar("hermes", [WEATHER_FN], forced=False)
+    assert auto.messages[0].content == "Be brief.\n\n" + tool_prompt([WEATHER_FN]) and auto.holds_calls
     forced = prepare(ChatRequest(**ask, tools=(WEATHER_FN,), tool_choice="required"), SMOLLM2)
     assert forced.fmt == "hermes" and forced.grammar == call_grammar("hermes", [WEATHER_FN])
-    assert forced.messages[0].content == "Be brief.\n\n" + tool_prompt([WEATHER_FN])
+    assert forced.messages == auto.messages  # the same prompt whatever the choice: one cache serves both
     assert forced.tools is None and forced.tool_names == {"get_weather"}  # the template never sees them
+    none = prepare(ChatRequest(**ask), SMOLLM2)  # (tool_choice "none" leaves the request no tools)
+    assert (none.fmt, none.grammar, none.messages[0].content, none.holds_calls) == (None, None, "Be brief.", False)
     with_tools = prepare(ChatRequest(**ask, tools=(WEATHER_FN,), tool_choice="required"), HERMES)
     assert with_tools.tools == (WEATHER_FN,) and with_tools.messages[0].content == "Be brief."
     assert with_tools.grammar == call_grammar("hermes", [WEATHER_FN])
+    assert prepare(ChatRequest(**ask, tools=(WEATHER_FN,)), HERMES).holds_calls is False  # auto, not strict
+    odd = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}
+    unheld = prepare(ChatRequest(**ask, tools=(odd,)), SMOLLM2)  # told, its calls parsed but not held
+    assert (unheld.fmt, unheld.grammar, unheld.holds_calls) == ("hermes", None, False)
+    assert unheld.messages[0].content == "Be brief.\n\n" + tool_prompt([odd])
 
 
 # Qwen3-Coder's calls, in its template's own conventions (the real one renders them so).
