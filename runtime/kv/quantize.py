@@ -67,13 +67,17 @@ def close_block(keys: mx.array, values: mx.array, group_size: int, bits: int, fi
 
 def open_blocks(packed: Packed, group_size: int, bits: int, dtype: mx.Dtype, block: int) -> tuple[mx.array, mx.array]:
     """Keys and values (1, H, T, D) of whole blocks of ``close_block`` rows (T a
-    multiple of ``block``), bit for bit ``mx.dequantize``."""
+    multiple of ``block``), bit for bit ``mx.dequantize``. Keys are unpacked
+    straight into token order: the packed words (an eighth of the floats at 4
+    bits) are what is transposed, not the floats."""
     kw, ks, kb, *v = packed
     _, H, T, _ = kw.shape
     D = ks.shape[-1] * group_size  # a token row of key scales: D channels x block / group_size, over block rows
-    by_block = [t.reshape(1, H, T // block, D, -1) for t in (kw, ks, kb)]
-    keys = unpack(by_block, group_size, bits, dtype).swapaxes(-1, -2).reshape(1, H, T, D)
-    return keys, unpack(v, group_size, bits, dtype)
+    w, scales, biases = (t.reshape(1, H, T // block, D, -1).swapaxes(-1, -2) for t in (kw, ks, kb))  # (.., W, D)
+    shifts = mx.arange(0, 32, bits, dtype=mx.uint32)[:, None]
+    codes = ((w[..., None, :] >> shifts) & ((1 << bits) - 1)).reshape(1, H, T // block, -1, group_size, D)
+    keys = codes.astype(dtype) * scales.astype(dtype)[..., None, :] + biases.astype(dtype)[..., None, :]
+    return keys.reshape(1, H, T, D), unpack(v, group_size, bits, dtype)
 
 
 def grown(buffer: Optional[mx.array], live: int, capacity: int, like: mx.array) -> mx.array:

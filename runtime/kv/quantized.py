@@ -145,8 +145,8 @@ class SequenceQuantizedKVCache(_BaseCache):
         keys, values = open_blocks(tuple(t[..., start:stop, :] for t in self.packed), self.group_size, self.kv_bits,
                                    dtype, self.block)
         if start == 0:
-            keys = mx.concatenate([self.sinks[0].astype(dtype), keys[..., SINKS:, :]], axis=2)
-            values = mx.concatenate([self.sinks[1].astype(dtype), values[..., SINKS:, :]], axis=2)
+            keys[..., :SINKS, :] = self.sinks[0].astype(dtype)
+            values[..., :SINKS, :] = self.sinks[1].astype(dtype)
         return keys, values
 
     def packed_past(self, start: int, stop: int) -> PackedPast:
@@ -309,8 +309,11 @@ class DequantizingKVCache(_BaseCache):
             parts = [q.unpacked(0, self.head, like.dtype)] if self.head else []
             if q.offset > q.closed:
                 parts.append(tuple(x[..., : q.offset - q.closed, :] for x in q.open))
-            if parts:
-                self._float = tuple(mx.concatenate(p, axis=2) if len(p) > 1 else p[0] for p in zip(*parts))
+            if parts:  # one copy, with room for the rest of the open block and the next
+                live = self.head + q.offset - q.closed
+                room = self._capacity(live) - live
+                parts.append(tuple(mx.zeros((*x.shape[:2], room, x.shape[3]), x.dtype) for x in parts[0]))
+                self._float = tuple(mx.concatenate(p, axis=2) for p in zip(*parts))
             return
         if q.closed < self.synced:  # the record went back to a block's start (nothing after it)
             self.head, self.synced = min(self.head, q.closed), q.closed
@@ -340,12 +343,22 @@ class DequantizingKVCache(_BaseCache):
         n = rows[0].shape[2]
         fk, fv = self._float or (None, None)
         if fk is None or fk.shape[2] < at + n:
-            step = self.quantized.block
-            capacity = (at + n + step - 1) // step * step
+            capacity = self._capacity(at + n)
             fk, fv = grown(fk, at, capacity, rows[0]), grown(fv, at, capacity, rows[1])
         fk[..., at : at + n, :] = rows[0]
         fv[..., at : at + n, :] = rows[1]
         self._float = (fk, fv)
+
+    def _capacity(self, rows: int) -> int:
+        """Rows a copy holding ``rows`` is given: to its block's end and one block
+        more, so a chunk or step that crosses into the next block does not copy
+        it again; never more than the float head and two blocks (the budget's
+        ``WorkingCopyManager``) for rows that fit them."""
+        step = self.quantized.block
+        need = (rows + step - 1) // step * step
+        if self.float_head is None:
+            return need + step
+        return max(need, min(need + step, self.float_head + 2 * step))
 
     def _fetched(self) -> tuple:
         """What a token attends over now: the copy's live rows, then the packed blocks (or None)."""

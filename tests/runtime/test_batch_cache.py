@@ -13,7 +13,7 @@ from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 
 from semantic.runtime.batch_cache import BatchQuantizedKVCache
 from semantic.runtime.kv import DequantizingKVCache, SequenceQuantizedKVCache, WindowKVCache, make_sequence_cache
-from semantic.runtime.kv.quantize import quantize, unpack
+from semantic.runtime.kv.quantize import close_block, open_blocks, quantize, unpack
 from semantic.runtime.rowwise import _per_sequence, _rowwise_class, rowwise
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
@@ -226,6 +226,24 @@ def test_unpack_is_bit_exact_against_mx_dequantize(bits, group_size, dtype):
     x = (mx.random.normal((2, 3, 17, 128), key=mx.random.key(bits + group_size)) * 3).astype(dtype)
     q = quantize(x, group_size, bits)
     assert mx.array_equal(unpack(q, group_size, bits, dtype), _dequantize(q, group_size, bits, dtype)).item()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_open_blocks_is_bit_exact_against_mx_dequantize(bits, group_size, dtype):
+    """Keys per channel come back in token order, each value what ``mx.dequantize``
+    makes of its (channels, tokens) groups."""
+    k, v = ((mx.random.normal((1, 3, 512, 128), key=mx.random.key(s)) * 3).astype(dtype) for s in (bits, group_size))
+    packed = close_block(k[..., :256, :], v[..., :256, :], group_size, bits, first=False)
+    packed = tuple(mx.concatenate([a, b], axis=2) for a, b in
+                   zip(packed, close_block(k[..., 256:, :], v[..., 256:, :], group_size, bits, first=False)))
+    keys, values = open_blocks(packed, group_size, bits, dtype, 256)
+    for i in range(2):
+        by_channel = quantize(k[..., 256 * i : 256 * (i + 1), :].swapaxes(-1, -2), group_size, bits)
+        want = _dequantize(by_channel, group_size, bits, dtype).swapaxes(-1, -2)
+        assert mx.array_equal(keys[..., 256 * i : 256 * (i + 1), :], want).item()
+    assert mx.array_equal(values, _dequantize(quantize(v, group_size, bits), group_size, bits, dtype)).item()
 
 
 def test_bfloat16_models_keep_bfloat16_scales():
