@@ -1,13 +1,15 @@
 """The architecture, checked by a tool (import-linter, contracts in
 ``pyproject.toml``): the layers (cli over web, bench and scenarios, over
 actors, over runtime) and no import cycle inside a package -- on this tree,
-and broken on a copy of it that breaks each rule. And the install: one
-package, ``semantic``, whose folders are the repo's."""
+and broken on a copy of it that breaks each rule. The install: one package,
+``semantic``, whose folders are the repo's. And that a package's docstring
+lists its modules."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 import shutil
 import subprocess
 import sys
@@ -20,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("runtime", "actors", "web", "cli", "bench", "scenarios")
 LINT = Path(sys.executable).with_name("lint-imports")
 
-pytestmark = pytest.mark.skipif(not LINT.exists(), reason="import-linter is not installed (pip install -e '.[dev]')")
+needs_lint = pytest.mark.skipif(not LINT.exists(), reason="import-linter is not installed (pip install -e '.[dev]')")
 
 
 def lint(tree: Path) -> subprocess.CompletedProcess:
@@ -38,12 +40,14 @@ def copy_of_the_tree(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@needs_lint
 def test_the_tree_keeps_its_layers_and_has_no_import_cycle():
     result = lint(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "3 kept, 0 broken" in result.stdout
 
 
+@needs_lint
 @pytest.mark.parametrize("module, line, broken", [
     ("runtime/errors.py", "import semantic.actors.errors", "cli over web, bench and scenarios, over actors, over runtime"),
     ("web/sse.py", "import semantic.cli.main", "cli over web, bench and scenarios, over actors, over runtime"),
@@ -153,3 +157,21 @@ def test_one_writer_of_an_agents_cache_state():
     found = [f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(t)}"
              for path, tree in _python(*PACKAGES) if path != owner for node, t, _ in _assigned(tree, ENTRY)]
     assert found == []
+
+
+# -- package docstrings ----------------------------------------------------------------------------
+
+# Packages whose docstring lists its modules, one bullet each (``* ``name`` ...`` or ``- ``name`` ...``).
+LISTED = ("actors", "web", "runtime/kv", "scenarios")
+
+
+@pytest.mark.parametrize("package", LISTED)
+def test_a_package_docstring_names_every_module_it_holds(package):
+    """The layout a package's docstring gives is the package: every module and
+    folder named, and nothing named that is not there."""
+    folder = ROOT / package
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
+    named = set(re.findall(r"^\s*[*-] ``([\w/]+)``", doc, re.M))
+    held = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    held |= {f"{p.name}/" for p in folder.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert named == held, f"not named: {sorted(held - named)}; named, not there: {sorted(named - held)}"
