@@ -341,3 +341,22 @@ def test_the_docs_name_files_modules_and_names_that_exist():
                 if _unresolved(ref, modules, short, classes):
                     missing.append(f"{doc}: {ref}")
     assert missing == []
+
+def test_todays_benchmark_figures_cover_every_bench_with_commands_that_parse():
+    """``docs/benchmarks.md`` opens with a table per benchmark, each row with
+    the command that made it: every ``semantic bench`` there parses as the
+    CLI stands, and every benchmark the CLI has is there."""
+    import argparse
+    import shlex
+
+    from semantic.cli.main import parser
+
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    today = text[text.index("## Today's figures"):text.index("## History")]
+    benches = set()
+    for command in re.findall(r"`(semantic bench [^`]+)`", today):
+        benches.add(parser().parse_args(shlex.split(command)[1:]).bench)  # SystemExit(2) where it does not parse
+    top = parser()
+    (commands,) = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    (bench,) = [a for a in commands.choices["bench"]._actions if isinstance(a, argparse._SubParsersAction)]
+    assert benches == set(bench.choices)
