@@ -241,7 +241,7 @@ def test_the_cache_codec_asks_the_layer_and_only_the_manifest_checks_name_kinds(
 # -- the docs name code that exists ------------------------------------------------------------------
 
 DOCS = ("docs/architecture.md", "docs/api.md", "docs/cache-format.md", "docs/scaling.md", "docs/testing.md",
-        "README.md")
+        "README.md", "CONTRIBUTING.md")
 
 
 def _defines(tree: ast.AST, name: str) -> bool:
