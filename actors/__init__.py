@@ -7,12 +7,24 @@ Layout (each module one job; only this file's names are public):
 * ``reply``       -- ``Reply``: a turn's stream of deltas;
 * ``agent``       -- agent actors: one mailbox per agent serialises its turns
                      and owns its history;
-* ``gpu``         -- the GPU actor: the only code touching MLX, on its own
-                     thread; continuous batching over ``runtime.engine``;
+* ``gpu``         -- the GPU actor: the event-loop half (mailbox, health, the
+                     thread's lifetime) of the one thread that touches MLX;
+                     ``follow`` for the other ranks of a sharded model;
+* ``gpu_thread``  -- that thread's loop (continuous batching over
+                     ``runtime.engine``; the model's life, stop and failure)
+                     and the input words it acts on;
+* ``scheduler``   -- (GPU thread) the turns: read ahead, admitted, stepped,
+                     reserved for and preempted;
+* ``write_behind`` -- (GPU thread) the hot set's disk: cache bytes posted to
+                     persistence, numbered;
+* ``cache_commands`` -- (GPU thread) fork, drop and demote a hot cache;
+* ``snapshots``   -- (GPU thread) what it publishes for other threads: the hot
+                     set, the batch, the idle caches;
 * ``registry``    -- the model registry (load, swap, idle unload), on the GPU thread;
 * ``lockstep``    -- a model sharded over ranks: rank 0's GPU thread broadcasts its
                      inputs, the other ranks' threads follow them;
 * ``persistence`` -- writes caches and histories behind the turns;
+* ``history``     -- an agent's history file (model-independent JSON);
 * ``eviction``    -- keeps hot caches under the budget's high watermark;
 * ``messages``    -- every message, one union per mailbox;
 * ``errors``      -- what callers may catch;

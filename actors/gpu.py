@@ -18,7 +18,8 @@ wake-up is pending, schedules ``_pump`` on the loop with the loop's own
 thread-safe callback (trio's ``TrioToken.run_sync_soon``, asyncio's
 ``call_soon_threadsafe``), which queues it and returns: the thread never
 waits for the loop.  (anyio's ``BlockingPortal.start_task_soon`` waits until
-the loop has taken the task: ~6% of a lone agent's decode step under trio.)
+the loop has taken the task, a visible share of a lone agent's decode step:
+docs/benchmarks.md, "Figures that were in the code's comments".)
 ``_pump`` drains the outbox in order with ``send_nowait`` on unbounded
 streams, so one pump call delivers everything posted so far, in the order it
 was posted.

@@ -185,7 +185,8 @@ def in_process(loaded, rounds: int, max_tokens: int | None = None, log=lambda li
     out = {}
     for name, (messages, n) in singles.items():
         # A shorter workload runs more rounds, so each times about as many tokens as
-        # the edit's (two rounds of 90 tokens moved a ratio by a fifth between runs).
+        # the edit's: a few rounds of a short reply are too noisy to compare (docs/benchmarks.md,
+        # "`bench speculation` rounds").
         runs = rounds * max(1, round(singles["edit"][1] / n))
         out[name] = compare(engine, [render(messages)], cap(n), runs, "decode_tps", TARGETS[name],
                             TEMPERATURE.get(name, 0.0))

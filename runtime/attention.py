@@ -95,8 +95,8 @@ def _block_rows(heads: int, keys: int) -> int:
     ``SCORES_BYTES``. Each op of a block reads and writes all its scores:
     once they and the keys and values outgrow the CPU's cache (or glibc's
     32 MB, above which every new array faults in its pages), a chunk over
-    4-8K keys took about twice as long; fewer rows over shorter keys cost
-    more ops than they save (measured: ``docs/benchmarks.md``)."""
+    thousands of keys slows down; fewer rows over shorter keys cost more ops
+    than they save (``docs/benchmarks.md``, "long prompts' attention")."""
     return max(MIN_BLOCK, min(BLOCK, SCORES_BYTES // (4 * heads * keys)))
 
 

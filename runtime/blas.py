@@ -10,10 +10,11 @@ keep the bundled BLAS.
 
 OpenBLAS picks its kernels by CPU model, and a release that does not know a
 CPU may fall back to its SSE3 (Prescott) kernels: Debian's 0.3.21 does on
-newer Xeons with AVX-512, where a float32 matmul then runs ~5x slower (35
-against 175 GFLOP/s, measured).  When OpenBLAS would do that, this names the
-kernels the CPU's features allow, as newer OpenBLAS releases do for CPUs they
-do not know.  ``OPENBLAS_CORETYPE``, when set, is left alone.
+newer Xeons with AVX-512, where a float32 matmul then runs several times
+slower (docs/benchmarks.md, "The Xeon's own kernels").  When OpenBLAS would
+do that, this names the kernels the CPU's features allow, as newer OpenBLAS
+releases do for CPUs they do not know.  ``OPENBLAS_CORETYPE``, when set, is
+left alone.
 """
 
 from __future__ import annotations

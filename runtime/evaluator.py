@@ -3,10 +3,10 @@
 On the CPU, ``mx.async_eval`` returns only when about a hundred operations of
 its graph are left to run (MLX lets at most ten tasks of ten dispatches wait),
 and a decode step has thousands: the engine's step ahead was built while only
-the last of them ran, and its graph building (10-22 ms a step at 1-4 rows
-here) was mostly in the open. An ``Evaluator`` runs ``mx.eval``, which
-releases the GIL, on its own thread while the engine's thread builds the next
-step.
+the last of them ran, and its graph building (a tenth of a step or more) was
+mostly in the open (docs/benchmarks.md, "A step ahead evaluated on its own
+thread"). An ``Evaluator`` runs ``mx.eval``, which releases the GIL, on its
+own thread while the engine's thread builds the next step.
 
 MLX's terms for this (``mx.new_thread_unsafe_stream``): graphs on such a stream
 may be evaluated on any thread, one thread at a time. So the engine builds
@@ -15,9 +15,10 @@ every graph on ``stream`` and evaluates on its own thread only once
 when it starts on them, under the GIL: if the engine's thread has updated one
 in place by then (``x[a:b] = y``, building the next step), it evaluates that
 newer node, made on the step's, with it -- the step's values are the same.
-(Copies taken at ``start`` would avoid that; measured, they cost 6-14 ms a
-step here.) Off the CPU, ``async_eval`` is asynchronous already: a step
-starts there, on the caller's thread.
+(Copies taken at ``start`` would avoid that, at several milliseconds a step:
+docs/benchmarks.md, "Figures that were in the code's comments".) Off the
+CPU, ``async_eval`` is asynchronous already: a step starts there, on the
+caller's thread.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """``exp`` the way MLX's CPU runs fast, and what is built from it.
 
 MLX's CPU build computes ``exp`` one element at a time, each through a libm
-``fmaf`` call: ~12 ns an element on these machines against ~0.3 ns for a
-multiply. Softmax was most of attention there, and the SiLU of a SwiGLU MLP
-a fifth of a prompt chunk's forward. Here ``2**y`` is built from
-elementwise ops that MLX runs vectorised -- an integer part put into the
-exponent bits and a degree-5 polynomial for the rest -- within 2.6e-7 of
-the exact value (``exp2``); ``swiglu`` builds the sigmoid from it.
+``fmaf`` call: tens of times a multiply's cost (docs/benchmarks.md, "CPU
+attention and batched prefill"). Softmax was most of attention there, and
+the SiLU of a SwiGLU MLP a fifth of a prompt chunk's forward. Here ``2**y``
+is built from elementwise ops that MLX runs vectorised -- an integer part
+put into the exponent bits and a degree-5 polynomial for the rest -- within
+2.6e-7 of the exact value (``exp2``); ``swiglu`` builds the sigmoid from it.
 """
 
 from __future__ import annotations
@@ -51,14 +51,15 @@ def exp2(x: mx.array, shift: mx.array | float = 0.0) -> mx.array:
     """``2**(x - shift)`` elementwise for float32 ``x <= shift`` (``shift``
     broadcast against ``x``); 0 below about -125.5. Never subnormal: Intel
     CPUs compute with subnormal numbers two orders of magnitude slower, and a
-    masked softmax weight of 2**-126 times a value is one (it made a
-    300-token prompt chunk's attention 6x slower on an Intel Xeon)."""
+    masked softmax weight of 2**-126 times a value is one (what it cost a
+    prompt chunk's attention: docs/benchmarks.md, "no subnormal attention
+    weights")."""
     t, p = _split(x, mx.array(shift, x.dtype) if isinstance(shift, float) else shift)
     return mx.view(_scaled_bits(mx.view(p, mx.int32), mx.view(t, mx.int32)), mx.float32)
 
 
 # Each of these is its own kernel: MLX's compiled CPU loop stops being vectorised
-# when the gate is both compared and multiplied in one (measured: 7 ms against 0.4).
+# when the gate is both compared and multiplied in one (docs/benchmarks.md, "SwiGLU and short rests").
 @_compiled
 def _down_exponent(gate: mx.array) -> mx.array:
     return mx.abs(gate) * -LOG2E

@@ -12,14 +12,14 @@ SwiGLU MLP, and the weights of linear layers and embeddings.
   close to the exact value as MLX's own (not bitwise), and elementwise, so a
   row's result still depends on that row alone.
 * **Weights.** ``x @ w.T`` hands OpenBLAS a weight to read transposed, and
-  its packing of a transposed weight is the slower one: a decode step spent
-  a fifth of its time there. Each float32 ``nn.Linear`` and ``nn.Embedding``
-  weight is stored transposed (``w`` is a view of a contiguous ``w.T``), so
-  the same expression reads it as it lies: the tied head of SmolLM2 a third
-  faster at one row, a decode step 7-10%. The products were bitwise the same
-  under OpenBLAS's Prescott to Zen kernels (measured; the tests hold them
-  within float32 rounding), and nothing rests on it: a sequence alone and
-  batched runs the same layout.
+  its packing of a transposed weight is the slower one: about a fifth of a
+  decode step. Each float32 ``nn.Linear`` and ``nn.Embedding`` weight is
+  stored transposed (``w`` is a view of a contiguous ``w.T``), so the same
+  expression reads it as it lies (what it gains: docs/benchmarks.md,
+  "Weights laid out for the BLAS"). The products were bitwise the same
+  under the kernel sets tried (the tests hold them within float32
+  rounding), and nothing rests on it: a sequence alone and batched runs the
+  same layout.
 
 Float32 on the CPU only; anything else takes the module's own call (and
 keeps its weights as they are). Tests check each form against the module it

@@ -186,7 +186,7 @@ class StepCosts:
     def __init__(self, counts: RowCounts):
         self.counts = counts
         # A forward's time, by its slots: the line through the times measured (each count's own
-        # carries its measurement's noise: 113.0 and 109.9 ms at five and six rows, once).
+        # carries its measurement's noise: a count once measured faster than the one below it).
         slots = np.arange(1, len(counts.ms) + 1)
         self._line = np.polyfit(slots, counts.ms, 1) if len(counts.ms) > 1 else (0.0, sum(counts.ms))
         self.build_ms = 0.0  # building a step's graph, recently
@@ -266,8 +266,9 @@ def allot(offers: list[list[int]], rates: list[float], contexts: list[int], cost
     its slot, the attention it adds and the builds it keeps in the open.
     No draft, tried or paid for, moves a sequence into another forward than
     it runs in without drafts: the engine would rebuild every sequence's
-    working copies for that step and again for the next (a four-row step
-    that did took 359 ms against ~150, and the one after it 234)."""
+    working copies for that step and again for the next, which costs more
+    than the drafts save (docs/benchmarks.md, "Drafts kept in their
+    sequence's forward")."""
     groups = _groups(costs, [0] * len(offers))
     taken, tokens = [0] * len(offers), float(len(offers))
     for i, n in enumerate(least or []):

@@ -1,14 +1,17 @@
 """Multi-agent, multi-phase scenarios written in YAML, and their runner.
 
-Layout (dependencies point down; nothing here imports MLX):
+Layout (dependencies point down; nothing here but ``local`` imports MLX):
 
 * ``schema``  the YAML format -> frozen ``Scenario`` (or ``ScenarioError`` with file:line)
 * ``backend`` the seam: ``Backend`` / ``AgentHandle`` protocols, ``Sampling``, ``TextDelta``
+* ``local``   the in-process backend: scenario agents are agents of an actor ``Runtime``
+* ``remote``  the HTTP backend: agents of a running ``semantic serve`` (its agent API)
 * ``plan``    who hears what and when: the schedule, cache keys, each agent's next prompt
 * ``runner``  ``run(scenario, backend)``: plays the turns, emits events, returns a ``Result``
 * ``report``  the per-turn report (JSON) and the transcript (JSON, Markdown)
+* ``compare`` a cached run against a ``--no-cache`` run: which replies differ, and why
 * ``view``    the live terminal view (rich), plain lines when not a terminal
-* ``cli``     ``semantic scenario run|validate``
+* ``cli``     ``semantic scenario run|compare|validate``
 * ``library/`` the shipped scenarios
 
 The names below are re-exported lazily, so importing ``scenarios.cli`` for

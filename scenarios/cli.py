@@ -27,7 +27,7 @@ LIBRARY = Path(__file__).parent / "library"
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``scenario`` (with actions ``run`` and ``validate``) to ``semantic``'s subcommands."""
-    top = sub.add_parser("scenario", help="multi-agent YAML scenarios: run, validate")
+    top = sub.add_parser("scenario", help="multi-agent YAML scenarios: run, compare, validate")
     actions = top.add_subparsers(dest="action", required=True, metavar="ACTION")
     shipped = ", ".join(library()) or "none"
     p = actions.add_parser("run", help="run a scenario: live view, transcript and per-turn cache report")

@@ -1,13 +1,17 @@
 """The architecture, checked by a tool (import-linter, contracts in
 ``pyproject.toml``): the layers (cli over web, bench and scenarios, over
 actors, over runtime) and no import cycle inside a package -- on this tree,
-and broken on a copy of it that breaks each rule. And the install: one
-package, ``semantic``, whose folders are the repo's."""
+and broken on a copy of it that breaks each rule. The install: one package,
+``semantic``, whose folders are the repo's. And what the architecture's
+words claim: who may set what, who tells cache kinds apart, that a
+package's docstring lists its modules, and that the docs name code that
+exists (docs/architecture.md, "Packages")."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 import shutil
 import subprocess
 import sys
@@ -20,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("runtime", "actors", "web", "cli", "bench", "scenarios")
 LINT = Path(sys.executable).with_name("lint-imports")
 
-pytestmark = pytest.mark.skipif(not LINT.exists(), reason="import-linter is not installed (pip install -e '.[dev]')")
+needs_lint = pytest.mark.skipif(not LINT.exists(), reason="import-linter is not installed (pip install -e '.[dev]')")
 
 
 def lint(tree: Path) -> subprocess.CompletedProcess:
@@ -38,12 +42,14 @@ def copy_of_the_tree(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@needs_lint
 def test_the_tree_keeps_its_layers_and_has_no_import_cycle():
     result = lint(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "3 kept, 0 broken" in result.stdout
 
 
+@needs_lint
 @pytest.mark.parametrize("module, line, broken", [
     ("runtime/errors.py", "import semantic.actors.errors", "cli over web, bench and scenarios, over actors, over runtime"),
     ("web/sse.py", "import semantic.cli.main", "cli over web, bench and scenarios, over actors, over runtime"),
@@ -153,3 +159,204 @@ def test_one_writer_of_an_agents_cache_state():
     found = [f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(t)}"
              for path, tree in _python(*PACKAGES) if path != owner for node, t, _ in _assigned(tree, ENTRY)]
     assert found == []
+
+
+# What is set on another object's collaborator from outside it (``self.<collaborator>.<attribute> = ...``):
+# each is named in docs/architecture.md ("Wiring, in constructors only"), and a new one must be too.
+SET_THROUGH_A_COLLABORATOR = {
+    "actors/agent.py": {"self.slot.history", "self.slot.last_result", "self.slot.deleted"},  # the agent's slot
+    "actors/gpu_thread.py": {"self.registry.loaded", "self.registry.engine", "self.registry.caches"},  # at a stop
+    "web/app.py": {"app.state.server"},  # Starlette's place for what the routes share
+    "web/chat.py": {"self.index.fmt"},  # the conversation index's call format, once a model is loaded
+}
+
+
+def test_state_set_from_outside_is_only_what_the_architecture_names():
+    found: dict[str, set[str]] = {}
+    for path, tree in _python(*PACKAGES):
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for target in targets:
+                for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Attribute):
+                        found.setdefault(path.relative_to(ROOT).as_posix(), set()).add(ast.unparse(t))
+    assert found == SET_THROUGH_A_COLLABORATOR
+
+
+def test_every_message_is_a_frozen_dataclass_of_one_mailbox_union():
+    """docs/architecture.md: every message is a frozen dataclass in
+    ``messages.py``, one union per mailbox."""
+    import typing
+
+    import semantic.actors.messages as messages
+
+    classes = [c for c in vars(messages).values() if isinstance(c, type) and c.__module__ == messages.__name__]
+    assert classes and all(dataclasses.is_dataclass(c) and c.__dataclass_params__.frozen for c in classes)
+    for mailbox in ("GpuCommand", "AgentCommand", "PersistCommand", "EvictCommand"):
+        assert typing.get_origin(getattr(messages, mailbox)) is typing.Union
+
+
+# -- package docstrings ----------------------------------------------------------------------------
+
+# Packages whose docstring lists its modules, one bullet each (``* ``name`` ...`` or ``- ``name`` ...``).
+LISTED = ("actors", "web", "runtime/kv", "scenarios")
+
+
+@pytest.mark.parametrize("package", LISTED)
+def test_a_package_docstring_names_every_module_it_holds(package):
+    """The layout a package's docstring gives is the package: every module and
+    folder named, and nothing named that is not there."""
+    folder = ROOT / package
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
+    named = set(re.findall(r"^\s*[*-] ``([\w/]+)``", doc, re.M))
+    held = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    held |= {f"{p.name}/" for p in folder.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert named == held, f"not named: {sorted(held - named)}; named, not there: {sorted(named - held)}"
+
+
+# -- cache kinds -------------------------------------------------------------------------------------
+
+KIND_NAMES = {"QUANTIZED", "WINDOW", "STATE", "ROTATING"}  # ``runtime.cache_records``: the manifest's kinds
+# Where the kinds are still told apart outside ``runtime/kv/`` (docs/architecture.md, "The KV cache has a type"):
+# the manifest's checks, its ring file's tensor names, and the reader of version 1 files.
+TELLS_KINDS_APART = {"runtime/cache_records.py", "runtime/cache_file.py", "runtime/cache_v1.py"}
+
+
+def test_the_cache_codec_asks_the_layer_and_only_the_manifest_checks_name_kinds():
+    """``runtime.cache_codec`` writes what a layer ``describe``s and reads through
+    the class ``BY_KIND`` registers for the entry: it names no kind. The modules
+    outside ``runtime/kv/`` that name one are the manifest's own."""
+    naming = set()
+    for path, tree in _python(*PACKAGES):
+        if path.is_relative_to(ROOT / "runtime" / "kv"):
+            continue
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        if names & KIND_NAMES:
+            naming.add(path.relative_to(ROOT).as_posix())
+    assert "runtime/cache_codec.py" not in naming
+    assert naming == TELLS_KINDS_APART
+
+
+# -- the docs name code that exists ------------------------------------------------------------------
+
+DOCS = ("docs/architecture.md", "docs/api.md", "docs/cache-format.md", "docs/scaling.md", "docs/testing.md",
+        "README.md", "CONTRIBUTING.md")
+
+
+def _defines(tree: ast.AST, name: str) -> bool:
+    """Whether ``tree`` (a module or a class) defines ``name``: a def, a class, an
+    assignment, an import, or (in a class) an attribute of ``self``."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return True
+        if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Store):
+            return True
+        if isinstance(node, ast.Attribute) and node.attr == name and isinstance(node.ctx, ast.Store):
+            return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name) == name for a in node.names):
+            return True
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == name:
+            return True
+    return False
+
+
+def _code_index():
+    """Modules by dotted name (``runtime.kv.quantized``), the runtime's also by
+    their last name when unique (``quantized``), and our classes by name."""
+    modules, classes = {}, {}
+    for path, tree in _python(*PACKAGES):
+        dotted = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        modules[dotted] = tree
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append(node)
+    short: dict[str, list] = {}
+    for dotted, tree in modules.items():  # the runtime's modules go by their last name in the docs
+        if dotted.startswith("runtime."):
+            short.setdefault(dotted.rsplit(".", 1)[-1], []).append(tree)
+    return modules, {k: v[0] for k, v in short.items() if len(v) == 1}, classes
+
+
+def _class_defines(node: ast.ClassDef, name: str, classes: dict) -> bool:
+    if _defines(node, name):
+        return True
+    bases = [getattr(b, "id", None) or getattr(b, "attr", None) for b in node.bases]
+    return any(_class_defines(c, name, classes) for b in bases for c in classes.get(b, []))
+
+
+def _unresolved(ref: str, modules: dict, short: dict, classes: dict) -> bool:
+    """Whether ``ref`` (``runtime.prefix.plan``, ``prefix.plan``, ``Engine.add``)
+    names something of ours that is not there. Names that are not ours (mlx-lm's,
+    MLX's, the standard library's) are left alone."""
+    parts = ref.removeprefix("semantic.").split(".")
+    for i in range(len(parts), 0, -1):  # the longest module prefix
+        if ".".join(parts[:i]) in modules:
+            tree, rest = modules[".".join(parts[:i])], parts[i:]
+            break
+    else:
+        if parts[0] in classes and len(parts) > 1:
+            return not any(_class_defines(c, parts[1], classes) for c in classes[parts[0]])
+        if parts[0] in short and len(parts) > 1 and parts[0] not in classes:
+            tree, rest = short[parts[0]], parts[1:]
+        else:
+            return False
+    if not rest:
+        return False
+    if not _defines(tree, rest[0]):
+        return True
+    if len(rest) > 1:  # Class.attr inside the module
+        owners = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == rest[0]]
+        return bool(owners) and not any(_class_defines(c, rest[1], classes) for c in owners)
+    return False
+
+
+def test_the_docs_name_files_modules_and_names_that_exist():
+    """Every file, module, class member and test a doc names in backticks is
+    there: a doc that names code the code no longer has fails here."""
+    modules, short, classes = _code_index()
+    tests = {n.name for _, tree in _python("tests") for n in ast.walk(tree)
+             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    missing = []
+    for doc in DOCS:
+        text = (ROOT / doc).read_text()
+        for span in sorted(set(re.findall(r"`([^`\n]+)`", text))):
+            span = span.strip()
+            if "<" in span:  # a placeholder: ``web/<name>.py``
+                continue
+            for path in re.findall(r"(?<![\w/.-])((?:runtime|actors|web|cli|bench|scenarios|tests|scripts|docs)"
+                                   r"/[\w./-]*\w)", span):
+                module, _, name = path.rpartition(".")  # a module's name: ``web/identity.forked_conversation_id``
+                if not (ROOT / path).exists() and not ((ROOT / f"{module}.py").exists() and
+                                                       _defines(ast.parse((ROOT / f"{module}.py").read_text()), name)):
+                    missing.append(f"{doc}: {path}")
+            for name in re.findall(r"\btest_\w+\b", span):
+                if name not in tests and not any((ROOT / "tests").rglob(f"{name}.py")):
+                    missing.append(f"{doc}: {name}")
+            if "/" in span or " " in span.split("(")[0]:
+                continue
+            for ref in re.findall(r"\b([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)\b", span):
+                if ref.rsplit(".", 1)[-1] in {"py", "md", "json", "toml", "yaml", "txt", "sh"}:
+                    continue
+                if _unresolved(ref, modules, short, classes):
+                    missing.append(f"{doc}: {ref}")
+    assert missing == []
+
+def test_todays_benchmark_figures_cover_every_bench_with_commands_that_parse():
+    """``docs/benchmarks.md`` opens with a table per benchmark, each row with
+    the command that made it: every ``semantic bench`` there parses as the
+    CLI stands, and every benchmark the CLI has is there."""
+    import argparse
+    import shlex
+
+    from semantic.cli.main import parser
+
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    today = text[text.index("## Today's figures"):text.index("## History")]
+    benches = set()
+    for command in re.findall(r"`(semantic bench [^`]+)`", today):
+        benches.add(parser().parse_args(shlex.split(command)[1:]).bench)  # SystemExit(2) where it does not parse
+    top = parser()
+    (commands,) = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    (bench,) = [a for a in commands.choices["bench"]._actions if isinstance(a, argparse._SubParsersAction)]
+    assert benches == set(bench.choices)

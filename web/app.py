@@ -10,7 +10,7 @@ protocols (``web.chat_routes``), the agent API (``web.agent_routes``) and the
 operator's (``web.ops_routes``). They share one ``Server`` (``web.state``):
 the runtime, the chat core, the metrics and the dashboard. Routes are thin:
 parse the body into one request (``web.anthropic``, ``web.openai``,
-``web.responses``, ``web.agents``), start one agent turn (``web.chat``), and
+``web.completions``, ``web.responses``, ``web.agents``), start one agent turn (``web.chat``), and
 answer JSON or stream SSE (``web.answer``). A request refused before its first event gets a
 plain HTTP error in its protocol's shape, streaming or not (one exception
 handler for ``RequestError``); a failure later in a stream is an error event.

@@ -1,6 +1,10 @@
-"""A sequence's KV cache: one ``LayerCache`` per layer, of one kind per module
-(``layer.py`` says what every kind answers), held as a ``SequenceCache``.
+"""A sequence's KV cache: one ``LayerCache`` per layer, of one kind per module,
+held as a ``SequenceCache``.
 
+* ``layer``: what every kind answers (``LayerCache``), and one sequence's
+  caches as one object (``SequenceCache``);
+* ``quantize``: MLX's affine quantization with 16-bit scales, its exact
+  unpacking, and a closed block's layout (keys per channel, values per token);
 * ``quantized``: full attention, blocks quantized as they fill
   (``SequenceQuantizedKVCache``), attended over through a float working copy
   of its first blocks and its open one and the rest packed

@@ -5,8 +5,10 @@ A layer cache is first mlx-lm's cache protocol -- ``update_and_fetch``,
 ``make_mask``, ``offset``, ``trim``, ``is_trimmable``, ``state`` -- which the
 model's own layers call. The rest is ours: how far it can go back (trimming,
 or a checkpoint), what a step evaluates, how attention sees it, and how it is
-written to its files and rebuilt from them. Code outside a kind's own class
-asks these, never which kind it is: a new kind is one module.
+written to its files and rebuilt from them. Code outside ``runtime/kv/``
+asks these, never which kind it is. A new kind is its module here, its place
+in ``make_sequence_cache`` and its manifest checks (``runtime.cache_file``,
+``cache_records.ring_names``), which still branch on the kind's name.
 """
 
 from __future__ import annotations
