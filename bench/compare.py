@@ -24,10 +24,16 @@ alternating A B A B (the order swaps from one step to the next).  Workloads:
   after the many-agents workload, its growth per history token, our cache
   files' bytes per token, and the peer once more with ``--kv-bits 4`` (a
   smaller many-agents run: its RSS is bounded by its LRU size).
+* **long-context** -- one agent a context at 8K-64K tokens on the model
+  with its context stretched (``bench.long_context``): cold, follow-up and
+  after-restart TTFT, decode time per token, peak RSS, bytes on disk, and
+  four agents at once. A cold 32K prefill takes many minutes on 2 cores, so
+  it runs only when named (``--only long-context``).
 
 Output: one JSON document, a Markdown table of ours/peer ratios and PNG plots
 in ``--out`` (default ``docs/benchmarks``); ``--json`` prints the document.
-``--only`` picks workloads (``memory`` brings ``many-agents`` with it).
+``--only`` picks workloads (``memory`` brings ``many-agents`` with it); without
+it every workload but long-context runs.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ from pathlib import Path
 
 import httpx
 
-from . import report
+from . import long_context, report
 from .client import Turn, chat
 from .servers import Server, ours_spec, peer_dir, peer_spec
 
@@ -86,13 +92,15 @@ class Plan:
     # The peer once more with --kv-bits 4 (memory): its histories only; one past its
     # 10-entry LRU, its RSS has plateaued.
     kv4_agents: int = 11
+    long_contexts: tuple = (8192, 16384, 32768, 65536)
+    long_tokens: int = 16  # each long-context turn's reply
 
     @classmethod
     def quick(cls) -> Plan:
         # 16 agents are past the peer's 10-entry LRU, where N = 64 differs only in count;
         # 64 histories would cost more than the whole budget on two cores.
         return cls(turn_max_tokens=8, agents=(4, 16), history=512, clients=(1, 4), context=256,
-                   tokens=32)
+                   tokens=32, long_contexts=(8192, 16384, 32768))
 
     @classmethod
     def full(cls) -> Plan:
@@ -346,6 +354,16 @@ def disk_usage(root: Path) -> tuple[int, int]:
     return sum(e["bytes"] for e in entries), sum(e["tokens"] for e in entries)
 
 
+def disk_usage_by_agent(root: Path) -> dict[str, int]:
+    """Bytes of each agent's caches under ``root``."""
+    from semantic.runtime.cache_file import CacheStore
+
+    out: dict[str, int] = {}
+    for e in CacheStore(root).entries():
+        out[e["agent"]] = out.get(e["agent"], 0) + e["bytes"]
+    return out
+
+
 def machine() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -378,11 +396,12 @@ def machine() -> dict:
             "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
 
 
-WORKLOADS = ("multi-turn", "restart", "many-agents", "concurrency", "memory")
+WORKLOADS = ("multi-turn", "restart", "many-agents", "concurrency", "memory", "long-context")
+DEFAULT = set(WORKLOADS) - {"long-context"}
 
 
 def measure(args: argparse.Namespace, plan: Plan, log: Log, workdir: Path) -> dict:
-    want = set(WORKLOADS)
+    want = set(DEFAULT)
     if getattr(args, "only", None):
         want = {w.strip() for w in args.only.split(",")}
         if unknown := want - set(WORKLOADS):
@@ -402,6 +421,15 @@ def measure(args: argparse.Namespace, plan: Plan, log: Log, workdir: Path) -> di
     raw: dict = {}
     extra: dict = {}
     bench = None
+    if "long-context" in want:
+        t = time.perf_counter()
+        raw["long_context"] = long_context.measure(plan, model_dir, texts, log, workdir)
+        extra["long_context_s"] = time.perf_counter() - t
+        want.discard("long-context")
+    if not want:
+        extra["start_s"], extra["servers"] = {}, {side: {"name": s.spec.name, **s.spec.settings}
+                                                  for side, s in servers.items()}
+        return {"raw": raw, "extra": extra}
     try:
         for side, s in servers.items():
             log(f"starting {s.spec.name}")
@@ -464,13 +492,17 @@ def measure(args: argparse.Namespace, plan: Plan, log: Log, workdir: Path) -> di
 
 def run(args: argparse.Namespace) -> int:
     plan = Plan.quick() if args.quick else Plan.full()
+    if getattr(args, "long_contexts", None):
+        plan.long_contexts = tuple(args.long_contexts)
     log = Log()
     out = Path(args.out)
     date = datetime.now(timezone.utc)
     only, rows = getattr(args, "only", None), getattr(args, "decode_rows", None)
     command = ("semantic bench compare" + (f" --model {args.model}" if args.model != "smollm2" else "")
                + (" --quick" if args.quick else "") + (f" --only {only}" if only else "")
-               + (f" --decode-rows {rows}" if rows else "") + (" --json" if args.json else ""))
+               + (f" --decode-rows {rows}" if rows else "")
+               + (f" --long-contexts {','.join(map(str, plan.long_contexts))}" if getattr(args, "long_contexts", None)
+                  else "") + (" --json" if args.json else ""))
     previous = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     began = time.perf_counter()
@@ -507,16 +539,17 @@ def run(args: argparse.Namespace) -> int:
         "elapsed_s": round(time.perf_counter() - began, 1),
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.json").write_text(json.dumps(doc, indent=1) + "\n")
+    stem = "compare-long-context" if only == "long-context" else "compare"  # (its own run: kept beside the rest)
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
     table = report.markdown_table(summary, goals)
-    (out / "compare.md").write_text(
+    (out / f"{stem}.md").write_text(
         f"`{command}` -- {doc['date'][:10]}, {info['cpu']}, {info['cores']} cores, "
         f"{info['memory_gib']} GiB; {doc['elapsed_s'] / 60:.1f} minutes.\n\n{table}")
     from .plots import write_plots
 
     labels = {OURS: extra["servers"][OURS]["name"]}
     plots = write_plots(summary, out, labels, lru)
-    doc["files"] = [p.name for p in [out / "compare.json", out / "compare.md", *plots]]
+    doc["files"] = [p.name for p in [out / f"{stem}.json", out / f"{stem}.md", *plots]]
     log(f"wrote {', '.join(doc['files'])} to {out}")
     if args.json:
         print(json.dumps(doc))

@@ -182,12 +182,51 @@ def summarize_memory(raw: dict) -> dict:
     return out
 
 
+def summarize_long_context(raw: dict) -> dict:
+    """raw = {"contexts": {server: {context: {cold_ttft, followup_ttft, decode_ms, hwm_bytes, ...}}},
+    "restart_ttft": {context: s} (ours), "disk_bytes": {context: n}, "four_agents": {server: {...}}}.
+    The peer keeps nothing across a restart: its cold TTFT stands for its TTFT after one."""
+    out: dict = {}
+    for side in (OURS, PEER):
+        rows = {int(c): r for c, r in raw["contexts"][side].items()}
+        restart = ({int(c): t for c, t in raw.get("restart_ttft", {}).items()} if side == OURS
+                   else {c: r["cold_ttft"] for c, r in rows.items()})
+        out[side] = {
+            "prompt_tokens": {c: r.get("prompt_tokens") for c, r in rows.items()},
+            "cold_ttft_ms": {c: _ms(r["cold_ttft"]) for c, r in rows.items()},
+            "followup_ttft_ms": {c: _ms(r["followup_ttft"]) for c, r in rows.items()},
+            "restart_ttft_ms": {c: _ms(restart.get(c)) for c in rows},
+            "decode_ms_per_token": {c: _round(median(r["decode_ms"])) for c, r in rows.items()},
+            "peak_rss_bytes": {c: r.get("hwm_bytes") for c, r in rows.items()},
+            "disk_bytes": {c: (raw.get("disk_bytes") or {}).get(c, (raw.get("disk_bytes") or {}).get(str(c)))
+                           if side == OURS else 0 for c in rows},
+        }
+    o, p = out[OURS], out[PEER]
+    pair = (lambda key: {c: ratio(o[key][c], p[key].get(c)) for c in o[key]})
+    out["ratio"] = {"cold_ttft": pair("cold_ttft_ms"), "followup_ttft": pair("followup_ttft_ms"),
+                    "restart_ttft": pair("restart_ttft_ms"), "decode_ms_per_token": pair("decode_ms_per_token"),
+                    "peak_rss": pair("peak_rss_bytes")}
+    four = raw.get("four_agents") or {}
+    if OURS in four and PEER in four:
+        out["four_agents"] = {side: {"context": four[side]["context"], "system_tps": round(four[side]["system_tps"], 2),
+                                     "peak_rss_bytes": four[side].get("hwm_bytes")} for side in (OURS, PEER)}
+        out["ratio"]["four_agents"] = {
+            "peak_rss": ratio(four[OURS].get("hwm_bytes"), four[PEER].get("hwm_bytes")),
+            "system_tps": ratio(four[OURS]["system_tps"], four[PEER]["system_tps"])}
+    return out
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 1)
+
+
 SUMMARIZE = {
     "multi_turn": summarize_multi_turn,
     "many_agents": summarize_many_agents,
     "restart": summarize_restart,
     "concurrency": summarize_concurrency,
     "memory": summarize_memory,
+    "long_context": summarize_long_context,
 }
 
 
@@ -226,6 +265,13 @@ TARGETS = {
                           lambda r: r <= 1.0),
     "concurrency_1": ("concurrency, system tok/s at 1 client", ">= 1.0", lambda r: r >= 1.0),
     "concurrency_4": ("concurrency, system tok/s at 4 clients", ">= 1.2", lambda r: r >= 1.2),
+    # Issue 63's, at the largest context up to 32K.
+    "long_decode": ("long context, decode time per token", "<= 0.5", lambda r: r <= 0.5),
+    "long_followup": ("long context, follow-up TTFT", "<= 0.3", lambda r: r <= 0.3),
+    "long_restart": ("long context, TTFT after a restart", "<= 0.01", lambda r: r <= 0.01),
+    "long_peak_rss": ("long context, peak RSS", "<= 0.5", lambda r: r <= 0.5),
+    "four_agents_rss": ("four long agents at once, peak RSS", "<= 0.5", lambda r: r <= 0.5),
+    "four_agents_tps": ("four long agents at once, system tok/s", ">= 1.5", lambda r: r >= 1.5),
 }
 
 
@@ -252,6 +298,15 @@ def targets(summary: dict) -> dict:
         for c, r in cc["ratio"]["system_tps"].items():
             if f"concurrency_{c}" in TARGETS:
                 values[f"concurrency_{c}"] = (r, {"clients": c})
+    if lc := summary.get("long_context"):
+        r = lc["ratio"]
+        c = max([c for c in r["decode_ms_per_token"] if c <= 32768] or r["decode_ms_per_token"])
+        for name, key in (("long_decode", "decode_ms_per_token"), ("long_followup", "followup_ttft"),
+                          ("long_restart", "restart_ttft"), ("long_peak_rss", "peak_rss")):
+            values[name] = (r[key][c], {"context": c})
+        if four := r.get("four_agents"):
+            values["four_agents_rss"] = (four["peak_rss"], {"context": lc["four_agents"][OURS]["context"]})
+            values["four_agents_tps"] = (four["system_tps"], {"context": lc["four_agents"][OURS]["context"]})
     out = {}
     for name, (value, extra) in values.items():
         what, goal, test = TARGETS[name]
@@ -352,6 +407,31 @@ def markdown_table(summary: dict, goals: dict | None = None, peer_name: str = "m
         if k := mem.get("peer_kv4"):
             rows.append(("memory", f"RSS, {peer_name} --kv-bits 4 ({k.get('agents')} agents), MiB",
                          _mib(o.get("rss_bytes")), _mib(k.get("rss_bytes")), _times(r.get("rss_vs_kv4")), ""))
+    if lc := summary.get("long_context"):
+        o, p, r = lc[OURS], lc[PEER], lc["ratio"]
+        top = max([c for c in r["decode_ms_per_token"] if c <= 32768] or r["decode_ms_per_token"])
+        for c in sorted(o["cold_ttft_ms"]):
+            mark = (lambda name: goal(name) if c == top else "")
+            rows.append(("long context", f"{c:,}: cold TTFT, s", _s(o["cold_ttft_ms"][c]), _s(p["cold_ttft_ms"][c]),
+                         _times(r["cold_ttft"][c]), ""))
+            rows.append(("long context", f"{c:,}: follow-up TTFT, ms", _fmt(o["followup_ttft_ms"][c]),
+                         _fmt(p["followup_ttft_ms"][c]), _times(r["followup_ttft"][c]), mark("long_followup")))
+            rows.append(("long context", f"{c:,}: TTFT after a restart, ms (the peer's: its cold)",
+                         _fmt(o["restart_ttft_ms"][c]), _fmt(p["restart_ttft_ms"][c]), _times(r["restart_ttft"][c]),
+                         mark("long_restart")))
+            rows.append(("long context", f"{c:,}: decode, ms per token", _fmt(o["decode_ms_per_token"][c]),
+                         _fmt(p["decode_ms_per_token"][c]), _times(r["decode_ms_per_token"][c]), mark("long_decode")))
+            rows.append(("long context", f"{c:,}: peak RSS, MiB (cache on disk, MiB)",
+                         f"{_mib(o['peak_rss_bytes'][c])} ({_mib(o['disk_bytes'][c])})", _mib(p["peak_rss_bytes"][c]),
+                         _times(r["peak_rss"][c]), mark("long_peak_rss")))
+        if four := lc.get("four_agents"):
+            o4, p4 = four[OURS], four[PEER]
+            rows.append(("long context", f"four agents at {o4['context']:,}: system tok/s", _fmt(o4["system_tps"]),
+                         _fmt(p4["system_tps"]), _times(r["four_agents"]["system_tps"], False),
+                         goal("four_agents_tps")))
+            rows.append(("long context", f"four agents at {o4['context']:,}: peak RSS, MiB",
+                         _mib(o4["peak_rss_bytes"]), _mib(p4["peak_rss_bytes"]), _times(r["four_agents"]["peak_rss"]),
+                         goal("four_agents_rss")))
     head = ["workload", "figure", "semantic", peer_name, "ours / peer", "target"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -360,6 +440,10 @@ def markdown_table(summary: dict, goals: dict | None = None, peer_name: str = "m
 
 def _pct(x) -> str:
     return "–" if x is None else f"{x * 100:.0f}%"
+
+
+def _s(ms) -> str:
+    return "–" if ms is None else f"{ms / 1000:,.1f}"
 
 
 def _mib(x) -> str:

@@ -172,7 +172,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="docs/benchmarks", help="where the JSON, Markdown table and PNG plots go "
                    "(default docs/benchmarks)")
     p.add_argument("--only", metavar="W[,W]", help="only these workloads: multi-turn, restart, many-agents, "
-                   "concurrency, memory (default: all)")
+                   "concurrency, memory, long-context (default: all but long-context)")
+    p.add_argument("--long-contexts", type=lambda t: tuple(map(parse_positive_int, t.split(","))), metavar="N[,N]",
+                   help="long-context's contexts in tokens (default 8192,16384,32768; 65536 too without --quick)")
     p.add_argument("--decode-rows", type=parse_positive_int, metavar="N",
                    help="run ours with 'semantic serve --decode-rows N' (default: serve's default)")
     p.add_argument("--stand-in", action="store_true", help=argparse.SUPPRESS)  # mlx_lm.server plays ours too

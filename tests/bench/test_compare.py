@@ -91,7 +91,7 @@ def test_summary_has_ours_peer_and_ratio_per_workload():
 
 
 def test_targets_met_and_missed():
-    goals = report.targets(report.summarize(raw_fixture()))
+    goals = report.targets(report.summarize({**raw_fixture(), "long_context": long_context_raw()}))
     assert set(goals) == set(report.TARGETS)
     assert goals["many_agents_p50"]["met"] and goals["many_agents_p50"]["N"] == 64
     assert goals["restart_turn4"]["met"]
@@ -277,3 +277,59 @@ def test_a_concurrency_round_with_a_short_reply_runs_again_on_other_prompts():
     always._concurrent_round = lambda side, c, rep: {"system_tps": 1.0, "per_stream_tps": 1.0, "ttft": 1.0, "tokens": 1}
     assert [row["reruns"] for row in always.concurrency()["peer"][4]] == [RERUNS] * 3  # bounded: kept as it is
     always.close()
+
+
+def long_context_raw():
+    """The long-context workload's raw figures (seconds, bytes)."""
+    def row(cold, follow, decode, hwm):
+        return {"cold_ttft": cold, "followup_ttft": follow, "prompt_tokens": 1000, "followup_cached": 990,
+                "decode_ms": decode, "hwm_bytes": hwm, "rss_bytes": hwm // 2}
+
+    return {
+        "contexts": {"semantic": {8192: row(50.0, 0.4, [70.0, 80.0], 900 << 20),
+                                  32768: row(600.0, 1.0, [150.0, 170.0], 1200 << 20)},
+                     "peer": {8192: row(130.0, 1.0, [110.0, 110.0], 1500 << 20),
+                              32768: row(1500.0, 5.0, [400.0, 400.0], 3000 << 20)}},
+        "restart_ttft": {8192: 0.7, 32768: 2.0},
+        "disk_bytes": {8192: 60 << 20, 32768: 240 << 20},
+        "four_agents": {"semantic": {"system_tps": 30.0, "tokens": 128, "hwm_bytes": 1000 << 20, "context": 16384},
+                        "peer": {"system_tps": 15.0, "tokens": 128, "hwm_bytes": 4000 << 20, "context": 16384}},
+    }
+
+
+def test_long_context_summary_keys_ratios_by_context_and_four_agents():
+    summary = json.loads(json.dumps(report.summarize({"long_context": long_context_raw()})))  # as written
+    r = summary["long_context"]["ratio"]
+    assert r["decode_ms_per_token"] == {"8192": 0.682, "32768": 0.4}  # medians of each side's turns
+    assert r["followup_ttft"]["32768"] == 0.2 and r["peak_rss"]["32768"] == 0.4
+    assert r["restart_ttft"]["32768"] == round(2.0 / 1500.0, 3)  # the peer's cold prefill stands for its restart
+    assert r["four_agents"] == {"peak_rss": 0.25, "system_tps": 2.0}
+    assert summary["long_context"]["semantic"]["disk_bytes"]["32768"] == 240 << 20
+    goals = report.targets(summary)
+    assert {n: (g["ratio"], g["met"], g.get("context")) for n, g in goals.items()} == {
+        "long_decode": (0.4, True, 32768), "long_followup": (0.2, True, 32768),
+        "long_restart": (0.001, True, 32768), "long_peak_rss": (0.4, True, 32768),
+        "four_agents_rss": (0.25, True, 16384), "four_agents_tps": (2.0, True, 16384)}
+    table = report.markdown_table(summary, goals)
+    assert "| long context | 32,768: decode, ms per token | 160 | 400 |" in table
+    assert "four agents at 16,384: system tok/s" in table and table.count("**met**") == 6
+
+
+def test_long_context_runs_alone_and_on_a_stretched_model(tmp_path):
+    from semantic.bench import long_context
+    from semantic.bench.compare import DEFAULT, WORKLOADS
+
+    assert "long-context" in WORKLOADS and "long-context" not in DEFAULT
+    assert Plan.quick().long_contexts == (8192, 16384, 32768) and max(Plan.full().long_contexts) == 65536
+    assert long_context.four_agents_context((8192, 16384, 32768)) == 16384
+    assert long_context.four_agents_context((1024, 2048)) == 2048
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 8192, "hidden_size": 576}))
+    (model / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 8192}))
+    (model / "model.safetensors").write_bytes(b"weights")
+    out = long_context.stretch(model, tmp_path / "long", 66560)
+    assert json.loads((out / "config.json").read_text()) == {"max_position_embeddings": 66560, "hidden_size": 576}
+    assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 66560
+    assert (out / "model.safetensors").read_bytes() == b"weights"
+    assert json.loads((model / "config.json").read_text())["max_position_embeddings"] == 8192  # untouched
