@@ -354,16 +354,6 @@ def disk_usage(root: Path) -> tuple[int, int]:
     return sum(e["bytes"] for e in entries), sum(e["tokens"] for e in entries)
 
 
-def disk_usage_by_agent(root: Path) -> dict[str, int]:
-    """Bytes of each agent's caches under ``root``."""
-    from semantic.runtime.cache_file import CacheStore
-
-    out: dict[str, int] = {}
-    for e in CacheStore(root).entries():
-        out[e["agent"]] = out.get(e["agent"], 0) + e["bytes"]
-    return out
-
-
 def machine() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -73,6 +72,16 @@ def stretch(model_dir: str | Path, out: Path, context: int) -> Path:
 def four_agents_context(contexts: tuple) -> int:
     """The four agents' context: the largest measured up to 16K."""
     return max([c for c in contexts if c <= 16384] or [min(contexts)])
+
+
+def disk_usage_by_agent(root: Path) -> dict[str, int]:
+    """Bytes of each agent's caches under ``root``."""
+    from semantic.runtime.cache_file import CacheStore
+
+    out: dict[str, int] = {}
+    for e in CacheStore(root).entries():
+        out[e["agent"]] = out.get(e["agent"], 0) + e["bytes"]
+    return out
 
 
 def _decode_ms(turn: Turn) -> float | None:
@@ -158,8 +167,6 @@ class LongContext:
 def measure(plan, model_dir: str, texts, log, workdir: Path) -> dict:
     """The workload's raw figures: {"contexts": {side: {context: {...}}}, "restart_ttft": {context: s},
     "disk_bytes": {context: n}, "four_agents": {side: {...}}}."""
-    from .compare import disk_usage_by_agent
-
     contexts = tuple(plan.long_contexts)
     four_context = four_agents_context(contexts)
     model = stretch(model_dir, workdir / "long-model", max(contexts) + 1024)

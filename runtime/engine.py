@@ -42,16 +42,16 @@ sequence over its own cache (``runtime.batch_cache``). So a sequence's
 logits are bitwise the same whatever else runs, wherever it sits in the
 batch.
 
-(Long on purpose: one class, the step loop, whose sequences, steps, drafts
-and calibration share its private state; pieces that need none of it live
-in ``runtime.speculation``, ``runtime.row_counts`` and ``runtime.sampling``.)
+(Long on purpose: one class, the step loop, whose sequences, steps and
+drafts share its private state; pieces that need none of it live in
+``runtime.calibration``, ``runtime.speculation``, ``runtime.row_counts`` and
+``runtime.sampling``.)
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import random
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -60,8 +60,8 @@ from typing import Sequence as Seq
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
+from . import calibration
 from .batch_cache import BatchQuantizedKVCache, PrefillBatch
 from .cache_records import BLOCK_TOKENS
 from .evaluator import Evaluator
@@ -69,7 +69,7 @@ from .kv import LayerCache, SequenceCache, device_float_head, make_sequence_cach
 from . import row_plans
 from .grammar import Grammars
 from .lean import lean
-from .row_counts import RowCounts, choose
+from .row_counts import RowCounts
 from .rowwise import rowwise
 from .sampling import Draw, Sampler, SamplingParams, TokenLogprob, row_logprobs
 from .speculation import TRY, Drafter, Indents, StepCosts, allot
@@ -593,133 +593,12 @@ class Engine:
 
     @_settled
     def calibrate(self, max_rows: int | None = None, seed: int = 0) -> RowCounts:
-        """Measure which decode row counts 1..``max_rows`` (default
-        ``decode_rows``) give a sequence the same logits, bit for bit: first
-        how each weight shape's matmul takes its rows (``row_plans.measure``),
-        then, with those plans, a probe sequence through the real decode
-        forward alone and beside random neighbours at every count and every
-        slot; and from which size prompt chunks may share a prefill forward
-        (``_prefill_from``). Returns the class ``choose`` picks, with what was
-        measured; does not change the engine (``use_row_counts`` does) and
-        leaves its sequences alone.
-
-        Where the class stops short of ``max_rows``, both are measured again
-        for its counts alone: a plan that makes counts agree which the
-        forward as a whole never will costs the counts in use for nothing
-        (under OpenBLAS's Prescott kernels, SmolLM2's 576x1536 matmul padded
-        a lone agent's row to 8 for counts 5-8 that its logits rule out). The
-        second measurement is kept where it finds the same counts."""
-        start = time.perf_counter()
-        upto, found = max_rows or self.decode_rows, None
-        before = self.row_counts
-        try:
-            while True:
-                self.use_row_counts(RowCounts((upto,), plans=row_plans.measure(self.model, upto, seed)))
-                again = self._calibrate(upto, random.Random(seed))
-                if found is not None and again.counts != found.counts:
-                    break
-                found = again
-                if found.counts[-1] == upto:
-                    break
-                upto = found.counts[-1]
-            self.use_row_counts(found)
-            prefill_from = self._prefill_from(random.Random(seed))
-            return replace(found, seconds=round(time.perf_counter() - start, 3), prefill_from=prefill_from)
-        finally:
-            self.use_row_counts(before)
-
-    def _calibrate(self, max_rows: int, rng: random.Random) -> RowCounts:
-        """The classes of counts 1..``max_rows`` with the plans in use, and the one ``choose`` picks."""
-        prompt = lambda n: [rng.randrange(1, 256) for _ in range(n)]  # every vocabulary has 255 ids after 0
-        probe, neighbours = self._prefilled(prompt(24)), [self._prefilled(prompt(rng.randrange(1, 48)))
-                                                           for _ in range(max_rows - 1)]
-
-        def batch(m: int, at: int) -> list[BatchQuantizedKVCache]:  # the probe at slot ``at`` of ``m``
-            others = rng.sample(neighbours, m - 1)
-            records = others[:at] + [probe] + others[at:]
-            return _batch(r.clone().view(self.float_head) for r in records)
-
-        def forward(caches: list[BatchQuantizedKVCache], at: int) -> mx.array:  # the probe's logits
-            fed = [rng.randrange(1, 256) for _ in caches[0].caches]
-            fed[at] = 7
-            row = self._forward(caches, fed, len(fed))[at]
-            mx.eval(row, [c.arrays for c in caches], [x.arrays for c in caches for x in c.caches])
-            return row
-
-        # Every slot: a kernel may treat one inside row its own way (Prescott's 9 rows: the third).
-        rows = {m: [forward(batch(m, at), at) for at in range(m)] for m in range(1, max_rows + 1)}
-        ms = [float("inf")] * max_rows
-        for _ in range(3):  # rounds over every count, so a load that comes and goes weighs on all alike
-            for m in range(1, max_rows + 1):
-                caches = batch(m, 0)
-                forward(caches, 0)  # makes the working copies: a step's second forward is what decode pays
-                t0 = time.perf_counter()
-                forward(caches, 0)
-                ms[m - 1] = min(ms[m - 1], (time.perf_counter() - t0) * 1e3)
-        classes: list[tuple[int, ...]] = []
-        for m, seen in rows.items():
-            if not all(mx.array_equal(seen[0], r).item() for r in seen[1:]):
-                continue  # the row depends on where it sits: never used
-            same = next((i for i, c in enumerate(classes) if mx.array_equal(rows[c[0]][0], seen[0]).item()), None)
-            if same is None:
-                classes.append((m,))
-            else:
-                classes[same] += (m,)
-        counts = choose(classes, ms)  # (1,) is always a class: one row sits in one place
-        return RowCounts(counts, tuple(classes), tuple(round(t, 2) for t in ms), plans=self.row_counts.plans)
-
-    def _prefill_from(self, rng: random.Random) -> int | None:
-        """The fewest tokens from which a prompt chunk writes its sequence's
-        caches bitwise as alone when other sequences' chunks share its forward.
-
-        A chunk of at most ``decode_rows`` tokens is decode-shaped (row plans
-        take its matmuls: ``runtime.row_plans``) and never shares one. Above
-        that a kernel may still change with the row count, from some count
-        on, or a row's place among the forward's rows may matter (a kernel's
-        full row tiles and its remainder): chunks of each size of a doubling
-        ladder from ``decode_rows`` + 1 run alone, between neighbours' chunks
-        that put them at an odd row and make the forward more than twice as
-        large (the largest: ``prefill_rows``), and first, before an odd-sized
-        one; the answer is the smallest size from which every larger one
-        agrees -- None when the largest does not: chunks never share a
-        forward."""
-        tokens = lambda n: [rng.randrange(1, 256) for _ in range(n)]  # every vocabulary has 255 ids after 0
-        prefixes = [self._prefilled(tokens(n)) for n in (3, 17, 38)]  # what sequences have cached
-
-        def view(cache: SequenceCache) -> SequenceCache:  # a copy, as attention sees it
-            return cache.clone().view(self.float_head)
-
-        ladder = list(itertools.takewhile(lambda n: 2 * n <= self.max_chunk,
-                                          (self.decode_rows + 1 << i for i in itertools.count())))
-        agree = {}
-        for n in ladder:
-            cached, chunk = rng.choice(prefixes), tokens(n)
-            alone = view(cached)
-            self.model(mx.array(chunk)[None], cache=alone)
-            mx.eval(alone.arrays())
-            want = [x for _, x in tree_flatten(alone.arrays())]
-            room = (self.prefill_rows if n == ladder[-1] else min(self.prefill_rows, 2 * n + 32)) - n
-            before = rng.randrange(0, room // 2) * 2 + 1  # odd: the chunk's rows off any tile boundary
-            # Between two neighbours, and first before one (its last rows beside another's).
-            layouts = [(before, room - before)] + ([(0, rng.randrange(1, 17) * 2 - 1)] if n != ladder[-1] else [])
-            agree[n] = True
-            for first, last in layouts:
-                sizes = [m for m in (first, last) if m]
-                at = 1 if first else 0
-                chunks = [tokens(m) for m in sizes]
-                views = [view(rng.choice(prefixes)) for _ in sizes]
-                chunks.insert(at, chunk)
-                views.insert(at, view(cached))
-                lengths = [len(c) for c in chunks]
-                with row_plans.chunked(lengths):
-                    self.model(mx.array([t for c in chunks for t in c])[None],
-                               cache=[PrefillBatch(layer, lengths) for layer in zip(*views)])
-                mx.eval(views[at].arrays())
-                agree[n] &= all(mx.array_equal(a, b).item() for a, (_, b) in
-                                zip(want, tree_flatten(views[at].arrays())))
-        if not agree or not agree[ladder[-1]]:
-            return None
-        return min(n for n in ladder if all(agree[m] for m in ladder if m >= n))
+        """What ``runtime.calibration`` measures for this engine's model: which
+        decode row counts 1..``max_rows`` (default ``decode_rows``) and from
+        which size prompt chunks leave a sequence's logits bitwise as alone.
+        Does not change the engine (``use_row_counts`` does) and leaves its
+        sequences alone."""
+        return calibration.calibrate(self, max_rows or self.decode_rows, seed)
 
     @_settled
     def cancel(self, seq_id: int, reason: str = CANCELLED) -> Delta | None:
@@ -827,7 +706,7 @@ class Engine:
             widths = [1 + len(d) for d in tile_drafts]
             for layer in self._batches[key]:
                 layer.widths = widths
-            logits = self._forward(self._batches[key], inputs[at : at + sum(widths)], slots)
+            logits = self.forward(self._batches[key], inputs[at : at + sum(widths)], slots)
             slot = 0
             for seq, d in zip(tile, tile_drafts):  # each slot's draw judges the draft fed after it; the last's is free
                 c = seq.sampler.constraint  # (a grammar's mask at each slot: after the drafts before it)
@@ -905,7 +784,7 @@ class Engine:
         for c, offset, state in step.states:
             c.offset, c.cache = offset, state
 
-    def _forward(self, batch: list[BatchQuantizedKVCache], inputs, slots: int) -> mx.array:
+    def forward(self, batch: list[BatchQuantizedKVCache], inputs, slots: int) -> mx.array:
         """One decode forward: ``inputs[i]`` (token ids) into the sequence of
         ``batch``'s slot ``i``, the slots after them padded with token 0; the
         logits of every slot."""
@@ -913,7 +792,7 @@ class Engine:
         padding = mx.zeros((slots - inputs.shape[0],), mx.int32)
         return self.model(mx.concatenate([inputs, padding])[None], cache=batch)[0]
 
-    def _prefilled(self, tokens: list[int]) -> SequenceCache:
+    def prefilled(self, tokens: list[int]) -> SequenceCache:
         """A fresh sequence cache holding ``tokens``, prefilled alone."""
         cache = self.new_cache()
         view = cache.view(self.float_head)
