@@ -69,6 +69,7 @@ from .kv import LayerCache, SequenceCache, device_float_head, make_sequence_cach
 from . import row_plans
 from .grammar import Grammars
 from .lean import lean
+from .reply_text import ReplyText
 from .row_counts import RowCounts
 from .rowwise import rowwise
 from .sampling import Draw, Sampler, SamplingParams, TokenLogprob, row_logprobs
@@ -116,7 +117,7 @@ class _Sequence:
     prompt: list[int]
     sampling: SamplingParams
     sampler: Sampler
-    detokenizer: object
+    reply: ReplyText  # its text, stop strings found, what has been shown
     cache: SequenceCache  # per-layer caches of record (what a finished sequence hands back)
     view: SequenceCache  # the same caches as attention sees them (``SequenceCache.view``)
     fed: list[int]  # token ids whose K/V are in the cache
@@ -125,9 +126,6 @@ class _Sequence:
     drafter: Drafter | None  # its history, for drafts (None: it does not speculate)
     output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of ``output``, when asked
-    text: str = ""  # all generated text so far
-    shown: int = 0  # length of ``text`` already handed out
-    stop_hit: str | None = None  # the stop string found in ``text``
     drafted: int = 0  # drafts verified
     accepted: int = 0  # drafts taken
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of the prompt tokens fed so far, when asked
@@ -369,7 +367,7 @@ class Engine:
             sampling=sampling,
             sampler=Sampler(sampling, sampling.grammar and self._grammars.constraint(sampling.grammar,
                                                                                     sampling.max_tokens)),
-            detokenizer=self._detokenizer(continues),
+            reply=ReplyText(self._detokenizer(continues), sampling.stop),
             continues=continues,
             cache=cache,
             view=cache.view(self.float_head),
@@ -830,14 +828,12 @@ class Engine:
                                                          seq.sampling.logprobs > 0))
             elif logprobs is not None:
                 seq.logprobs.append(TokenLogprob.read(token, logprobs, self._grammars.token_bytes))
-            seq.detokenizer.add_token(token)
-            seq.text += seq.detokenizer.last_segment
+            seq.reply.add(token)
             if len(seq.output) >= seq.sampling.max_tokens:
                 reason = LENGTH
         if reason is not None:
-            seq.detokenizer.finalize()
-            seq.text += seq.detokenizer.last_segment
-        text, hit = self._release(seq, final=reason is not None)
+            seq.reply.finish()
+        text, hit = seq.reply.release(final=reason is not None)
         return new, text, STOP if hit else reason
 
     def _delta(self, seq: _Sequence, new: tuple[int, ...], text: str, reason: str | None) -> Delta:
@@ -864,22 +860,6 @@ class Engine:
         for token, v, top in zip(targets, values.tolist(), ids.tolist()):
             seq.prompt_logprobs.append(TokenLogprob.of(token, v, top, pieces))
 
-    def _release(self, seq: _Sequence, final: bool) -> tuple[str, bool]:
-        """Text that may be shown now, holding back a possible partial stop string."""
-        stops = seq.sampling.stop
-        start = max(0, seq.shown - max((len(s) for s in stops), default=0))
-        hits = [i for s in stops if (i := seq.text.find(s, start)) >= 0]
-        if hits:
-            seq.stop_hit = min((i, s) for s in stops if (i := seq.text.find(s, start)) >= 0)[1]
-            seq.text = seq.text[: min(hits)]
-            end, hit = len(seq.text), True
-        else:
-            hold = 0 if final else max((_overlap(seq.text, s) for s in stops), default=0)
-            end, hit = len(seq.text) - hold, False
-        text = seq.text[seq.shown:end]
-        seq.shown = max(seq.shown, end)
-        return text, hit
-
     def _finished(self, seq: _Sequence, reason: str) -> Finished:
         mx.eval(seq.cache.arrays())
         return Finished(
@@ -887,11 +867,11 @@ class Engine:
             cache=seq.cache,
             cache_tokens=tuple(seq.fed),
             output_tokens=tuple(seq.output),
-            text=seq.text,
+            text=seq.reply.text,
             prompt_tokens=seq.prompt_tokens,
             reused_tokens=seq.reused,
             prefilled_tokens=min(len(seq.fed), seq.prompt_tokens) - seq.reused,
-            stop_sequence=seq.stop_hit if reason == STOP else None,
+            stop_sequence=seq.reply.stop if reason == STOP else None,
             logprobs=tuple(seq.logprobs),
             drafted_tokens=seq.drafted,
             accepted_tokens=seq.accepted,
@@ -913,14 +893,6 @@ def _batch(views) -> list[BatchQuantizedKVCache]:
 def _sequence_cache(cache: Seq) -> SequenceCache:
     """``cache`` as a ``SequenceCache`` (a list of layer caches: one over the same layers)."""
     return cache if isinstance(cache, SequenceCache) else SequenceCache(cache)
-
-
-def _overlap(text: str, stop: str) -> int:
-    """Length of the longest end of ``text`` that begins ``stop``."""
-    for k in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:k]):
-            return k
-    return 0
 
 
 def _query_heads(model: nn.Module) -> int:
