@@ -55,13 +55,15 @@ async def one_event_loop(anyio_backend):
 
 
 class Standard(ChatModelIntegrationTests):
-    """The standard class, its client's parameters pointed at the module's server."""
+    """The standard class, its client pointed at the module's server (``path``: the client's base URL's)."""
 
-    client_params: dict = {}
+    chat_model_class = ChatOpenAI
+    path, extra = "/v1", {}
 
     @property
     def chat_model_params(self) -> dict:
-        return {"model": "smollm2", "api_key": "none", "max_retries": 0, **self.client_params}
+        return {"model": "smollm2", "api_key": "none", "max_retries": 0, "base_url": URL[0] + self.path,
+                **self.extra}
 
 
 for _name in dir(ChatModelIntegrationTests):  # pytest collects only what is callable
@@ -70,30 +72,12 @@ for _name in dir(ChatModelIntegrationTests):  # pytest collects only what is cal
 
 
 class TestChatCompletions(Standard):
-    @property
-    def chat_model_class(self):
-        return ChatOpenAI
-
-    @property
-    def client_params(self) -> dict:
-        return {"base_url": URL[0] + "/v1"}
+    pass
 
 
 class TestResponses(Standard):
-    @property
-    def chat_model_class(self):
-        return ChatOpenAI
-
-    @property
-    def client_params(self) -> dict:
-        return {"base_url": URL[0] + "/v1", "use_responses_api": True}
+    extra = {"use_responses_api": True}
 
 
 class TestAnthropic(Standard):
-    @property
-    def chat_model_class(self):
-        return ChatAnthropic
-
-    @property
-    def client_params(self) -> dict:
-        return {"base_url": URL[0]}
+    chat_model_class, path = ChatAnthropic, ""
