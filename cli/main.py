@@ -128,6 +128,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=parse_positive_int, nargs="+", default=[1, 8], help="agents at once (default 1 8)")
     p.add_argument("--steps", type=int, default=24, help="decode steps timed per round (default 24)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of each, alternating (default 3)")
+    p.add_argument("--parse", action="store_true",
+                   help="instead: the openai SDK's chat.completions.parse with five Pydantic models against a "
+                        "semantic serve: replies parsed per model, and what each miss was (needs openai)")
+    p.add_argument("--tries", type=parse_positive_int, default=20, help="--parse: tries per model (default 20)")
+    p.add_argument("--max-tokens", type=parse_positive_int, default=300,
+                   help="--parse: max_tokens of each reply (default 300)")
+    p.add_argument("--asks", choices=("extract", "describe"), default="extract",
+                   help="--parse: extract each object from a short text (default), or only name the thing")
     _add_json(p, "the results")
 
     p = bench.add_parser("fidelity", help="perplexity through the KV cache at 16, 8 and 4 bits, and after a restart")

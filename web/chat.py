@@ -21,8 +21,10 @@ Tools depend on the model's chat template (``web.tools``):
   Llama 3.1 JSON); an unknown format answers with the calls left in the text;
 * a template without tools (the embedded SmolLM2) cannot show the model a
   tool: its tools are told in the system prompt in the Hermes format, the
-  reply is held to text or a call in that format, and tool calls and
-  results in the history are flattened into plain text.
+  reply is held to text or a call in that format, tool calls in the
+  history are written in that format, as the model wrote them where its
+  agent's history holds them (``identity.as_generated``), and results
+  become user text.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from semantic.actors import (Agent, AgentExists, AgentGone, ContextTooLong, Gram
 from ._aio import closing
 from .harmony import Harmony, speaks_harmony
 from .harmony import call_grammar as harmony_grammar
-from .identity import ConversationIndex, forked_conversation_id, new_conversation_id
+from .identity import ConversationIndex, as_generated, forked_conversation_id, new_conversation_id
 from .metrics import Metrics
 from .reasoning import CLOSE, OPEN, ThinkTags
 from .schema import (ChatRequest, ChatResult, CompletionRequest, Heartbeat, LogprobsDelta, PromptLogprobs,
@@ -66,6 +68,7 @@ class Prepared:
     grammar: str | None = None  # what the reply must follow: the request's format, or a forced call
     holds_calls: bool = False  # the grammar holds the reply's calls: they are whole even where the limit cut it
     tools_told: bool = False  # the tools are told in the system prompt in the Hermes format (``tool_prompt``)
+    calls_as_text: bool = False  # the conversation's calls are text in the Hermes format (``flatten_tool_messages``)
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,7 @@ def prepare(req: ChatRequest, chat_template: str | None, library: LibraryFormat 
     be enforced (told ones are then told, and their calls not held)."""
     conversation = context_first(req.conversation())
     forced = bool(req.tools) and req.tool_choice == "required"
+    calls_as_text = False
     told = False  # the tools are told in the system prompt in the Hermes format: their calls are held to it
     if supports_tools(chat_template):
         tools = req.tools or None
@@ -133,7 +137,7 @@ def prepare(req: ChatRequest, chat_template: str | None, library: LibraryFormat 
         if req.tools:
             conversation = with_system(conversation, deepseek_tool_prompt(req.tools, library))
     else:
-        if any(m["role"] == "tool" or m.get("tool_calls") for m in conversation):
+        if calls_as_text := any(m["role"] == "tool" or m.get("tool_calls") for m in conversation):
             conversation = flatten_tool_messages(conversation)
         tools, fmt, told = None, None, bool(req.tools) and (tell_tools or forced)
         if told:
@@ -158,7 +162,7 @@ def prepare(req: ChatRequest, chat_template: str | None, library: LibraryFormat 
     messages = tuple(Message(m["role"], m["content"], tuple(m.get("tool_calls") or ()), m.get("tool_call_id"),
                              m.get("name")) for m in conversation)
     return Prepared(messages, tools, fmt, req.tool_names if fmt else frozenset(), grammar,
-                    holds_calls and grammar is not None, told)
+                    holds_calls and grammar is not None, told, calls_as_text)
 
 
 def with_system(conversation: list[dict], text: str) -> list[dict]:
@@ -271,8 +275,11 @@ class ChatCore:
             agent_id = agent_id or self.index.match(prepared.messages, req.hint) or new_conversation_id(req.hint)
         with self._claimed(agent_id) as release:  # before any await: no other request takes it meanwhile
             agent = await (self._fork(fork_from, agent_id) if fork_from is not None else self._open(agent_id))
-            return await self._run(agent, model, req, prepared.messages, prepared, release, route,
-                                   lambda: agent.respond(prepared.messages, tools=prepared.tools, model=model,
+            messages = prepared.messages
+            if prepared.calls_as_text:  # its calls as it wrote them: their text is what its cache holds
+                messages = as_generated(messages, agent.history, self.index.fmt)
+            return await self._run(agent, model, req, messages, prepared, release, route,
+                                   lambda: agent.respond(messages, tools=prepared.tools, model=model,
                                                          choices=req.choices, **sampling(req),
                                                          grammar=prepared.grammar))
 

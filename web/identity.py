@@ -47,8 +47,8 @@ from .harmony import HARMONY, read_harmony
 from .reasoning import answer_text
 from .tools import ToolFormat, parse_tool_calls
 
-__all__ = ["ConversationIndex", "forked_conversation_id", "message_key", "new_conversation_id", "route_scope",
-           "state_hash"]
+__all__ = ["ConversationIndex", "as_generated", "forked_conversation_id", "message_key", "new_conversation_id",
+           "route_scope", "state_hash"]
 
 
 _SCOPED = re.compile(r"conv-([0-9a-f]{12})-[0-9a-f]{8}")
@@ -104,6 +104,23 @@ def message_key(m: Message, fmt: ToolFormat | None) -> tuple:
             (c["function"]["name"], c["function"]["arguments"]) for c in m.tool_calls]
         return ("assistant", text.strip(), tuple((name, _arguments_key(args)) for name, args in calls))
     return (m.role, m.content, m.name)
+
+
+def as_generated(messages: tuple[Message, ...], history: Iterable[Message],
+                 fmt: ToolFormat | None) -> tuple[Message, ...]:
+    """``messages`` with each reply that made calls taken as ``history`` holds it
+    at its place -- the text the model generated, markup, spacing and number
+    literals as it wrote them -- where the two read as the same message
+    (``message_key``) and every message before it does too. A reply that
+    reasoned is left as the client sent it."""
+    out = list(messages)
+    for i, (m, h) in enumerate(zip(messages, history)):
+        key = message_key(m, fmt)
+        if key != message_key(h, fmt):
+            break
+        if m.role == "assistant" and key[2] and m != h and answer_text(h.content) == h.content:
+            out[i] = h
+    return tuple(out)
 
 
 def _arguments_key(args: dict) -> str:

@@ -65,6 +65,7 @@ __all__ = [
     "deepseek_tool_prompt",
     "finish_result",
     "flatten_tool_messages",
+    "hermes_calls",
     "library_format",
     "new_call_id",
     "parse_tool_calls",
@@ -169,12 +170,14 @@ def tool_format(chat_template: str | None, library: LibraryFormat | None = None)
 
 def reply_format(tokenizer) -> ToolFormat | None:
     """The format of the calls in the replies of ``tokenizer``'s model: the
-    one its template teaches, or DeepSeek's (a template that takes no tools
-    but writes calls)."""
+    one its template teaches, DeepSeek's (a template that takes no tools but
+    writes calls), or, for any other template without tools, the Hermes
+    format its model is told (``tool_prompt``)."""
     library = library_format(tokenizer)
     if library is not None and library.parser in DEEPSEEK:
         return library
-    return tool_format(getattr(tokenizer, "chat_template", None), library)
+    template = getattr(tokenizer, "chat_template", None)
+    return tool_format(template, library) if supports_tools(template) else "hermes"
 
 
 def call_grammar(fmt: ToolFormat, tools: Collection[dict], forced: bool = True,
@@ -519,17 +522,25 @@ def finish_result(result: ChatResult, fmt: ToolFormat | None, tool_names: Collec
     return replace(result, text=text, stop_reason=reason, tool_calls=tuple(calls))
 
 
+def hermes_calls(calls: Collection[dict]) -> str:
+    """``calls`` (``{"function": {"name", "arguments"}}``) as a model told of
+    them by ``tool_prompt`` writes them, held to ``call_grammar("hermes")``:
+    a call a line, its JSON laid out as the grammar lays it."""
+    return "\n".join(f"{_HERMES_OPEN}\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']}, ensure_ascii=False)}\n{_HERMES_CLOSE}"
+                     for c in calls)
+
+
 def flatten_tool_messages(messages: list[dict]) -> list[dict]:
-    """``messages`` for a template without tools: assistant calls become text,
-    tool results become user text, and neighbours of one role merge (such
-    templates often insist that roles alternate)."""
+    """``messages`` for a template without tools: assistant calls become the
+    text the model wrote for them (``hermes_calls``: the turn renders as it
+    was generated, so its agent's cache serves the next turn), tool results
+    become user text, and neighbours of one role merge (such templates often
+    insist that roles alternate)."""
     out: list[dict] = []
     for m in messages:
         role, content = m["role"], m["content"]
         if role == "assistant" and m.get("tool_calls"):
-            lines = [f"[tool call: {c['function']['name']}({json.dumps(c['function']['arguments'])})]"
-                     for c in m["tool_calls"]]
-            content = "\n".join(([content] if content else []) + lines)
+            content = "\n".join(([content] if content else []) + [hermes_calls(m["tool_calls"])])
         elif role == "tool":
             role = "user"
             content = f"[tool result{' from ' + m['name'] if m.get('name') else ''}]\n{content}"

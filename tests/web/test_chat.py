@@ -10,8 +10,9 @@ from semantic.actors import Message
 from semantic.runtime.outcome import TurnResult
 from semantic.web.anthropic import parse_request
 from semantic.web.chat import chat_result, context_first, prepare
-from semantic.web.identity import ConversationIndex, forked_conversation_id, new_conversation_id, route_scope
-from semantic.web.tools import tool_prompt
+from semantic.web.identity import (ConversationIndex, as_generated, forked_conversation_id, new_conversation_id,
+                                   route_scope)
+from semantic.web.tools import hermes_calls, tool_prompt
 
 from .test_anthropic import CLAUDE_CODE
 
@@ -34,7 +35,7 @@ def test_a_template_with_tools_gets_them_and_the_tool_turns_as_they_are():
     assert p.messages[2].as_dict()["tool_calls"] == list(p.messages[2].tool_calls)
 
 
-def test_a_template_without_tools_is_told_them_and_gets_its_tool_turns_as_plain_text():
+def test_a_template_without_tools_is_told_them_and_gets_its_tool_turns_as_text():
     told = prepare(claude_code(), PLAIN)
     assert (told.tools, told.fmt, told.tool_names, told.tools_told) == (None, "hermes", {"Bash", "Read"}, True)
     assert told.messages[0].content.endswith(tool_prompt(claude_code().tools)) and told.holds_calls
@@ -42,7 +43,8 @@ def test_a_template_without_tools_is_told_them_and_gets_its_tool_turns_as_plain_
     assert (p.tools, p.fmt, p.tool_names, p.grammar) == (None, None, frozenset(), None)
     for q in (told, p):
         assert [m.role for m in q.messages] == ["system", "user", "assistant", "user"]
-        assert '[tool call: Bash({"command": "ls"})]' in q.messages[2].content
+        assert '<tool_call>\n{"name": "Bash", "arguments": {"command": "ls"}}\n</tool_call>' in q.messages[2].content
+        assert q.calls_as_text
         assert "[tool result from Read]\nError: no such file" in q.messages[3].content
         assert all(not m.tool_calls and m.tool_call_id is None for m in q.messages)
 
@@ -77,6 +79,25 @@ def test_the_index_finds_the_longest_proper_prefix_and_skips_claimed_agents():
     assert idx.match((Message("system", "other"), u1)) is None
     # An agent with no reply yet (one the agent API created) is no stranger's conversation to continue.
     assert idx.match((sys, u1)) is None
+
+
+def test_a_call_sent_back_is_rendered_as_the_model_wrote_it():
+    """A template without tools: the client's call, rendered in the Hermes format, reads as the
+    stored reply; the turn takes the stored text, whose literals the cache holds as written."""
+    sys, u1, result = Message("system", "S"), Message("user", "Price?"), Message("user", "[tool result]\n3")
+    raw = '<tool_call>\n{"name": "price", "arguments": {"usd": 12.50, "note": "caf\\u00e9"}}\n</tool_call>'
+    history = (sys, u1, Message("assistant", raw))
+    call = {"function": {"name": "price", "arguments": {"usd": 12.5, "note": "caf\u00e9"}}}
+    sent = (sys, u1, Message("assistant", hermes_calls([call])), result)
+    assert sent[2].content == '<tool_call>\n{"name": "price", "arguments": {"usd": 12.5, "note": "caf\u00e9"}}\n</tool_call>'
+    assert ConversationIndex("hermes").keys(history) == ConversationIndex("hermes").keys(sent[:3])
+    assert as_generated(sent, history, "hermes") == (sys, u1, history[2], result)
+    other = {"function": {"name": "price", "arguments": {"usd": 13}}}
+    assert as_generated((sys, u1, Message("assistant", hermes_calls([other]))), history, "hermes")[2] != history[2]
+    edited = (sys, Message("user", "Cost?"), sent[2])  # (an earlier message differs: nothing is taken)
+    assert as_generated(edited, history, "hermes") == edited
+    thought = (sys, u1, Message("assistant", "<think>hm</think>" + raw))
+    assert as_generated(sent, thought, "hermes") == sent  # a reply that reasoned stays as sent
 
 
 def test_a_session_hint_lets_an_edited_conversation_keep_its_agent_but_never_another_system_prompts():

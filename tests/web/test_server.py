@@ -357,3 +357,58 @@ async def test_tools_a_template_without_tools_is_told_are_left_out_under_auto_wh
     assert told["usage"]["prompt_tokens"] > bare + 30  # the tool, in the system prompt (SmolLM2's template)
     assert left_out.status_code == 200 and left_out.json()["usage"]["prompt_tokens"] == bare
     assert forced.status_code == 400 and f"{CONTEXT}-token context" in forced.text  # a call needs them told
+
+
+async def test_a_turn_after_a_call_goes_on_from_its_agents_cache(tmp_path):
+    """SmolLM2's template takes no tools: a forced call is written in the Hermes format it is
+    told, and a client sends it back as a call (``tool_calls``, a ``tool_use`` block, a
+    ``function_call`` item). The follow-up finds the call's agent and reuses every token it
+    cached -- the prompt and the call as generated -- on each route."""
+    weather = {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}
+    system, ask = "You are a helper.", "Weather in Oslo?"
+
+    async def chat(http):
+        body = {"model": "any", "max_tokens": 40, "tools": [{"type": "function", "function": weather}]}
+        convo = [{"role": "system", "content": system}, {"role": "user", "content": ask}]
+        r1 = await http.post("/v1/chat/completions", json={**body, "tool_choice": "required", "messages": convo})
+        call = r1.json()["choices"][0]["message"]["tool_calls"][0]
+        convo += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": call["id"], "content": "Sunny, 20 C"}]
+        r2 = await http.post("/v1/chat/completions", json={**body, "max_tokens": 4, "messages": convo})
+        cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        u1 = r1.json()["usage"]
+        return r1, r2, u1["prompt_tokens"] + u1["completion_tokens"], cached
+
+    async def anthropic_(http):
+        body = {"model": "any", "max_tokens": 40, "system": system, "tools": [
+            {"name": weather["name"], "input_schema": weather["parameters"]}]}
+        convo = [{"role": "user", "content": ask}]
+        r1 = await http.post("/v1/messages", json={**body, "tool_choice": {"type": "any"}, "messages": convo})
+        use = next(b for b in r1.json()["content"] if b["type"] == "tool_use")
+        convo += [{"role": "assistant", "content": [use]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"],
+                                                "content": "Sunny, 20 C"}]}]
+        r2 = await http.post("/v1/messages", json={**body, "max_tokens": 4, "messages": convo})
+        u1, u2 = r1.json()["usage"], r2.json()["usage"]
+        return r1, r2, u1["input_tokens"] + u1["output_tokens"], u2["cache_read_input_tokens"]
+
+    async def responses(http):
+        body = {"model": "any", "max_output_tokens": 40, "instructions": system,
+                "tools": [{"type": "function", **weather}]}
+        r1 = await http.post("/v1/responses", json={**body, "tool_choice": "required", "input": ask})
+        call = next(o for o in r1.json()["output"] if o["type"] == "function_call")
+        items = [{"role": "user", "content": ask}, {k: call[k] for k in ("type", "call_id", "name", "arguments")},
+                 {"type": "function_call_output", "call_id": call["call_id"], "output": "Sunny, 20 C"}]
+        r2 = await http.post("/v1/responses", json={**body, "max_output_tokens": 4, "input": items})
+        u1, u2 = r1.json()["usage"], r2.json()["usage"]
+        return r1, r2, u1["input_tokens"] + u1["output_tokens"], u2["input_tokens_details"]["cached_tokens"]
+
+    async with live_server(tmp_path) as url, client(url) as http:
+        for route in (chat, anthropic_, responses):
+            r1, r2, called, cached = await route(http)
+            assert r1.status_code == r2.status_code == 200, (route.__name__, r1.text, r2.text)
+            assert r2.headers["x-agent-id"] == r1.headers["x-agent-id"], route.__name__
+            assert cached >= called - 1, (route.__name__, cached, called)  # (at most the end token is fed anew)
+            stored = (await http.get(f"/v1/agents/{r1.headers['x-agent-id']}")).json()["history"]
+            assert stored[2]["content"].startswith('<tool_call>\n{"name": "get_weather", "arguments": {"city": ')

@@ -10,8 +10,8 @@ import pytest
 from semantic.runtime.grammar import GrammarError
 from semantic.web.schema import ChatResult, ToolCall, Usage
 from semantic.web.tools import (LibraryFormat, ToolCallFilter, added_tokens, call_grammar, deepseek_tool_prompt, finish_result,
-                       flatten_tool_messages, library_format, parse_tool_calls, reply_format, supports_tools,
-                       tool_format, tool_prompt)
+                       flatten_tool_messages, hermes_calls, library_format, parse_tool_calls, reply_format,
+                       supports_tools, tool_format, tool_prompt)
 
 # SmolLM2-Instruct's template (the embedded model): no tools.
 SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -201,11 +201,18 @@ def test_flatten_tool_messages_for_templates_without_tools():
     assert flatten_tool_messages(TOOL_TURNS) == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris and Rome?"},
-        {"role": "assistant", "content": 'Checking.\n[tool call: get_weather({"city": "Paris"})]\n'
-                                         '[tool call: get_weather({"city": "Rome"})]'},
+        {"role": "assistant", "content": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+                                         '"Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", '
+                                         '"arguments": {"city": "Rome"}}\n</tool_call>'},
         {"role": "user", "content": "[tool result from get_weather]\n18C\n\n[tool result]\n25C\n\nWhich is warmer?"},
     ]
     assert TOOL_TURNS[3]["role"] == "tool", "the input is left alone"
+    # its replies' calls are read back in the format it is told
+    call = flatten_tool_messages(TOOL_TURNS)[2]["content"].partition("\n")[2]
+    tok = type("Tok", (), {"chat_template": SMOLLM2})()
+    assert reply_format(tok) == "hermes"
+    assert [(c.name, c.arguments) for c in parse_tool_calls(call, reply_format(tok))[1]] == [
+        ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
 
 
 def test_flattened_messages_render_with_a_template_without_tools():
@@ -302,6 +309,15 @@ def test_under_auto_a_strict_grammar_takes_text_or_valid_calls(fmt, reply, taken
     if taken:  # and the parser reads it as the grammar does: calls where it holds calls
         _, calls = parse_tool_calls(reply, fmt, {"get_weather", "noop"})
         assert bool(calls) == ("get_weather" in reply or "noop" in reply)
+
+
+@pytest.mark.slow
+def test_calls_a_template_without_tools_gets_back_are_as_its_grammar_has_them_written():
+    calls = [{"function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}},
+             {"function": {"name": "noop", "arguments": {}}}]
+    assert hermes_calls(calls[:1]) == HERMES_CALL
+    assert takes(call_grammar("hermes", [WEATHER_FN, NOOP_FN]), hermes_calls(calls[:1]))  # forced: one call
+    assert takes(call_grammar("hermes", [WEATHER_FN, NOOP_FN], forced=False), "Let me look.\n" + hermes_calls(calls))
 
 
 def test_auto_gets_a_grammar_only_when_a_tool_is_strict():
