@@ -554,6 +554,7 @@ class Engine:
         if drafts:
             seq.drafted += len(drafts)
             seq.accepted += taken - 1
+            seq.sampler.undo(len(drafts) + 1 - taken)  # the draws of slots not taken: the next draws as they would
             self._cut(seq, len(drafts) - (taken - 1), step)  # (none cut: recurrent states drop their trail)
         if seq.drafter is not None:
             seq.drafter.settle(len(drafts), agreed)
@@ -706,11 +707,10 @@ class Engine:
                 layer.widths = widths
             logits = self.forward(self._batches[key], inputs[at : at + sum(widths)], slots)
             slot = 0
-            for seq, d in zip(tile, tile_drafts):  # each slot's draw judges the draft fed after it; the last's is free
+            for seq, d in zip(tile, tile_drafts):  # each slot draws what decode would there: a draft is taken if drawn
                 c = seq.sampler.constraint  # (a grammar's mask at each slot: after the drafts before it)
                 masks = c.masks(d, logits.shape[-1]) if c is not None and d else [None] * (1 + len(d))
-                draws += [seq.sampler(logits[slot + j], draft, mask) for j, (draft, mask) in
-                          enumerate(zip([*d, None], masks))]
+                draws += [seq.sampler(logits[slot + j], mask) for j, mask in enumerate(masks)]
                 slot += 1 + len(d)
             at += slot
         tokens = self.shared_tokens(mx.stack([d.token for d in draws]))

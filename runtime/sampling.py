@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -126,25 +127,27 @@ class Draw(NamedTuple):
 class Sampler:
     """Draws one token from a row of logits; owns its random key, and the
     sequence's ``constraint`` if it has a grammar (``advance`` it with each
-    token taken: the next draw's mask depends on it)."""
+    token taken: the next draw's mask depends on it). Draw n of a sequence
+    uses the n-th key of its seed's chain, whatever else was drawn and
+    undone, so drafted slots draw what decoding one token a step would."""
 
     def __init__(self, params: SamplingParams, constraint: Constraint | None = None):
         self.params = params
         self.constraint = constraint
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         self._key = mx.random.key(seed)
-        self._previous_key = self._key
+        self._trail: deque[mx.array] = deque(maxlen=64)  # the key before each recent draw (``undo``)
 
-    def __call__(self, logits: mx.array, draft: int | None = None, mask: mx.array | None = None) -> Draw:
+    def __call__(self, logits: mx.array, mask: mx.array | None = None) -> Draw:
         """``logits``: (vocab,) -> the token drawn, and its logprobs if asked for (lazy).
 
-        ``draft``: a token proposed for this place (``runtime.speculation``):
-        greedy draws as ever (the engine takes the draft if it is the draw);
-        with temperature the draft is the token with the chance the row gives
-        it, and otherwise a draw from the row without it -- together, exactly
-        the row's distribution. ``mask``: the grammar's at this place, where
-        it is not the constraint's now (a slot after drafts: ``Constraint.masks``)."""
+        ``mask``: the grammar's at this place, where it is not the
+        constraint's now (a slot after drafts: ``Constraint.masks``). A
+        draft fed before this place is taken when it is the token drawn here
+        (``runtime.engine``): with temperature that happens with the chance
+        p(draft) the row gives it, and the reply is the one without drafts."""
         p = self.params
+        self._trail.append(self._key)
         if self.constraint is not None:
             mask = self.constraint.allowed(logits.shape[-1]) if mask is None else mask
             logits = mx.where(mask, logits, -mx.inf)
@@ -152,7 +155,7 @@ class Sampler:
         if p.greedy:
             token = mx.argmax(logits, axis=-1)
         else:
-            token = self._draw(logprobs) if draft is None else self._judge(logprobs, draft)
+            token = self._draw(logprobs)
         if p.logprobs is None:
             return Draw(token, None)
         top = mx.argpartition(-logprobs, p.logprobs - 1)[: p.logprobs] if p.logprobs else mx.array([], mx.int32)
@@ -172,26 +175,14 @@ class Sampler:
             logprobs = apply_top_p(logprobs, p.top_p)
         return logprobs * (1 / p.temperature)
 
-    def _key_for_draw(self) -> mx.array:
-        self._previous_key = self._key
-        self._key, key = mx.random.split(self._key)
-        return key
-
     def _draw(self, logprobs: mx.array) -> mx.array:
         """A token from the row's log-softmax, under temperature, top-k, min-p and top-p."""
-        return mx.random.categorical(self._scaled(logprobs), key=self._key_for_draw())[0]
+        self._key, key = mx.random.split(self._key)
+        return mx.random.categorical(self._scaled(logprobs), key=key)[0]
 
-    def _judge(self, logprobs: mx.array, draft: int) -> mx.array:
-        """``draft`` with the probability p(draft) the row gives it, else a token
-        from p with the draft left out."""
-        scaled = self._scaled(logprobs)
-        chance = mx.exp(scaled[0, draft] - mx.logsumexp(scaled, axis=-1)[0])
-        accept_key, other_key = mx.random.split(self._key_for_draw())
-        without = mx.where(mx.arange(scaled.shape[-1]) == draft, -mx.inf, scaled)
-        other = mx.random.categorical(without, key=other_key)[0]
-        return mx.where(mx.random.uniform(key=accept_key) < chance, mx.array(draft, other.dtype), other)
-
-    def undo(self) -> None:
-        """Forget the last draw: the next call draws as it would have (a decode
-        step computed ahead and then dropped, ``runtime.engine``)."""
-        self._key = self._previous_key
+    def undo(self, draws: int = 1) -> None:
+        """Forget the last ``draws`` draws: the next call draws as the first of
+        them did (a decode step computed ahead and then dropped; a drafting
+        step's slots after the tokens taken: ``runtime.engine``)."""
+        for _ in range(draws):
+            self._key = self._trail.pop()
