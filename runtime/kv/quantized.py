@@ -37,6 +37,7 @@ from .quantize import Packed, check_format, close_block, grown, open_blocks
 
 __all__ = ["CPU_FLOAT_HEAD", "DequantizingKVCache", "SequenceQuantizedKVCache", "device_float_head"]
 
+OPEN_STEP = 64  # rows an open block's float buffer grows by (a divisor of BLOCK_TOKENS)
 CPU_FLOAT_HEAD = 4096  # closed tokens a running sequence attends over in float on the CPU (docs/benchmarks.md)
 
 
@@ -91,7 +92,9 @@ class SequenceQuantizedKVCache(_BaseCache):
     def _write_open(self, keys: mx.array, values: mx.array) -> None:
         live, S = self.offset - self.closed, keys.shape[2]
         if self.open is None or live + S > self.open[0].shape[2]:
-            capacity = (live + S + self.block - 1) // self.block * self.block
+            # within a block a quarter at a time: an idle agent holds about its open tokens, not a block
+            step = OPEN_STEP if live + S <= self.block else self.block
+            capacity = (live + S + step - 1) // step * step
             old = self.open or (None, None)
             self.open = tuple(grown(o, live, capacity, x) for o, x in zip(old, (keys, values)))
         k, v = self.open
@@ -112,6 +115,7 @@ class SequenceQuantizedKVCache(_BaseCache):
         if first:  # (copies: a view would keep the whole open buffer alive)
             self.sinks = (mx.contiguous(k[..., :SINKS, :]), mx.contiguous(v[..., :SINKS, :]))
         rows = close_block(k, v, self.group_size, self.kv_bits, first)
+        self.open = None  # the next block's buffer grows from nothing (``_write_open``)
         if self.packed is None or self.closed + self.block > self.packed[0].shape[2]:
             capacity = max(self.block, 2 * self.closed)  # doubling: a long prefill copies O(T), not O(T^2)
             old = self.packed or (None,) * len(rows)
