@@ -416,9 +416,8 @@ def measure(args: argparse.Namespace, plan: Plan, log: Log, workdir: Path) -> di
         raw["long_context"] = long_context.measure(plan, model_dir, texts, log, workdir)
         extra["long_context_s"] = time.perf_counter() - t
         want.discard("long-context")
-    if not want:
-        extra["start_s"], extra["servers"] = {}, {side: {"name": s.spec.name, **s.spec.settings}
-                                                  for side, s in servers.items()}
+    if not want:  # (the servers that ran: the long-context pair, on the stretched model)
+        extra["start_s"], extra["servers"] = {}, raw["long_context"]["servers"]
         return {"raw": raw, "extra": extra}
     try:
         for side, s in servers.items():

@@ -166,7 +166,7 @@ class LongContext:
 
 def measure(plan, model_dir: str, texts, log, workdir: Path) -> dict:
     """The workload's raw figures: {"contexts": {side: {context: {...}}}, "restart_ttft": {context: s},
-    "disk_bytes": {context: n}, "four_agents": {side: {...}}}."""
+    "disk_bytes": {context: n}, "four_agents": {side: {...}}, "servers": {side: what it ran}}."""
     contexts = tuple(plan.long_contexts)
     four_context = four_agents_context(contexts)
     model = stretch(model_dir, workdir / "long-model", max(contexts) + 1024)
@@ -175,7 +175,9 @@ def measure(plan, model_dir: str, texts, log, workdir: Path) -> dict:
     servers = {OURS: Server(ours_spec(str(model), ours_cache), workdir / "long-semantic.log"),
                PEER: Server(peer_spec(str(model), workdir / "long-peer"), workdir / "long-peer.log")}
     bench = LongContext(servers, texts, log, plan.long_tokens)
-    raw: dict = {"contexts": {OURS: {}, PEER: {}}, "restart_ttft": {}, "four_agents": {}}
+    raw: dict = {"contexts": {OURS: {}, PEER: {}}, "restart_ttft": {}, "four_agents": {},
+                 "servers": {side: {"name": s.spec.name, "model": str(model), **s.spec.settings}
+                             for side, s in servers.items()}}
     try:
         for s in servers.values():
             s.start(timeout=600.0)
