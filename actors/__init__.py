@@ -5,6 +5,8 @@ Layout (each module one job; only this file's names are public):
 * ``runtime``     -- ``Runtime`` (opens and shuts down everything) and ``Agent``
                      handles: the in-process API;
 * ``reply``       -- ``Reply``: a turn's stream of deltas;
+* ``listing``     -- ``AgentInfo``: every agent with a history, and where its
+                     cache is (``Runtime.agents``);
 * ``agent``       -- agent actors: one mailbox per agent serialises its turns
                      and owns its history;
 * ``gpu``         -- the GPU actor: the event-loop half (mailbox, health, the
@@ -58,8 +60,9 @@ from .errors import (
 )
 from .gpu import BatchSnapshot
 from .messages import Delta, Message
+from .listing import AgentInfo
 from .reply import Reply
-from .runtime import MAX_CHOICES, Agent, AgentInfo, Runtime
+from .runtime import MAX_CHOICES, Agent, Runtime
 
 __all__ = [
     "AGENT_CHARS",

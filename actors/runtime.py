@@ -35,7 +35,6 @@ import math
 import os
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,7 +57,8 @@ from .archive import Summary, agent_files, receive_upload
 from .errors import AgentExists, AgentGone, RuntimeClosed, UnknownModel
 from .eviction import EvictionActor
 from .gpu import BatchSnapshot, GpuActor, HotSnapshot, follow
-from .history import encode_history, read_history
+from .history import encode_history
+from .listing import AgentInfo, agent_infos
 from .messages import (
     Delete,
     Demote,
@@ -85,7 +85,7 @@ from .reply import Reply
 if TYPE_CHECKING:
     import mlx.core as mx
 
-__all__ = ["Agent", "AgentInfo", "MAX_CHOICES", "Runtime"]
+__all__ = ["Agent", "MAX_CHOICES", "Runtime"]
 
 log = logging.getLogger("semantic.actors")
 
@@ -392,7 +392,7 @@ class Runtime:
         hot = self._gpu.hot
         live = {i: s.history for i, s in self._slots.items()
                 if s.exists and not s.deleted and s.history is not None and only in (None, i)}
-        return await anyio.to_thread.run_sync(_agent_infos, self._histories, self._persistence.store, hot, live, only)
+        return await anyio.to_thread.run_sync(agent_infos, self._histories, self._persistence.store, hot, live, only)
 
     def cache_tier(self, agent_id: str) -> str | None:
         """Where the agent's cache for the loaded model is now: "hot", "warm" (disk) or None."""
@@ -577,56 +577,6 @@ class Runtime:
                     actor.mailbox.send_nowait(Stop())  # it ends after the pending work, closing its mailbox
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                     pass  # it has ended already
-
-
-@dataclass(frozen=True)
-class AgentInfo:
-    """One agent as ``Runtime.agents`` lists it."""
-
-    id: str
-    history: tuple[Message, ...]
-    model: str | None  # whose cache the numbers below describe (the loaded model)
-    tokens: int  # tokens its cache holds (0: none)
-    bytes: int  # hot: its share of the KV budget; warm: its file's size
-    tier: str | None  # "hot" (in memory), "warm" (on disk) or None (no cache for this model)
-    last_use: float | None  # unix time its cache was last updated
-
-
-def _agent_infos(histories: Path, store: CacheStore, hot, live: dict, only: str | None) -> list[AgentInfo]:
-    """(worker thread) Merge histories on disk and in memory with the hot set and cache files."""
-    found = dict(live)
-    if only is not None:
-        paths = [histories / f"{only}.json"] if only not in found else []
-    else:
-        paths = histories.glob("*.json") if histories.is_dir() else ()
-    for path in paths:
-        agent_id = path.name[: -len(".json")]
-        if agent_id in found:
-            continue
-        try:
-            validate_agent_id(agent_id)
-            history = read_history(histories, agent_id, move_aside=False)  # the persistence actor's job
-        except (ValueError, OSError):
-            continue
-        if history is not None:
-            found[agent_id] = history
-    if only is not None:
-        info = store.info(only, hot.model_id) if hot.model_id is not None else None
-        entries = [info] if info is not None else []
-    else:
-        entries = store.entries()
-    files = {e["agent"]: e for e in entries if e["model"] == hot.model_id}
-    out = []
-    for agent_id in sorted(found):
-        if agent_id in hot.agents:
-            tokens, size, used = hot.agents[agent_id]
-            tier = "hot"
-        elif (e := files.get(agent_id)) is not None:
-            tokens, size, used, tier = e["tokens"], e["bytes"], e["updated"], "warm"
-        else:
-            tokens, size, used, tier = 0, 0, None, None
-        out.append(AgentInfo(agent_id, found[agent_id], hot.model_id, tokens, size, tier, used))
-    return out
 
 
 async def _shielded(run, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
