@@ -33,12 +33,13 @@ import itertools
 import logging
 import math
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
+from anyio.streams.memory import MemoryObjectSendStream
 
 from semantic.runtime import disk, row_counts
 from semantic.runtime.cache_file import CacheStore
@@ -60,6 +61,7 @@ from .gpu import BatchSnapshot, GpuActor, HotSnapshot, follow
 from .history import encode_history
 from .listing import AgentInfo, agent_infos
 from .messages import (
+    AgentCommand,
     Delete,
     Demote,
     Done,
@@ -379,7 +381,7 @@ class Runtime:
         hot set changes when it has been served.  Raises ``InvalidAgentId``,
         ``RuntimeClosed``."""
         validate_agent_id(agent_id)
-        self._check_open()
+        self.check_open()
         await self.flush()  # a clean cache is the only kind demoted (the written version stays)
         self._gpu.submit(Demote((agent_id,)))
 
@@ -412,9 +414,9 @@ class Runtime:
         undo the creation once the agent's actor has it.
         """
         validate_agent_id(agent_id)
-        self._check_open()
+        self.check_open()
         slot = await self._slot(agent_id)
-        _raise_failed(await request(lambda r: self._deliver(slot, Open(system, r))))
+        _raise_failed(await request(lambda r: self.deliver(slot, Open(system, r))))
         return Agent(self, slot)
 
     async def swap_model(self, model: str | LoadedModel) -> str:
@@ -422,13 +424,13 @@ class Runtime:
         is written; the old model is unloaded and ``model`` loaded.  Agents keep
         their histories; each model keeps its own caches on disk.  Returns the new
         model's name.  Raises ``ModelError`` (the old model is back), ``RuntimeClosed``."""
-        self._check_open()
+        self.check_open()
         return _raise_failed(await request(lambda r: self._gpu.submit(SwapModel(model, r))))
 
     async def flush(self) -> None:
         """Return once every cache and history of every turn ended so far is on disk
         (works on an unhealthy runtime too)."""
-        self._check_open(unhealthy_ok=True)
+        self.check_open(unhealthy_ok=True)
         _raise_failed(await request(lambda r: self._gpu.submit(FlushCaches(r))))
         _raise_failed(await request(lambda r: self._persistence.mailbox.send_nowait(Flush(r))))
 
@@ -451,7 +453,7 @@ class Runtime:
         persistence actor: in line with its writes, checked whole first, within
         the disk budget. Raises ``ArchiveError``, ``AgentExists``, ``NoRoom``,
         ``OSError``, ``RuntimeClosed``; on any of them the directory is as it was."""
-        self._check_open()
+        self.check_open()
         if isinstance(archive, (str, os.PathLike)):
             return await self._import(Path(archive), agent_id)
         await self.check_new(agent_id)  # before the upload: no need to wait for it to say no
@@ -480,23 +482,19 @@ class Runtime:
             "demotions_requested": self._eviction.requested,
         }
 
-    # -- internals ---------------------------------------------------------------------
+    # -- for Agent handles: with check_model, all they ask of the runtime --------------
 
-    def _check_open(self, unhealthy_ok: bool = False) -> None:
+    def check_open(self, unhealthy_ok: bool = False) -> None:
+        """Raise ``RuntimeClosed`` once the runtime is closing, and the GPU actor's
+        error once it failed (unless ``unhealthy_ok``)."""
         if self._closing:
             raise RuntimeClosed("the runtime is closed")
         if self._gpu.error is not None and not unhealthy_ok:
             raise self._gpu.error
 
-    async def _slot(self, agent_id: str) -> AgentSlot:
-        while (slot := self._slots.get(agent_id)) is not None and slot.deleted:
-            await slot.stopped.wait()  # its files are being deleted: start afresh after
-        if slot is None:
-            slot = self._slots[agent_id] = AgentSlot(agent_id)
-        return slot
-
-    def _deliver(self, slot: AgentSlot, message) -> None:
-        """Put a message in the agent's mailbox, starting its actor if none runs."""
+    def deliver(self, slot: AgentSlot, message: AgentCommand) -> None:
+        """Put a message in the agent's mailbox, starting its actor if none runs.
+        Raises ``AgentGone``, ``AgentExists`` (a fork is creating it), ``RuntimeClosed``."""
         if slot.deleted:
             raise AgentGone(f"agent {slot.agent_id!r} was deleted; open it again with Runtime.agent")
         if slot.reserved:
@@ -510,6 +508,51 @@ class Runtime:
         slot.mailbox.send_nowait(message)
         if slot.wakeup is not None:
             slot.wakeup.set()
+
+    def queue_turn(self, slot: AgentSlot,
+                   message: Callable[[int, MemoryObjectSendStream[TurnEvent]], Send]) -> Reply:
+        """Number a new turn of the agent in ``slot``, deliver the ``Send`` that
+        ``message(turn_id, reply)`` builds for it, and return the turn's stream."""
+        turn_id = next(self._turn_ids)
+        reply, events = anyio.create_memory_object_stream[TurnEvent](math.inf)
+        try:
+            self.deliver(slot, message(turn_id, reply))
+        except BaseException:
+            reply.close()
+            events.close()
+            raise
+        return Reply(turn_id, events, self._gpu)
+
+    async def fork(self, source: AgentSlot, target: str) -> Agent:
+        """A new agent ``target`` with the history of the agent in ``source`` and a
+        copy of its cache (``Agent.fork`` says what it raises)."""
+        validate_agent_id(target)
+        self.check_open()
+        slot = await self._slot(target)
+        if slot.reserved or slot.exists or slot.mailbox is not None:
+            raise AgentExists(f"agent {target!r} exists; fork to a new id")
+        slot.reserved = True
+        try:
+            if _raise_failed(await request(lambda r: self._persistence.mailbox.send_nowait(ReadHistory(target, r)))):
+                raise AgentExists(f"agent {target!r} exists; fork to a new id")
+            history = _raise_failed(await request(lambda r: self.deliver(source, Fork(target, r))))
+            slot.history, slot.exists = history, True  # no actor owns it yet: we create it
+            self._persistence.mailbox.send_nowait(HistoryBytes(target, encode_history(target, history)))
+        except BaseException:
+            self._release(slot)
+            raise
+        finally:
+            slot.reserved = False
+        return Agent(self, slot)
+
+    # -- internals ---------------------------------------------------------------------
+
+    async def _slot(self, agent_id: str) -> AgentSlot:
+        while (slot := self._slots.get(agent_id)) is not None and slot.deleted:
+            await slot.stopped.wait()  # its files are being deleted: start afresh after
+        if slot is None:
+            slot = self._slots[agent_id] = AgentSlot(agent_id)
+        return slot
 
     def _turn_ended(self, agent_id: str, turn_id: int, result: TurnResult) -> None:
         for callback in self._turn_listeners:
@@ -537,26 +580,6 @@ class Runtime:
                 del self._slots[agent_id]
         for callback in self._prune_listeners:
             callback(agent_ids)
-
-    async def _fork(self, source: AgentSlot, target: str) -> Agent:
-        validate_agent_id(target)
-        self._check_open()
-        slot = await self._slot(target)
-        if slot.reserved or slot.exists or slot.mailbox is not None:
-            raise AgentExists(f"agent {target!r} exists; fork to a new id")
-        slot.reserved = True
-        try:
-            if _raise_failed(await request(lambda r: self._persistence.mailbox.send_nowait(ReadHistory(target, r)))):
-                raise AgentExists(f"agent {target!r} exists; fork to a new id")
-            history = _raise_failed(await request(lambda r: self._deliver(source, Fork(target, r))))
-            slot.history, slot.exists = history, True  # no actor owns it yet: we create it
-            self._persistence.mailbox.send_nowait(HistoryBytes(target, encode_history(target, history)))
-        except BaseException:
-            self._release(slot)
-            raise
-        finally:
-            slot.reserved = False
-        return Agent(self, slot)
 
     async def _shutdown(self) -> None:
         self._closing = True
@@ -692,17 +715,9 @@ class Agent:
             raise ValueError(f"choices must be 1 to {MAX_CHOICES}, not {choices!r}")
         if model is not None:
             self._rt.check_model(model)
-        self._rt._check_open()
-        turn_id = next(self._rt._turn_ids)
-        reply, events = anyio.create_memory_object_stream[TurnEvent](math.inf)
-        try:
-            self._rt._deliver(self._slot, Send(turn_id, text, params, reply, use_cache, messages, tools, model,
-                                               choices, prompt))
-        except BaseException:
-            reply.close()
-            events.close()
-            raise
-        return Reply(turn_id, events, self._rt._gpu)
+        self._rt.check_open()
+        return self._rt.queue_turn(self._slot, lambda turn_id, reply: Send(
+            turn_id, text, params, reply, use_cache, messages, tools, model, choices, prompt))
 
     async def reply(self, text: str, *, use_cache: bool = True, **sampling) -> str:
         """Run a turn and return the whole reply text (``send`` without streaming).
@@ -715,14 +730,14 @@ class Agent:
         memory until either grows).  Runs after this agent's queued turns.
         Raises ``AgentExists``, ``InvalidAgentId``, ``OutOfMemory`` (the copy does
         not fit the budget).  Cancelling the caller does not stop a fork under way."""
-        return await self._rt._fork(self._slot, new_id)
+        return await self._rt.fork(self._slot, new_id)
 
     async def delete(self) -> None:
         """Delete the agent after its queued turns: its hot cache, every cache file
         and its history.  The handle is unusable afterwards (``AgentGone``).  Works on
         an unhealthy runtime too."""
-        self._rt._check_open(unhealthy_ok=True)
-        _raise_failed(await request(lambda r: self._rt._deliver(self._slot, Delete(r))))
+        self._rt.check_open(unhealthy_ok=True)
+        _raise_failed(await request(lambda r: self._rt.deliver(self._slot, Delete(r))))
 
     def __repr__(self) -> str:
         return f"<Agent {self.id!r}: {len(self.history)} messages>"
