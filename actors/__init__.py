@@ -2,8 +2,10 @@
 
 Layout (each module one job; only this file's names are public):
 
-* ``runtime``     -- ``Runtime`` (opens and shuts down everything) and ``Agent``
-                     handles: the in-process API;
+* ``runtime``     -- ``Runtime`` (opens and shuts down everything): the
+                     in-process API;
+* ``handle``      -- ``Agent``: a handle on one agent, which asks the runtime
+                     only for the public methods ``AgentHost`` lists;
 * ``reply``       -- ``Reply``: a turn's stream of deltas;
 * ``listing``     -- ``AgentInfo``: every agent with a history, and where its
                      cache is (``Runtime.agents``);
@@ -59,10 +61,11 @@ from .errors import (
     UnknownModel,
 )
 from .gpu import BatchSnapshot
-from .messages import Delta, Message
+from .handle import MAX_CHOICES, Agent
 from .listing import AgentInfo
+from .messages import Delta, Message
 from .reply import Reply
-from .runtime import MAX_CHOICES, Agent, Runtime
+from .runtime import Runtime
 
 __all__ = [
     "AGENT_CHARS",

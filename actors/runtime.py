@@ -22,9 +22,8 @@ agent actors refuse queued turns and end; the persistence actor writes
 everything pending and ends; then the eviction actor.  No task or thread
 outlives the block, and every file is written whole or not at all.
 
-(Long on purpose: ``Runtime`` is the in-process API, and its ``Agent``
-handles use its private parts -- slots, turn ids, delivery -- which no other
-module sees.)
+The ``Agent`` handles it gives out (``actors.handle``) ask it only what
+``AgentHost`` lists, all public methods.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from semantic.runtime import disk, row_counts
 from semantic.runtime.cache_file import CacheStore
 from semantic.runtime.cache_records import validate_agent_id
-from semantic.runtime.engine import DECODE_ROWS, SamplingParams
+from semantic.runtime.engine import DECODE_ROWS
 from semantic.runtime.errors import SemanticError
 from semantic.runtime.models import LoadedModel, load_tokenizer
 from semantic.runtime.models import catalogue as models_catalogue
@@ -53,20 +52,18 @@ from semantic.runtime.paths import agents_dir
 from semantic.runtime.prefix import encode
 from semantic.runtime.turns import render
 
-from .agent import AgentActor, AgentContext, AgentSlot, request
+from .agent import AgentActor, AgentContext, AgentSlot, raise_failed, request
 from .archive import Summary, agent_files, receive_upload
 from .errors import AgentExists, AgentGone, RuntimeClosed, UnknownModel
 from .eviction import EvictionActor
 from .gpu import BatchSnapshot, GpuActor, HotSnapshot, follow
+from .handle import Agent
 from .history import encode_history
 from .listing import AgentInfo, agent_infos
 from .messages import (
     AgentCommand,
-    Delete,
     Demote,
-    Done,
     EvictCommand,
-    Failed,
     Flush,
     FlushCaches,
     Fork,
@@ -87,11 +84,9 @@ from .reply import Reply
 if TYPE_CHECKING:
     import mlx.core as mx
 
-__all__ = ["Agent", "MAX_CHOICES", "Runtime"]
+__all__ = ["Runtime"]
 
 log = logging.getLogger("semantic.actors")
-
-MAX_CHOICES = 16  # replies one turn may ask for (``Agent.send``'s ``choices``)
 
 
 class Runtime:
@@ -416,7 +411,7 @@ class Runtime:
         validate_agent_id(agent_id)
         self.check_open()
         slot = await self._slot(agent_id)
-        _raise_failed(await request(lambda r: self.deliver(slot, Open(system, r))))
+        raise_failed(await request(lambda r: self.deliver(slot, Open(system, r))))
         return Agent(self, slot)
 
     async def swap_model(self, model: str | LoadedModel) -> str:
@@ -425,14 +420,14 @@ class Runtime:
         their histories; each model keeps its own caches on disk.  Returns the new
         model's name.  Raises ``ModelError`` (the old model is back), ``RuntimeClosed``."""
         self.check_open()
-        return _raise_failed(await request(lambda r: self._gpu.submit(SwapModel(model, r))))
+        return raise_failed(await request(lambda r: self._gpu.submit(SwapModel(model, r))))
 
     async def flush(self) -> None:
         """Return once every cache and history of every turn ended so far is on disk
         (works on an unhealthy runtime too)."""
         self.check_open(unhealthy_ok=True)
-        _raise_failed(await request(lambda r: self._gpu.submit(FlushCaches(r))))
-        _raise_failed(await request(lambda r: self._persistence.mailbox.send_nowait(Flush(r))))
+        raise_failed(await request(lambda r: self._gpu.submit(FlushCaches(r))))
+        raise_failed(await request(lambda r: self._persistence.mailbox.send_nowait(Flush(r))))
 
     async def check_new(self, agent_id: str) -> None:
         """Raise ``AgentExists`` unless this runtime holds nothing of ``agent_id``:
@@ -467,7 +462,7 @@ class Runtime:
         async with self._importing:  # one at a time: its check that the agent is new holds until it is in
             await self.check_new(agent_id)
             size = (await anyio.Path(archive).stat()).st_size
-            return _raise_failed(await request(
+            return raise_failed(await request(
                 lambda r: self._persistence.mailbox.send_nowait(ImportArchive(archive, agent_id, size, r))))
 
     def stats(self) -> dict:
@@ -533,9 +528,9 @@ class Runtime:
             raise AgentExists(f"agent {target!r} exists; fork to a new id")
         slot.reserved = True
         try:
-            if _raise_failed(await request(lambda r: self._persistence.mailbox.send_nowait(ReadHistory(target, r)))):
+            if raise_failed(await request(lambda r: self._persistence.mailbox.send_nowait(ReadHistory(target, r)))):
                 raise AgentExists(f"agent {target!r} exists; fork to a new id")
-            history = _raise_failed(await request(lambda r: self.deliver(source, Fork(target, r))))
+            history = raise_failed(await request(lambda r: self.deliver(source, Fork(target, r))))
             slot.history, slot.exists = history, True  # no actor owns it yet: we create it
             self._persistence.mailbox.send_nowait(HistoryBytes(target, encode_history(target, history)))
         except BaseException:
@@ -611,136 +606,6 @@ async def _shielded(run, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
 async def _shielded_agent(actor: AgentActor) -> None:
     with anyio.CancelScope(shield=True):
         await actor.run()
-
-
-def _raise_failed(answer: Done | Failed):
-    if isinstance(answer, Failed):
-        raise answer.error
-    return answer.value
-
-
-class Agent:
-    """A handle on one agent (cheap; many may exist for one agent)."""
-
-    def __init__(self, runtime: Runtime, slot: AgentSlot):
-        self._rt = runtime
-        self._slot = slot
-
-    @property
-    def id(self) -> str:
-        return self._slot.agent_id
-
-    @property
-    def history(self) -> tuple[Message, ...]:
-        """The conversation so far (system prompt, then user/assistant pairs)."""
-        return self._slot.history or ()
-
-    @property
-    def last_result(self) -> TurnResult | None:
-        """How the agent's last turn ended (token counts, timings), cancelled ones included."""
-        return self._slot.last_result
-
-    def send(self, text: str, *, use_cache: bool = True, model: str | None = None, choices: int = 1,
-             **sampling) -> Reply:
-        """Queue a turn now and return its stream: ``async for delta in agent.send(...)``.
-
-        ``sampling``: ``SamplingParams`` fields (max_tokens, temperature, top_p,
-        top_k, min_p, stop, seed, grammar, logprobs, prompt_logprobs: see
-        ``complete``); greedy by default.
-        ``grammar`` (``semantic.actors.grammar.json_schema(schema)``, say) makes
-        the reply follow it; ``logprobs=n`` gives each delta its tokens'
-        ``TokenLogprob`` (and the result all of them).  ``use_cache=False`` prefills
-        the whole prompt and reuses nothing (to compare against caching).  ``model``:
-        one of ``Runtime.models`` to run on (None: the loaded one); each model
-        keeps its own cache of the agent.  ``choices`` (1 to ``MAX_CHOICES``):
-        replies to the one prompt, prefilled once and decoded together, each
-        sampled on its own (with a seed, choice ``i`` takes ``seed + i``);
-        deltas say which they extend (``Delta.choice``), the result holds the
-        others (``TurnResult.choices``), and the agent keeps choice 0.  Turns of one agent run in
-        the order ``send`` was called; each sees the previous ones.  Closing the
-        stream, breaking out of the loop, or cancelling the task that reads it
-        cancels the turn within one engine step (see ``Reply``).
-
-        Raises at once: ``TypeError``/``ValueError`` for bad sampling,
-        ``UnknownModel``, ``RuntimeClosed``, ``RuntimeUnhealthy``, ``AgentGone``.  While streaming:
-        ``TurnError`` (e.g. ``ContextTooLong``, ``OutOfMemory``) for this turn only.
-        """
-        return self._queue(text, None, None, use_cache, model, choices, sampling)
-
-    def respond(self, messages: Iterable[Message], *, tools: Iterable[dict] | None = None,
-                use_cache: bool = True, model: str | None = None, choices: int = 1, **sampling) -> Reply:
-        """Queue a turn over a whole conversation and return its stream (as ``send``).
-
-        For stateless clients that send everything each time: ``messages`` (a
-        system message first, if any; ending with the message to answer)
-        *replaces* the agent's history, and the reply is appended once the turn
-        ends.  The agent's cache is matched to the new prompt by text, so a
-        conversation that extends the cached one prefills only what is new, and
-        one that diverges keeps the shared part.  ``tools``: tool definitions
-        (``{"type": "function", "function": {...}}``) for chat templates that
-        take them.  A cancelled turn leaves the history unchanged.
-
-        Raises what ``send`` raises, and ``ValueError`` for an empty conversation.
-        """
-        messages = tuple(messages)
-        if not messages:
-            raise ValueError("a conversation needs at least one message")
-        return self._queue("", messages, tuple(tools) if tools else None, use_cache, model, choices, sampling)
-
-    def complete(self, prompt: str, *, use_cache: bool = True, model: str | None = None, choices: int = 1,
-                 **sampling) -> Reply:
-        """Queue a turn that continues the raw text ``prompt`` and return its
-        stream (as ``send``): no chat template, the prompt tokenized as the
-        tokenizer encodes text (with its BOS where it adds one). The history
-        becomes ``prompt`` as a user message and the completion as the reply.
-
-        ``prompt_logprobs=n``: each prompt token's log-probability given the
-        tokens before it (the first's is None) and the ``n`` likeliest tokens'
-        at its place, on each choice's first delta and in the result
-        (``TurnResult.prompt_logprobs``). Such a turn prefills the whole
-        prompt whatever ``use_cache`` says: the tokens scored must be
-        computed. ``max_tokens=0`` prefills the prompt and generates nothing.
-
-        Raises what ``send`` raises, and ``ValueError`` for an empty prompt.
-        """
-        if not prompt:
-            raise ValueError("a completion needs a prompt")
-        return self._queue("", (Message("user", prompt),), None, use_cache, model, choices, sampling, prompt)
-
-    def _queue(self, text: str, messages: tuple[Message, ...] | None, tools: tuple[dict, ...] | None,
-               use_cache: bool, model: str | None, choices: int, sampling: dict, prompt: str | None = None) -> Reply:
-        params = SamplingParams(**sampling)
-        use_cache = use_cache and params.prompt_logprobs is None  # scored tokens are prefilled (``Engine.add``)
-        if not (isinstance(choices, int) and 1 <= choices <= MAX_CHOICES):
-            raise ValueError(f"choices must be 1 to {MAX_CHOICES}, not {choices!r}")
-        if model is not None:
-            self._rt.check_model(model)
-        self._rt.check_open()
-        return self._rt.queue_turn(self._slot, lambda turn_id, reply: Send(
-            turn_id, text, params, reply, use_cache, messages, tools, model, choices, prompt))
-
-    async def reply(self, text: str, *, use_cache: bool = True, **sampling) -> str:
-        """Run a turn and return the whole reply text (``send`` without streaming).
-        Raises what ``send`` raises; cancelling the caller cancels the turn."""
-        async with self.send(text, use_cache=use_cache, **sampling) as stream:
-            return await stream.text()
-
-    async def fork(self, new_id: str) -> Agent:
-        """A new agent with this agent's history and a copy of its cache (sharing
-        memory until either grows).  Runs after this agent's queued turns.
-        Raises ``AgentExists``, ``InvalidAgentId``, ``OutOfMemory`` (the copy does
-        not fit the budget).  Cancelling the caller does not stop a fork under way."""
-        return await self._rt.fork(self._slot, new_id)
-
-    async def delete(self) -> None:
-        """Delete the agent after its queued turns: its hot cache, every cache file
-        and its history.  The handle is unusable afterwards (``AgentGone``).  Works on
-        an unhealthy runtime too."""
-        self._rt.check_open(unhealthy_ok=True)
-        _raise_failed(await request(lambda r: self._rt.deliver(self._slot, Delete(r))))
-
-    def __repr__(self) -> str:
-        return f"<Agent {self.id!r}: {len(self.history)} messages>"
 
 
 def _engine_options(prefill_chunk: int, kv_bits: int, decode_rows: int, batch_prefill: bool = True,
