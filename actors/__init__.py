@@ -4,6 +4,8 @@ Layout (each module one job; only this file's names are public):
 
 * ``runtime``     -- ``Runtime`` (opens and shuts down everything): the
                      in-process API;
+* ``status``      -- ``RuntimeStatus``, its base class: what it reports
+                     (health, models, memory, snapshots, agents, counters);
 * ``handle``      -- ``Agent``: a handle on one agent, which asks the runtime
                      only for the public methods ``AgentHost`` lists;
 * ``reply``       -- ``Reply``: a turn's stream of deltas;
