@@ -2,9 +2,15 @@
 
 Layout (each module one job; only this file's names are public):
 
-* ``runtime``     -- ``Runtime`` (opens and shuts down everything) and ``Agent``
-                     handles: the in-process API;
+* ``runtime``     -- ``Runtime`` (opens and shuts down everything): the
+                     in-process API;
+* ``status``      -- ``RuntimeStatus``, its base class: what it reports
+                     (health, models, memory, snapshots, agents, counters);
+* ``handle``      -- ``Agent``: a handle on one agent, which asks the runtime
+                     only for the public methods ``AgentHost`` lists;
 * ``reply``       -- ``Reply``: a turn's stream of deltas;
+* ``listing``     -- ``AgentInfo``: every agent with a history, and where its
+                     cache is (``Runtime.agents``);
 * ``agent``       -- agent actors: one mailbox per agent serialises its turns
                      and owns its history;
 * ``gpu``         -- the GPU actor: the event-loop half (mailbox, health, the
@@ -57,9 +63,11 @@ from .errors import (
     UnknownModel,
 )
 from .gpu import BatchSnapshot
+from .handle import MAX_CHOICES, Agent
+from .listing import AgentInfo
 from .messages import Delta, Message
 from .reply import Reply
-from .runtime import MAX_CHOICES, Agent, AgentInfo, Runtime
+from .runtime import Runtime
 
 __all__ = [
     "AGENT_CHARS",

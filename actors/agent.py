@@ -72,7 +72,7 @@ from .messages import (
     TurnFailed,
 )
 
-__all__ = ["AgentActor", "AgentContext", "AgentSlot", "request"]
+__all__ = ["AgentActor", "AgentContext", "AgentSlot", "raise_failed", "request"]
 
 log = logging.getLogger("semantic.actors")
 
@@ -280,6 +280,13 @@ async def request(send: Callable[[MemoryObjectSendStream], None]) -> Done | Fail
             return await answer.receive()
         except anyio.EndOfStream:
             return Failed(RuntimeClosed("the runtime closed before answering"))
+
+
+def raise_failed(answer: Done | Failed):
+    """The value of a request's answer; its error raised if it failed."""
+    if isinstance(answer, Failed):
+        raise answer.error
+    return answer.value
 
 
 def _kept(result: TurnResult) -> TurnResult:

@@ -22,9 +22,11 @@ agent actors refuse queued turns and end; the persistence actor writes
 everything pending and ends; then the eviction actor.  No task or thread
 outlives the block, and every file is written whole or not at all.
 
-(Long on purpose: ``Runtime`` is the in-process API, and its ``Agent``
-handles use its private parts -- slots, turn ids, delivery -- which no other
-module sees.)
+Here: the wiring, start and shutdown, the agents' slots and mailboxes, and
+what changes state (agents, forks, swaps, flushes, demotions, imports).  Its
+queries are its base class's (``RuntimeStatus``, ``actors.status``); the
+``Agent`` handles it gives out (``actors.handle``) ask it only what
+``AgentHost`` lists, all public methods.
 """
 
 from __future__ import annotations
@@ -33,44 +35,39 @@ import itertools
 import logging
 import math
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
+from anyio.streams.memory import MemoryObjectSendStream
 
-from semantic.runtime import disk, row_counts
+from semantic.runtime import row_counts
 from semantic.runtime.cache_file import CacheStore
 from semantic.runtime.cache_records import validate_agent_id
-from semantic.runtime.engine import DECODE_ROWS, SamplingParams
-from semantic.runtime.errors import SemanticError
-from semantic.runtime.models import LoadedModel, load_tokenizer
+from semantic.runtime.engine import DECODE_ROWS
+from semantic.runtime.models import LoadedModel
 from semantic.runtime.models import catalogue as models_catalogue
 from semantic.runtime.outcome import TurnResult
 from semantic.runtime.paths import agents_dir
-from semantic.runtime.prefix import encode
-from semantic.runtime.turns import render
 
-from .agent import AgentActor, AgentContext, AgentSlot, request
+from .agent import AgentActor, AgentContext, AgentSlot, raise_failed, request
 from .archive import Summary, agent_files, receive_upload
-from .errors import AgentExists, AgentGone, RuntimeClosed, UnknownModel
+from .errors import AgentExists, AgentGone, RuntimeClosed
 from .eviction import EvictionActor
-from .gpu import BatchSnapshot, GpuActor, HotSnapshot, follow
-from .history import encode_history, read_history
+from .gpu import GpuActor, follow
+from .handle import Agent
+from .history import encode_history
 from .messages import (
-    Delete,
+    AgentCommand,
     Demote,
-    Done,
     EvictCommand,
-    Failed,
     Flush,
     FlushCaches,
     Fork,
     HistoryBytes,
     ImportArchive,
-    Message,
     Open,
     PersistCommand,
     ReadHistory,
@@ -81,18 +78,17 @@ from .messages import (
 )
 from .persistence import PersistenceActor
 from .reply import Reply
+from .status import RuntimeStatus
 
 if TYPE_CHECKING:
     import mlx.core as mx
 
-__all__ = ["Agent", "AgentInfo", "MAX_CHOICES", "Runtime"]
+__all__ = ["Runtime"]
 
 log = logging.getLogger("semantic.actors")
 
-MAX_CHOICES = 16  # replies one turn may ask for (``Agent.send``'s ``choices``)
 
-
-class Runtime:
+class Runtime(RuntimeStatus):
     """Agents, each a conversation with a persistent KV cache, batched on one model.
 
     Create it with ``Runtime.open``.  All methods must be called from the event
@@ -249,106 +245,6 @@ class Runtime:
 
     # -- the API -------------------------------------------------------------------
 
-    @property
-    def healthy(self) -> bool:
-        """False once the GPU actor failed (every turn in flight failed; reopen the runtime)."""
-        return self._gpu.healthy and not self._closing
-
-    @property
-    def error(self) -> SemanticError | None:
-        """Why the GPU actor failed (None while it has not)."""
-        return self._gpu.error
-
-    @property
-    def model(self) -> str | None:
-        """The name of the loaded model (or the one an idle unload will bring back)."""
-        return self._gpu.model_name
-
-    @property
-    def row_counts(self) -> dict | None:
-        """The token slots decode forwards may have on the loaded model, and what
-        measuring them found (``runtime.row_counts``); None while unloaded."""
-        counts = self._gpu.row_counts
-        return None if counts is None else counts.describe()
-
-    @property
-    def speculation(self) -> bool | None:
-        """Whether decoding agents verify drafts from their own history
-        (``runtime.speculation``); None while unloaded."""
-        return self._gpu.speculation
-
-    @property
-    def models(self) -> tuple[str, ...]:
-        """The models turns may ask for by name; the first is the one loaded at start."""
-        return tuple(self._gpu.catalogue)
-
-    def check_model(self, name: str) -> str:
-        """``name`` if turns may ask for it, else raise ``UnknownModel``."""
-        if name not in self._gpu.catalogue:
-            raise UnknownModel(name, self.models)
-        return name
-
-    async def tokenizer(self, model: str | None = None):
-        """The tokenizer of ``model`` (a name in ``models``; None: the loaded one),
-        read without its weights when it is not loaded.  Raises ``UnknownModel``,
-        ``ModelError``, ``RuntimeClosed`` (None while nothing is loaded)."""
-        loaded = self._gpu.loaded
-        if model is None or (loaded is not None and loaded.name == model):
-            if loaded is None:
-                raise RuntimeClosed("no model is loaded")
-            return loaded.tokenizer
-        source = self._gpu.catalogue[self.check_model(model)]
-        if isinstance(source, LoadedModel):
-            return source.tokenizer
-        if model not in self._tokenizers:
-            self._tokenizers[model] = await anyio.to_thread.run_sync(load_tokenizer, source)
-        return self._tokenizers[model]
-
-    @property
-    def context_length(self) -> int:
-        """Tokens the loaded model's context holds (0 while it is unloaded)."""
-        loaded = self._gpu.loaded
-        return loaded.context_length if loaded else 0
-
-    @property
-    def chat_template(self) -> str | None:
-        """The loaded model's chat template (None while unloaded or if it has none)."""
-        loaded = self._gpu.loaded
-        return getattr(loaded.tokenizer, "chat_template", None) if loaded else None
-
-    async def prompt(self, messages: Iterable[Message], tools: Iterable[dict] | None = None,
-                     model: str | None = None) -> tuple[str, int]:
-        """The prompt ``messages`` (and ``tools``) render to on ``model`` (None: the
-        loaded one), and its length in tokens: what a turn over them prefills
-        with an empty cache."""
-        tokenizer = await self.tokenizer(model)
-        dicts = [m.as_dict() for m in messages]
-        tools = tuple(tools) if tools else None
-
-        def run() -> tuple[str, int]:
-            text = render(tokenizer, dicts, tools)
-            return text, len(encode(tokenizer, text))
-
-        return await anyio.to_thread.run_sync(run)
-
-    def memory(self) -> dict:
-        """Hot KV cache bytes against the budget (shared prefixes' share of them),
-        MLX's active and peak memory, demotions, preemptions and prefix drops so
-        far, and bytes of every file in the cache directory."""
-        hot, stats = self._gpu.hot, self._gpu.stats()
-        return {"hot_bytes": hot.used_bytes, "budget_bytes": hot.budget_bytes, "prefix_bytes": hot.prefix_bytes,
-                "mlx_active_bytes": stats["mlx_active_bytes"], "mlx_peak_bytes": stats["mlx_peak_bytes"],
-                "demotions": hot.demotions, "prefix_drops": hot.prefix_drops, "preemptions": stats["preemptions"],
-                "disk_bytes": self._persistence.store.disk_bytes()}
-
-    def disk(self) -> dict:
-        """The cache directory's disk budget (None: no cap), its filesystem's free
-        bytes, files removed by pruning and writes refused or failed so far.
-        Asks the filesystem: call it on a worker thread."""
-        p = self._persistence
-        return {"budget_bytes": p.disk_budget, "free_bytes": disk.free_bytes(self.cache_dir),
-                "pruned_files": p.pruned, "failed_writes": p.failed}
-
     def on_pruned(self, callback) -> None:
         """Call ``callback(agent_ids)`` on the event loop whenever pruning removes
         anonymous conversations whole (their ids are free again)."""
@@ -361,17 +257,6 @@ class Runtime:
         must be quick and must not raise."""
         self._turn_listeners.append(callback)
 
-    def hot(self) -> HotSnapshot:
-        """The hot set as the GPU thread last published it (agent id -> tokens, bytes,
-        last use; budget, shared prefixes): an immutable snapshot; cheap."""
-        return self._gpu.hot
-
-    def batch(self) -> BatchSnapshot:
-        """The batch as the GPU thread last published it: each turn it holds (queued,
-        prefilling, decoding: agent, tokens so far, tokens/s), the queue depth and
-        the output tokens generated so far.  An immutable snapshot; cheap."""
-        return self._gpu.batch
-
     async def demote(self, agent_id: str) -> None:
         """Move the agent's hot cache to disk: written first if it is dirty, then
         dropped from memory once idle (a turn running keeps it; the eviction
@@ -379,29 +264,9 @@ class Runtime:
         hot set changes when it has been served.  Raises ``InvalidAgentId``,
         ``RuntimeClosed``."""
         validate_agent_id(agent_id)
-        self._check_open()
+        self.check_open()
         await self.flush()  # a clean cache is the only kind demoted (the written version stays)
         self._gpu.submit(Demote((agent_id,)))
-
-    async def agents(self, only: str | None = None) -> list[AgentInfo]:
-        """Every agent that has a history (in memory or on disk), or only the one
-        named ``only`` (if it exists), with its cache for the loaded model: a
-        snapshot, read partly from disk on a worker thread.  Raises ``InvalidAgentId``."""
-        if only is not None:
-            validate_agent_id(only)
-        hot = self._gpu.hot
-        live = {i: s.history for i, s in self._slots.items()
-                if s.exists and not s.deleted and s.history is not None and only in (None, i)}
-        return await anyio.to_thread.run_sync(_agent_infos, self._histories, self._persistence.store, hot, live, only)
-
-    def cache_tier(self, agent_id: str) -> str | None:
-        """Where the agent's cache for the loaded model is now: "hot", "warm" (disk) or None."""
-        hot = self._gpu.hot
-        if agent_id in hot.agents:
-            return "hot"
-        if hot.model_id is not None and self._persistence.store.exists(agent_id, hot.model_id):
-            return "warm"
-        return None
 
     async def agent(self, agent_id: str, system: str | None = None) -> Agent:
         """Open an agent, creating it if new (with ``system`` as its system prompt).
@@ -412,9 +277,9 @@ class Runtime:
         undo the creation once the agent's actor has it.
         """
         validate_agent_id(agent_id)
-        self._check_open()
+        self.check_open()
         slot = await self._slot(agent_id)
-        _raise_failed(await request(lambda r: self._deliver(slot, Open(system, r))))
+        raise_failed(await request(lambda r: self.deliver(slot, Open(system, r))))
         return Agent(self, slot)
 
     async def swap_model(self, model: str | LoadedModel) -> str:
@@ -422,15 +287,15 @@ class Runtime:
         is written; the old model is unloaded and ``model`` loaded.  Agents keep
         their histories; each model keeps its own caches on disk.  Returns the new
         model's name.  Raises ``ModelError`` (the old model is back), ``RuntimeClosed``."""
-        self._check_open()
-        return _raise_failed(await request(lambda r: self._gpu.submit(SwapModel(model, r))))
+        self.check_open()
+        return raise_failed(await request(lambda r: self._gpu.submit(SwapModel(model, r))))
 
     async def flush(self) -> None:
         """Return once every cache and history of every turn ended so far is on disk
         (works on an unhealthy runtime too)."""
-        self._check_open(unhealthy_ok=True)
-        _raise_failed(await request(lambda r: self._gpu.submit(FlushCaches(r))))
-        _raise_failed(await request(lambda r: self._persistence.mailbox.send_nowait(Flush(r))))
+        self.check_open(unhealthy_ok=True)
+        raise_failed(await request(lambda r: self._gpu.submit(FlushCaches(r))))
+        raise_failed(await request(lambda r: self._persistence.mailbox.send_nowait(Flush(r))))
 
     async def check_new(self, agent_id: str) -> None:
         """Raise ``AgentExists`` unless this runtime holds nothing of ``agent_id``:
@@ -451,7 +316,7 @@ class Runtime:
         persistence actor: in line with its writes, checked whole first, within
         the disk budget. Raises ``ArchiveError``, ``AgentExists``, ``NoRoom``,
         ``OSError``, ``RuntimeClosed``; on any of them the directory is as it was."""
-        self._check_open()
+        self.check_open()
         if isinstance(archive, (str, os.PathLike)):
             return await self._import(Path(archive), agent_id)
         await self.check_new(agent_id)  # before the upload: no need to wait for it to say no
@@ -465,38 +330,22 @@ class Runtime:
         async with self._importing:  # one at a time: its check that the agent is new holds until it is in
             await self.check_new(agent_id)
             size = (await anyio.Path(archive).stat()).st_size
-            return _raise_failed(await request(
+            return raise_failed(await request(
                 lambda r: self._persistence.mailbox.send_nowait(ImportArchive(archive, agent_id, size, r))))
 
-    def stats(self) -> dict:
-        """Counters for tests, benchmarks and monitoring (a snapshot)."""
-        return {
-            **self._gpu.stats(),
-            "agent_actors": sum(s.mailbox is not None for s in self._slots.values()),
-            "writes": self._persistence.writes,
-            "coalesced_writes": self._persistence.coalesced,
-            "failed_writes": self._persistence.failed,
-            "pruned_files": self._persistence.pruned,
-            "demotions_requested": self._eviction.requested,
-        }
+    # -- for Agent handles: with check_model, all they ask of the runtime --------------
 
-    # -- internals ---------------------------------------------------------------------
-
-    def _check_open(self, unhealthy_ok: bool = False) -> None:
+    def check_open(self, unhealthy_ok: bool = False) -> None:
+        """Raise ``RuntimeClosed`` once the runtime is closing, and the GPU actor's
+        error once it failed (unless ``unhealthy_ok``)."""
         if self._closing:
             raise RuntimeClosed("the runtime is closed")
         if self._gpu.error is not None and not unhealthy_ok:
             raise self._gpu.error
 
-    async def _slot(self, agent_id: str) -> AgentSlot:
-        while (slot := self._slots.get(agent_id)) is not None and slot.deleted:
-            await slot.stopped.wait()  # its files are being deleted: start afresh after
-        if slot is None:
-            slot = self._slots[agent_id] = AgentSlot(agent_id)
-        return slot
-
-    def _deliver(self, slot: AgentSlot, message) -> None:
-        """Put a message in the agent's mailbox, starting its actor if none runs."""
+    def deliver(self, slot: AgentSlot, message: AgentCommand) -> None:
+        """Put a message in the agent's mailbox, starting its actor if none runs.
+        Raises ``AgentGone``, ``AgentExists`` (a fork is creating it), ``RuntimeClosed``."""
         if slot.deleted:
             raise AgentGone(f"agent {slot.agent_id!r} was deleted; open it again with Runtime.agent")
         if slot.reserved:
@@ -510,6 +359,51 @@ class Runtime:
         slot.mailbox.send_nowait(message)
         if slot.wakeup is not None:
             slot.wakeup.set()
+
+    def queue_turn(self, slot: AgentSlot,
+                   message: Callable[[int, MemoryObjectSendStream[TurnEvent]], Send]) -> Reply:
+        """Number a new turn of the agent in ``slot``, deliver the ``Send`` that
+        ``message(turn_id, reply)`` builds for it, and return the turn's stream."""
+        turn_id = next(self._turn_ids)
+        reply, events = anyio.create_memory_object_stream[TurnEvent](math.inf)
+        try:
+            self.deliver(slot, message(turn_id, reply))
+        except BaseException:
+            reply.close()
+            events.close()
+            raise
+        return Reply(turn_id, events, self._gpu)
+
+    async def fork(self, source: AgentSlot, target: str) -> Agent:
+        """A new agent ``target`` with the history of the agent in ``source`` and a
+        copy of its cache (``Agent.fork`` says what it raises)."""
+        validate_agent_id(target)
+        self.check_open()
+        slot = await self._slot(target)
+        if slot.reserved or slot.exists or slot.mailbox is not None:
+            raise AgentExists(f"agent {target!r} exists; fork to a new id")
+        slot.reserved = True
+        try:
+            if raise_failed(await request(lambda r: self._persistence.mailbox.send_nowait(ReadHistory(target, r)))):
+                raise AgentExists(f"agent {target!r} exists; fork to a new id")
+            history = raise_failed(await request(lambda r: self.deliver(source, Fork(target, r))))
+            slot.history, slot.exists = history, True  # no actor owns it yet: we create it
+            self._persistence.mailbox.send_nowait(HistoryBytes(target, encode_history(target, history)))
+        except BaseException:
+            self._release(slot)
+            raise
+        finally:
+            slot.reserved = False
+        return Agent(self, slot)
+
+    # -- internals ---------------------------------------------------------------------
+
+    async def _slot(self, agent_id: str) -> AgentSlot:
+        while (slot := self._slots.get(agent_id)) is not None and slot.deleted:
+            await slot.stopped.wait()  # its files are being deleted: start afresh after
+        if slot is None:
+            slot = self._slots[agent_id] = AgentSlot(agent_id)
+        return slot
 
     def _turn_ended(self, agent_id: str, turn_id: int, result: TurnResult) -> None:
         for callback in self._turn_listeners:
@@ -538,26 +432,6 @@ class Runtime:
         for callback in self._prune_listeners:
             callback(agent_ids)
 
-    async def _fork(self, source: AgentSlot, target: str) -> Agent:
-        validate_agent_id(target)
-        self._check_open()
-        slot = await self._slot(target)
-        if slot.reserved or slot.exists or slot.mailbox is not None:
-            raise AgentExists(f"agent {target!r} exists; fork to a new id")
-        slot.reserved = True
-        try:
-            if _raise_failed(await request(lambda r: self._persistence.mailbox.send_nowait(ReadHistory(target, r)))):
-                raise AgentExists(f"agent {target!r} exists; fork to a new id")
-            history = _raise_failed(await request(lambda r: self._deliver(source, Fork(target, r))))
-            slot.history, slot.exists = history, True  # no actor owns it yet: we create it
-            self._persistence.mailbox.send_nowait(HistoryBytes(target, encode_history(target, history)))
-        except BaseException:
-            self._release(slot)
-            raise
-        finally:
-            slot.reserved = False
-        return Agent(self, slot)
-
     async def _shutdown(self) -> None:
         self._closing = True
         gpu, persistence, eviction = self._gpu, self._persistence, self._eviction
@@ -579,56 +453,6 @@ class Runtime:
                     pass  # it has ended already
 
 
-@dataclass(frozen=True)
-class AgentInfo:
-    """One agent as ``Runtime.agents`` lists it."""
-
-    id: str
-    history: tuple[Message, ...]
-    model: str | None  # whose cache the numbers below describe (the loaded model)
-    tokens: int  # tokens its cache holds (0: none)
-    bytes: int  # hot: its share of the KV budget; warm: its file's size
-    tier: str | None  # "hot" (in memory), "warm" (on disk) or None (no cache for this model)
-    last_use: float | None  # unix time its cache was last updated
-
-
-def _agent_infos(histories: Path, store: CacheStore, hot, live: dict, only: str | None) -> list[AgentInfo]:
-    """(worker thread) Merge histories on disk and in memory with the hot set and cache files."""
-    found = dict(live)
-    if only is not None:
-        paths = [histories / f"{only}.json"] if only not in found else []
-    else:
-        paths = histories.glob("*.json") if histories.is_dir() else ()
-    for path in paths:
-        agent_id = path.name[: -len(".json")]
-        if agent_id in found:
-            continue
-        try:
-            validate_agent_id(agent_id)
-            history = read_history(histories, agent_id, move_aside=False)  # the persistence actor's job
-        except (ValueError, OSError):
-            continue
-        if history is not None:
-            found[agent_id] = history
-    if only is not None:
-        info = store.info(only, hot.model_id) if hot.model_id is not None else None
-        entries = [info] if info is not None else []
-    else:
-        entries = store.entries()
-    files = {e["agent"]: e for e in entries if e["model"] == hot.model_id}
-    out = []
-    for agent_id in sorted(found):
-        if agent_id in hot.agents:
-            tokens, size, used = hot.agents[agent_id]
-            tier = "hot"
-        elif (e := files.get(agent_id)) is not None:
-            tokens, size, used, tier = e["tokens"], e["bytes"], e["updated"], "warm"
-        else:
-            tokens, size, used, tier = 0, 0, None, None
-        out.append(AgentInfo(agent_id, found[agent_id], hot.model_id, tokens, size, tier, used))
-    return out
-
-
 async def _shielded(run, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
     """Run an actor out of reach of outside cancellation: the runtime stops it in order."""
     with anyio.CancelScope(shield=True):
@@ -638,144 +462,6 @@ async def _shielded(run, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
 async def _shielded_agent(actor: AgentActor) -> None:
     with anyio.CancelScope(shield=True):
         await actor.run()
-
-
-def _raise_failed(answer: Done | Failed):
-    if isinstance(answer, Failed):
-        raise answer.error
-    return answer.value
-
-
-class Agent:
-    """A handle on one agent (cheap; many may exist for one agent)."""
-
-    def __init__(self, runtime: Runtime, slot: AgentSlot):
-        self._rt = runtime
-        self._slot = slot
-
-    @property
-    def id(self) -> str:
-        return self._slot.agent_id
-
-    @property
-    def history(self) -> tuple[Message, ...]:
-        """The conversation so far (system prompt, then user/assistant pairs)."""
-        return self._slot.history or ()
-
-    @property
-    def last_result(self) -> TurnResult | None:
-        """How the agent's last turn ended (token counts, timings), cancelled ones included."""
-        return self._slot.last_result
-
-    def send(self, text: str, *, use_cache: bool = True, model: str | None = None, choices: int = 1,
-             **sampling) -> Reply:
-        """Queue a turn now and return its stream: ``async for delta in agent.send(...)``.
-
-        ``sampling``: ``SamplingParams`` fields (max_tokens, temperature, top_p,
-        top_k, min_p, stop, seed, grammar, logprobs, prompt_logprobs: see
-        ``complete``); greedy by default.
-        ``grammar`` (``semantic.actors.grammar.json_schema(schema)``, say) makes
-        the reply follow it; ``logprobs=n`` gives each delta its tokens'
-        ``TokenLogprob`` (and the result all of them).  ``use_cache=False`` prefills
-        the whole prompt and reuses nothing (to compare against caching).  ``model``:
-        one of ``Runtime.models`` to run on (None: the loaded one); each model
-        keeps its own cache of the agent.  ``choices`` (1 to ``MAX_CHOICES``):
-        replies to the one prompt, prefilled once and decoded together, each
-        sampled on its own (with a seed, choice ``i`` takes ``seed + i``);
-        deltas say which they extend (``Delta.choice``), the result holds the
-        others (``TurnResult.choices``), and the agent keeps choice 0.  Turns of one agent run in
-        the order ``send`` was called; each sees the previous ones.  Closing the
-        stream, breaking out of the loop, or cancelling the task that reads it
-        cancels the turn within one engine step (see ``Reply``).
-
-        Raises at once: ``TypeError``/``ValueError`` for bad sampling,
-        ``UnknownModel``, ``RuntimeClosed``, ``RuntimeUnhealthy``, ``AgentGone``.  While streaming:
-        ``TurnError`` (e.g. ``ContextTooLong``, ``OutOfMemory``) for this turn only.
-        """
-        return self._queue(text, None, None, use_cache, model, choices, sampling)
-
-    def respond(self, messages: Iterable[Message], *, tools: Iterable[dict] | None = None,
-                use_cache: bool = True, model: str | None = None, choices: int = 1, **sampling) -> Reply:
-        """Queue a turn over a whole conversation and return its stream (as ``send``).
-
-        For stateless clients that send everything each time: ``messages`` (a
-        system message first, if any; ending with the message to answer)
-        *replaces* the agent's history, and the reply is appended once the turn
-        ends.  The agent's cache is matched to the new prompt by text, so a
-        conversation that extends the cached one prefills only what is new, and
-        one that diverges keeps the shared part.  ``tools``: tool definitions
-        (``{"type": "function", "function": {...}}``) for chat templates that
-        take them.  A cancelled turn leaves the history unchanged.
-
-        Raises what ``send`` raises, and ``ValueError`` for an empty conversation.
-        """
-        messages = tuple(messages)
-        if not messages:
-            raise ValueError("a conversation needs at least one message")
-        return self._queue("", messages, tuple(tools) if tools else None, use_cache, model, choices, sampling)
-
-    def complete(self, prompt: str, *, use_cache: bool = True, model: str | None = None, choices: int = 1,
-                 **sampling) -> Reply:
-        """Queue a turn that continues the raw text ``prompt`` and return its
-        stream (as ``send``): no chat template, the prompt tokenized as the
-        tokenizer encodes text (with its BOS where it adds one). The history
-        becomes ``prompt`` as a user message and the completion as the reply.
-
-        ``prompt_logprobs=n``: each prompt token's log-probability given the
-        tokens before it (the first's is None) and the ``n`` likeliest tokens'
-        at its place, on each choice's first delta and in the result
-        (``TurnResult.prompt_logprobs``). Such a turn prefills the whole
-        prompt whatever ``use_cache`` says: the tokens scored must be
-        computed. ``max_tokens=0`` prefills the prompt and generates nothing.
-
-        Raises what ``send`` raises, and ``ValueError`` for an empty prompt.
-        """
-        if not prompt:
-            raise ValueError("a completion needs a prompt")
-        return self._queue("", (Message("user", prompt),), None, use_cache, model, choices, sampling, prompt)
-
-    def _queue(self, text: str, messages: tuple[Message, ...] | None, tools: tuple[dict, ...] | None,
-               use_cache: bool, model: str | None, choices: int, sampling: dict, prompt: str | None = None) -> Reply:
-        params = SamplingParams(**sampling)
-        use_cache = use_cache and params.prompt_logprobs is None  # scored tokens are prefilled (``Engine.add``)
-        if not (isinstance(choices, int) and 1 <= choices <= MAX_CHOICES):
-            raise ValueError(f"choices must be 1 to {MAX_CHOICES}, not {choices!r}")
-        if model is not None:
-            self._rt.check_model(model)
-        self._rt._check_open()
-        turn_id = next(self._rt._turn_ids)
-        reply, events = anyio.create_memory_object_stream[TurnEvent](math.inf)
-        try:
-            self._rt._deliver(self._slot, Send(turn_id, text, params, reply, use_cache, messages, tools, model,
-                                               choices, prompt))
-        except BaseException:
-            reply.close()
-            events.close()
-            raise
-        return Reply(turn_id, events, self._rt._gpu)
-
-    async def reply(self, text: str, *, use_cache: bool = True, **sampling) -> str:
-        """Run a turn and return the whole reply text (``send`` without streaming).
-        Raises what ``send`` raises; cancelling the caller cancels the turn."""
-        async with self.send(text, use_cache=use_cache, **sampling) as stream:
-            return await stream.text()
-
-    async def fork(self, new_id: str) -> Agent:
-        """A new agent with this agent's history and a copy of its cache (sharing
-        memory until either grows).  Runs after this agent's queued turns.
-        Raises ``AgentExists``, ``InvalidAgentId``, ``OutOfMemory`` (the copy does
-        not fit the budget).  Cancelling the caller does not stop a fork under way."""
-        return await self._rt._fork(self._slot, new_id)
-
-    async def delete(self) -> None:
-        """Delete the agent after its queued turns: its hot cache, every cache file
-        and its history.  The handle is unusable afterwards (``AgentGone``).  Works on
-        an unhealthy runtime too."""
-        self._rt._check_open(unhealthy_ok=True)
-        _raise_failed(await request(lambda r: self._rt._deliver(self._slot, Delete(r))))
-
-    def __repr__(self) -> str:
-        return f"<Agent {self.id!r}: {len(self.history)} messages>"
 
 
 def _engine_options(prefill_chunk: int, kv_bits: int, decode_rows: int, batch_prefill: bool = True,

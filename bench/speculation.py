@@ -214,8 +214,8 @@ def over_http(model: str, singles: dict, rounds: int, workdir: Path, log) -> dic
     import httpx
 
     from .client import chat
-    from .compare import OURS, PEER, TIMEOUT
     from .servers import Server, ours_spec, peer_dir, peer_spec
+    from .workloads import OURS, PEER, TIMEOUT
 
     log(f"preparing the peer's model directory (the float32 weights we compute with) for {model}")
     specs = {OURS: ours_spec(model, workdir / "semantic-cache"),

@@ -9,8 +9,9 @@ import pytest
 
 from semantic.bench import report
 from semantic.bench.client import chat
-from semantic.bench.compare import RERUNS, Bench, Log, Plan, Texts, disk_usage
+from semantic.bench.compare import Log, disk_usage
 from semantic.bench.servers import process_memory
+from semantic.bench.workloads import RERUNS, Bench, Plan, Texts
 
 
 def raw_fixture():
