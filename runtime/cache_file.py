@@ -26,9 +26,10 @@ on; ``CacheStore.write``
 manifest on disk. Caches of an older format (version 1: one safetensors
 file per agent, ``runtime.cache_v1``; version 2: blocks of per-token Q4
 rows) are not loaded: the agent's history is prefilled again, and its next
-write replaces them. What the files hold -- records, layer kinds, errors, the
-agent-id rule -- is ``runtime.cache_records``; the MLX side of a block,
-``runtime.cache_codec``.
+write replaces them. What the files hold -- records, errors, the agent-id
+rule -- is ``runtime.cache_records``; what a layer of each kind writes and
+how its entry is checked, the kind's class in ``runtime.kv``; the MLX side
+of a block, ``runtime.cache_codec``.
 
 (Long on purpose: the store is one class whose directory layout, manifests,
 quarantine and crash rules hold together; split, each part would need the
@@ -53,11 +54,11 @@ import numpy as np
 
 from . import cache_v1
 from .cache_codec import HostCache, snapshot
-from .cache_records import (AGENT_DIR_SUFFIX, BLOCK_TOKENS, DTYPES, FLOATS, FORMAT, FORMAT_VERSION, MANIFEST,
-                            MAX_TEXT_PIECES, OPEN, PACKED, QUANTIZED, ROTATING, SINK, SINKS, STATE, WINDOW, BlockUpdate,
-                            CacheFileError, CacheRecord, InvalidAgentId, StaleBlocks, open_checked, ring_names,
+from .cache_records import (AGENT_DIR_SUFFIX, BLOCK_TOKENS, DTYPES, FORMAT, FORMAT_VERSION, MANIFEST, MAX_TEXT_PIECES,
+                            BlockUpdate, CacheFileError, CacheRecord, InvalidAgentId, StaleBlocks, open_checked,
                             validate_agent_id)
 from .json_reader import JSONError, read_json
+from .kv import BY_KIND
 
 __all__ = ["CacheStore", "fsync_dir", "load", "model_key", "pid_alive", "read", "read_manifest", "remove_tree",
            "tree_bytes", "write_atomic"]
@@ -229,91 +230,39 @@ def _check_layer(path: Path, i: int, e: dict, n: int) -> None:
     def bad(detail):
         return CacheFileError(path, "bad layout", f"layer {i}: {detail}")
 
-    tensors, kind = e.get("tensors"), e.get("kind")
-    dims = 3 if kind == QUANTIZED else None  # a quantized layer's entries end with the tokens they cover: from 0
+    tensors, kind = e.get("tensors"), _kind_of(e)
+    dims = 3 if kind is not None and kind.blocked else None  # a blocked tensor's entry ends with its tokens: from 0
     if not isinstance(tensors, dict) or not all(
         isinstance(t, list) and t and t[0] in DTYPES and all(type(d) is int and d > 0 for d in t[1:dims])
         and all(type(d) is int and d >= 0 for d in t[dims:] if dims)
         for t in tensors.values()
     ):
         raise bad("bad tensor entries")
-    if kind == QUANTIZED:
-        bits, group, closed = e.get("bits"), e.get("group_size"), e.get("closed")
-        if bits not in (4, 8, 16) or group not in (32, 64, 128):
-            raise bad(f"unsupported bits {bits!r} / group size {group!r}")
-        if not (type(closed) is int and 0 <= closed <= n and closed % BLOCK_TOKENS == 0 and (bits < 16 or not closed)
-                and n - closed <= (n if bits == 16 else BLOCK_TOKENS)):
-            raise bad(f"{closed!r} tokens in closed blocks cannot go with {n} tokens at {bits} bits")
-        names = (set(PACKED) | set(SINK) if closed else set()) | (set(OPEN) if n > closed else set())
-        if set(tensors) != names:
-            raise bad("missing or extra tensors")
-        spans = {**dict.fromkeys(PACKED, [0, closed]), **dict.fromkeys(OPEN, [closed, n])}
-        if any(len(tensors[name]) != 5 or tensors[name][3:] != span
-               for name, span in spans.items() if name in tensors):
-            raise bad("a tensor that does not cover its tokens")
-        if n > closed:
-            k, v = tensors["k"], tensors["v"]
-            if k[0] not in FLOATS or v[0] != k[0] or v[1] != k[1]:
-                raise bad(f"open block tensors {k} {v} do not fit")
-        if closed:
-            (kw, ks, kb, vw, vs, vb), sinks = (tensors[name] for name in PACKED), [tensors[name] for name in SINK]
-            heads = kw[1]
-            if not (kw[0] == vw[0] == "U32" and ks[0] in FLOATS and ks[:3] == kb[:3] and vs[:3] == vb[:3]
-                    and vs[0] == ks[0] and {kw[1], ks[1], vw[1], vs[1]} == {heads}
-                    and kw[2] * 32 // bits == ks[2] * group and vw[2] * 32 // bits == vs[2] * group
-                    and all(len(t) == 4 and t[0] in FLOATS and t[1] == heads and t[2] == SINKS for t in sinks)
-                    and sinks[0][3] == ks[2] * group and sinks[1][3] == vs[2] * group):
-                raise bad(f"quantized tensors {kw} {ks} {kb} {vw} {vs} {vb} {sinks} do not fit")
-    elif kind == WINDOW:
-        window = e.get("window")
-        if not (type(window) is int and window > 0):
-            raise bad("bad window")
-        if n:
-            k, v = tensors.get("k"), tensors.get("v")
-            if set(tensors) != {"k", "v"} or len(k) != 4 or len(v) != 4 or k[0] not in FLOATS or v[0] != k[0]:
-                raise bad("missing or bad window tensors")
-            # It holds all n tokens, or at least the window's (window - 1 and the newest).
-            if k[1:3] != v[1:3] or not (k[2] == n or window - 1 <= k[2] <= n):
-                raise bad(f"window shapes {k} {v} do not fit {n} tokens")
-        elif tensors:
-            raise bad("an empty window with tensors")
-    elif kind == STATE:
-        size, marks = e.get("size"), e.get("checkpoints")
-        if not (type(size) is int and 0 < size <= 16 and isinstance(marks, list) and len(marks) <= 16
-                and all(type(at) is int and 0 < at <= n for at in marks) and marks == sorted(set(marks))
-                and set(tensors) <= set(ring_names(e))):
-            raise bad("bad state entries")
-        if any(t[0] not in FLOATS for t in tensors.values()) or bool(tensors) != bool(n):
-            raise bad("missing or bad state tensors")
-    elif kind == ROTATING:
-        size, keep, idx = e.get("max_size"), e.get("keep"), e.get("idx")
-        if not (type(size) is int and size > 0 and type(keep) is int and 0 <= keep < size and type(idx) is int):
-            raise bad("bad ring metadata")
-        if n:
-            k, v = tensors.get("k"), tensors.get("v")
-            if set(tensors) != {"k", "v"} or len(k) != 4 or len(v) != 4 or k[0] not in FLOATS or v[0] != k[0]:
-                raise bad("missing or bad ring tensors")
-            live = k[2]
-            # A ring holds all n tokens, or is full (max_size, or more just after a multi-token chunk).
-            if k[1:3] != v[1:3] or not (live == n or size <= live <= n) or not 0 <= idx <= live:
-                raise bad(f"ring shapes {k} {v} (index {idx}) do not fit {n} tokens")
-        elif tensors:
-            raise bad("an empty ring with tensors")
-    else:
-        raise bad(f"unknown kind {kind!r}")
+    if kind is None:
+        raise bad(f"unknown kind {e.get('kind')!r}")
+    try:
+        kind.check_entry(e, n)
+    except ValueError as err:
+        raise bad(str(err)) from None
+
+
+def _kind_of(e: dict):
+    """The class that reads a layer entry's kind (``kv.BY_KIND``), or None."""
+    kind = e.get("kind")
+    return BY_KIND.get(kind) if isinstance(kind, str) else None
 
 
 def _block_layout(layers: list[dict]) -> list[tuple[int, str, str, tuple[int, int], tuple[int, int]]]:
     """(layer, tensor name, dtype, (heads, width), (first token, end)) of every blocked tensor, in block order."""
     return [(i, name, e["tensors"][name][0], tuple(e["tensors"][name][1:3]), tuple(e["tensors"][name][3:5]))
-            for i, e in enumerate(layers) if e["kind"] == QUANTIZED
-            for name in (*PACKED, *OPEN) if name in e["tensors"]]
+            for i, e in enumerate(layers)
+            for name in BY_KIND[e["kind"]].blocked_names(e) if name in e["tensors"]]
 
 
 def _ring_layout(layers: list[dict]) -> list[tuple[int, str, str, tuple[int, ...]]]:
     return [(i, name, e["tensors"][name][0], tuple(e["tensors"][name][1:]))
-            for i, e in enumerate(layers) if e["kind"] in (WINDOW, ROTATING, STATE, QUANTIZED)
-            for name in ring_names(e) if name in e["tensors"]]
+            for i, e in enumerate(layers)
+            for name in BY_KIND[e["kind"]].ring_names(e) if name in e["tensors"]]
 
 
 
