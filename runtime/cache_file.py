@@ -29,7 +29,8 @@ rows) are not loaded: the agent's history is prefilled again, and its next
 write replaces them. What the files hold -- records, errors, the agent-id
 rule -- is ``runtime.cache_records``; what a layer of each kind writes and
 how its entry is checked, the kind's class in ``runtime.kv``; the MLX side
-of a block, ``runtime.cache_codec``.
+of a block, ``runtime.cache_codec``; writing a file atomically,
+``runtime.files``.
 
 (Long on purpose: the store is one class whose directory layout, manifests,
 quarantine and crash rules hold together; split, each part would need the
@@ -44,9 +45,6 @@ import logging
 import math
 import os
 import re
-import secrets
-import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -57,77 +55,18 @@ from .cache_codec import HostCache, snapshot
 from .cache_records import (AGENT_DIR_SUFFIX, BLOCK_TOKENS, DTYPES, FORMAT, FORMAT_VERSION, MANIFEST, MAX_TEXT_PIECES,
                             BlockUpdate, CacheFileError, CacheRecord, InvalidAgentId, StaleBlocks, open_checked,
                             validate_agent_id)
+from .files import TMP_PREFIX, file_size, fsync_dir, pid_alive, remove_tree, tree_bytes, write_atomic
 from .json_reader import JSONError, read_json
 from .kv import BY_KIND
 
-__all__ = ["CacheStore", "fsync_dir", "load", "model_key", "pid_alive", "read", "read_manifest", "remove_tree",
-           "tree_bytes", "write_atomic"]
+__all__ = ["CacheStore", "load", "model_key", "read", "read_manifest"]
 
 log = logging.getLogger("semantic.cache")
 _OLDER = ", older: its history is prefilled again on its next turn"
 
-_TMP = ".tmp-"  # temp files start with '.', which no agent id may: never taken for a cache
 _STALE_TMP_S = 3600.0  # no save takes an hour: an older temp file (or unnamed block) is stale
 _MAX_MANIFEST = 64 << 20
 _NAME = re.compile(r"[0-9a-f]{64}\.(block|ring|text)")
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-# -- the MLX side: copy out the bytes ---------------------------------------
-
-
-
-
-
-
-
-
-
-
-# -- files -----------------------------------------------------------------
-
-
-def write_atomic(path: os.PathLike | str, data: bytes | bytearray | memoryview) -> None:
-    """Write ``data`` to ``path`` atomically (temp file, fsync, rename, fsync the
-    directory): a reader sees the old file or the new one, never a part.  Touches
-    no MLX array; safe on any thread.  Raises ``OSError``; the temp file never stays."""
-    _write_atomic(Path(path), data)
-
-
-def _write_atomic(path: Path, data, sync_dir: bool = True) -> None:
-    tmp = path.parent / f"{_TMP}{os.getpid()}-{secrets.token_hex(4)}-{path.stem}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        with open(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            _fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if sync_dir:
-        fsync_dir(path.parent)  # makes the rename itself durable
-
-
 
 
 def _read_named(path: Path, size: int) -> bytes:
@@ -265,8 +204,6 @@ def _ring_layout(layers: list[dict]) -> list[tuple[int, str, str, tuple[int, ...
             for name in BY_KIND[e["kind"]].ring_names(e) if name in e["tensors"]]
 
 
-
-
 def _in_block(layout, lo: int) -> list:
     """The entries of ``layout`` that hold the block starting at token ``lo``."""
     return [t for t in layout if t[4][0] <= lo < t[4][1]]
@@ -347,36 +284,6 @@ def read(directory: os.PathLike | str, *, model_id: str | None, spec_hash: str |
     return HostCache(record, layers, arrays)
 
 
-
-
-
-
-
-
-
-
-def _fsync(fd: int) -> None:
-    # macOS fsync stops at the drive's cache; F_FULLFSYNC reaches the platter.
-    if sys.platform == "darwin":
-        import fcntl
-
-        try:
-            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
-            return
-        except OSError:
-            pass
-    os.fsync(fd)
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename or a new file in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # -- the store -------------------------------------------------------------
 
 
@@ -444,7 +351,7 @@ class CacheStore:
             nonlocal written
             name = f"{hashlib.sha256(data).hexdigest()}.{kind}"
             if not (d / name).is_file():  # named by content: one that is there holds these bytes
-                _write_atomic(d / name, data, sync_dir=False)
+                write_atomic(d / name, data, sync_dir=False)
                 written += len(data)
             return {"file": name}
 
@@ -476,7 +383,7 @@ class CacheStore:
         }
         fsync_dir(d)  # the files are in place before the manifest that names them
         data = _seal(manifest)
-        _write_atomic(d / MANIFEST, data)
+        write_atomic(d / MANIFEST, data)
         written += len(data)
         self.bytes_written += written
         self._remove_unnamed(d, manifest)
@@ -609,7 +516,7 @@ class CacheStore:
             m = read_manifest(d)
         except CacheFileError:
             return None
-        size = (d / MANIFEST).stat().st_size + sum(_size(d / f) for f in _named(m))
+        size = (d / MANIFEST).stat().st_size + sum(file_size(d / f) for f in _named(m))
         return dict(agent=m["agent_id"], model=m["model_id"], tokens=m["token_count"], bytes=size,
                     updated=m["updated"], path=d)
 
@@ -663,9 +570,9 @@ class CacheStore:
         now = time.time()
         for d in self._model_dirs():
             agents = [p for p in d.iterdir() if p.name.endswith(AGENT_DIR_SUFFIX) and p.is_dir()]
-            for p in [*d.glob(f"{_TMP}*"), *(t for a in agents for t in a.glob(f"{_TMP}*"))]:
+            for p in [*d.glob(f"{TMP_PREFIX}*"), *(t for a in agents for t in a.glob(f"{TMP_PREFIX}*"))]:
                 try:
-                    pid = int(p.name[len(_TMP) :].split("-", 1)[0])
+                    pid = int(p.name[len(TMP_PREFIX) :].split("-", 1)[0])
                 except ValueError:
                     pid = None
                 try:
@@ -689,42 +596,3 @@ class CacheStore:
 def _named(manifest: dict) -> set[str]:
     ring = [manifest["ring"]] if manifest["ring"] else []
     return {e["file"] for e in (*manifest["blocks"], *manifest["text"], *ring)}
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-def tree_bytes(top: Path) -> int:
-    """Bytes of every file under ``top`` (or of ``top`` itself, a file)."""
-    if not top.is_dir():
-        return _size(top)
-    return sum(_size(Path(parent) / name) for parent, _, names in os.walk(top) for name in names)
-
-
-def remove_tree(path: Path) -> int:
-    """Remove a file or a directory with everything in it; 1 if there was one."""
-    try:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    except FileNotFoundError:
-        return 0
-    return 1
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` runs (a writer that left temp files behind)."""
-    if pid <= 0:  # 0 and -1 would signal whole groups: no writer has such a pid
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
