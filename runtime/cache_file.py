@@ -27,20 +27,19 @@ manifest on disk. Caches of an older format (version 1: one safetensors
 file per agent, ``runtime.cache_v1``; version 2: blocks of per-token Q4
 rows) are not loaded: the agent's history is prefilled again, and its next
 write replaces them. What the files hold -- records, errors, the agent-id
-rule -- is ``runtime.cache_records``; what a layer of each kind writes and
-how its entry is checked, the kind's class in ``runtime.kv``; the MLX side
-of a block, ``runtime.cache_codec``; writing a file atomically,
-``runtime.files``.
+rule -- is ``runtime.cache_records``; the manifest that names them,
+``runtime.cache_manifest``; what a layer of each kind writes and how its
+entry is checked, the kind's class in ``runtime.kv``; the MLX side of a
+block, ``runtime.cache_codec``; writing a file atomically, ``runtime.files``.
 
-(Long on purpose: the store is one class whose directory layout, manifests,
-quarantine and crash rules hold together; split, each part would need the
-others' private paths.)
+(Long on purpose: the store is one class whose directory layout, quarantine
+and crash rules hold together; split, each part would need the others'
+private paths.)
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os
@@ -52,11 +51,11 @@ import numpy as np
 
 from . import cache_v1
 from .cache_codec import HostCache, snapshot
+from .cache_manifest import CONTENT_NAME, named_files, read_manifest, seal, text_digest, token_chains
 from .cache_records import (AGENT_DIR_SUFFIX, BLOCK_TOKENS, DTYPES, FORMAT, FORMAT_VERSION, MANIFEST, MAX_TEXT_PIECES,
                             BlockUpdate, CacheFileError, CacheRecord, InvalidAgentId, StaleBlocks, open_checked,
                             validate_agent_id)
 from .files import TMP_PREFIX, file_size, fsync_dir, pid_alive, remove_tree, tree_bytes, write_atomic
-from .json_reader import JSONError, read_json
 from .kv import BY_KIND
 
 __all__ = ["CacheStore", "load", "model_key", "read", "read_manifest"]
@@ -65,8 +64,9 @@ log = logging.getLogger("semantic.cache")
 _OLDER = ", older: its history is prefilled again on its next turn"
 
 _STALE_TMP_S = 3600.0  # no save takes an hour: an older temp file (or unnamed block) is stale
-_MAX_MANIFEST = 64 << 20
-_NAME = re.compile(r"[0-9a-f]{64}\.(block|ring|text)")
+
+
+# -- reading -------------------------------------------------------------------
 
 
 def _read_named(path: Path, size: int) -> bytes:
@@ -81,114 +81,6 @@ def _read_named(path: Path, size: int) -> bytes:
     if hashlib.sha256(data).hexdigest() != path.name.split(".", 1)[0]:
         raise CacheFileError(path, "bad checksum", "the bytes are not the ones written")
     return data
-
-
-# -- the manifest ------------------------------------------------------------
-
-
-def _chains(tokens: list[int]) -> list[str]:
-    """Per block, a digest of every token id up to its end: two manifests' blocks
-    hold the same tokens' K/V up to block b exactly when their chains agree at b."""
-    h, out = hashlib.sha256(), []
-    for lo in range(0, len(tokens), BLOCK_TOKENS):
-        h.update(np.asarray(tokens[lo:lo + BLOCK_TOKENS], dtype="<u4").tobytes())
-        out.append(h.hexdigest()[:32])
-    return out
-
-
-def _text_digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def _seal(manifest: dict) -> bytes:
-    """The manifest's bytes, its checksum (of everything else) first."""
-    body = {k: v for k, v in manifest.items() if k != "checksum"}
-    digest = hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).hexdigest()
-    return json.dumps({"checksum": "sha256:" + digest, **body}, separators=(",", ":")).encode()
-
-
-def read_manifest(directory: os.PathLike | str) -> dict:
-    """An agent directory's manifest, parsed and checked against itself (not its
-    files). Raises ``CacheFileError``: ``missing`` when there is none."""
-    path = Path(directory) / MANIFEST
-    with open_checked(path) as f:
-        raw = f.read(_MAX_MANIFEST + 1)
-    if len(raw) > _MAX_MANIFEST:
-        raise CacheFileError(path, "unparsable", "manifest too large")
-    try:
-        m = read_json(raw, "manifest")
-    except JSONError as e:
-        raise CacheFileError(path, "unparsable" if raw else "truncated", f"manifest is not JSON: {e}") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise CacheFileError(path, "unparsable", "not a Semantic cache manifest")
-    version = m.get("format_version")
-    if type(version) is not int:
-        raise CacheFileError(path, "unparsable", "no format version")
-    if version != FORMAT_VERSION:
-        which = "old format" if version < FORMAT_VERSION else "newer format"
-        raise CacheFileError(path, which, f"format version {version}, this Semantic reads {FORMAT_VERSION}")
-    if _seal(m) != raw:
-        raise CacheFileError(path, "bad checksum", "the manifest is not the one written")
-    _check_manifest(path, m)
-    return m
-
-
-def _check_manifest(path: Path, m: dict) -> None:
-    """Types, and that blocks, layers and token count agree; raises ``CacheFileError``."""
-
-    def bad(reason, detail):
-        return CacheFileError(path, reason, detail)
-
-    try:
-        n, blocks, layers = m["token_count"], m["blocks"], m["layers"]
-        ok = (type(n) is int and n >= 0 and m["block_tokens"] == BLOCK_TOKENS
-              and all(isinstance(m[k], str) for k in ("agent_id", "model_id", "spec_hash"))
-              and all(type(m[k]) is float for k in ("created", "updated"))
-              and isinstance(m["text_digest"], str)
-              and isinstance(blocks, list) and isinstance(layers, list) and isinstance(m["text"], list)
-              and all(isinstance(e, dict) and _NAME.fullmatch(str(e.get("file")))
-                      for e in (*blocks, *m["text"], *([m["ring"]] if m["ring"] else [])))
-              and all(type(e.get("tokens")) is int and isinstance(e.get("chain"), str) for e in blocks)
-              and all(type(e.get(k)) is int for e in m["text"] for k in ("bytes", "chars"))
-              and all(isinstance(e.get("upto"), str) for e in m["text"])
-              and all(isinstance(e, dict) for e in layers))
-    except (KeyError, TypeError):
-        ok = False
-    if not ok:
-        raise bad("unparsable", "bad manifest fields")
-    sizes = [e["tokens"] for e in blocks]
-    if sum(sizes) != n or any(s != BLOCK_TOKENS for s in sizes[:-1]) or (sizes and not 0 < sizes[-1] <= BLOCK_TOKENS):
-        raise bad("bad layout", f"blocks of {sizes[:3]}... tokens do not make {n}")
-    for i, e in enumerate(layers):
-        if e.get("offset") != n:
-            raise bad("bad layout", f"layer {i} holds {e.get('offset')} tokens, the manifest lists {n}")
-        _check_layer(path, i, e, n)
-
-
-def _check_layer(path: Path, i: int, e: dict, n: int) -> None:
-    def bad(detail):
-        return CacheFileError(path, "bad layout", f"layer {i}: {detail}")
-
-    tensors, kind = e.get("tensors"), _kind_of(e)
-    dims = 3 if kind is not None and kind.blocked else None  # a blocked tensor's entry ends with its tokens: from 0
-    if not isinstance(tensors, dict) or not all(
-        isinstance(t, list) and t and t[0] in DTYPES and all(type(d) is int and d > 0 for d in t[1:dims])
-        and all(type(d) is int and d >= 0 for d in t[dims:] if dims)
-        for t in tensors.values()
-    ):
-        raise bad("bad tensor entries")
-    if kind is None:
-        raise bad(f"unknown kind {e.get('kind')!r}")
-    try:
-        kind.check_entry(e, n)
-    except ValueError as err:
-        raise bad(str(err)) from None
-
-
-def _kind_of(e: dict):
-    """The class that reads a layer entry's kind (``kv.BY_KIND``), or None."""
-    kind = e.get("kind")
-    return BY_KIND.get(kind) if isinstance(kind, str) else None
 
 
 def _block_layout(layers: list[dict]) -> list[tuple[int, str, str, tuple[int, int], tuple[int, int]]]:
@@ -215,9 +107,6 @@ def _block_size(layout, lo: int, tokens: int) -> int:
 
 def _ring_size(layers: list[dict]) -> int:
     return sum(math.prod(shape) * DTYPES[dt][1].itemsize for _, _, dt, shape in _ring_layout(layers))
-
-
-# -- reading -------------------------------------------------------------------
 
 
 def load(directory: os.PathLike | str, *, model_id: str, spec_hash: str, agent_id: str | None = None) -> CacheRecord:
@@ -260,7 +149,7 @@ def read(directory: os.PathLike | str, *, model_id: str | None, spec_hash: str |
                 arrays[f"layer_{i}_{name}"][:, :, lo - start : lo - start + t, :] = \
                     np.frombuffer(data, DTYPES[dt][1], h * t * w, at).reshape(1, h, t, w)
             at += size
-    if chains != _chains(tokens):
+    if chains != token_chains(tokens):
         raise CacheFileError(directory, "bad layout", "the blocks do not hold the tokens the manifest lists")
     rings = _ring_layout(layers)
     if rings:
@@ -276,7 +165,7 @@ def read(directory: os.PathLike | str, *, model_id: str | None, spec_hash: str |
         text = "".join(_read_named(directory / e["file"], e["bytes"]).decode() for e in m["text"])
     except UnicodeDecodeError:  # a piece cut inside a character: not one we wrote
         raise CacheFileError(directory, "bad layout", "a text piece is not UTF-8") from None
-    if _text_digest(text) != m["text_digest"]:
+    if text_digest(text) != m["text_digest"]:
         raise CacheFileError(directory, "bad layout", "the text pieces do not make the text")
     if not keep:
         return m
@@ -356,7 +245,7 @@ class CacheStore:
             return {"file": name}
 
         blocks = []
-        for b, chain in enumerate(_chains(update.tokens)):
+        for b, chain in enumerate(token_chains(update.tokens)):
             if b < update.first:
                 e = old["blocks"][b] if old and b < len(old["blocks"]) else None
                 if e is None or e.get("chain") != chain or not (d / e["file"]).is_file():
@@ -379,10 +268,10 @@ class CacheStore:
             "blocks": blocks,
             "ring": put(update.ring, "ring") if update.ring else None,
             "text": self._text_pieces(old, update.text, put),
-            "text_digest": _text_digest(update.text),
+            "text_digest": text_digest(update.text),
         }
         fsync_dir(d)  # the files are in place before the manifest that names them
-        data = _seal(manifest)
+        data = seal(manifest)
         write_atomic(d / MANIFEST, data)
         written += len(data)
         self.bytes_written += written
@@ -491,7 +380,7 @@ class CacheStore:
         if old:
             for e in old["text"]:
                 end = at + e["chars"]
-                if e["upto"] != _text_digest(text[:end]):
+                if e["upto"] != text_digest(text[:end]):
                     break
                 pieces.append(e)
                 at = end
@@ -500,15 +389,15 @@ class CacheStore:
         if at < len(text):
             data = text[at:].encode()
             e = put(data, "text")
-            e.update(bytes=len(data), chars=len(text) - at, upto=_text_digest(text))
+            e.update(bytes=len(data), chars=len(text) - at, upto=text_digest(text))
             pieces.append(e)
         return pieces
 
     def _remove_unnamed(self, d: Path, manifest: dict) -> None:
         """Remove the content files the manifest no longer names (an older version's)."""
-        named = _named(manifest)
+        named = named_files(manifest)
         for p in d.iterdir():
-            if _NAME.fullmatch(p.name) and p.name not in named:
+            if CONTENT_NAME.fullmatch(p.name) and p.name not in named:
                 p.unlink(missing_ok=True)
 
     def _entry(self, d: Path) -> dict | None:
@@ -516,7 +405,7 @@ class CacheStore:
             m = read_manifest(d)
         except CacheFileError:
             return None
-        size = (d / MANIFEST).stat().st_size + sum(file_size(d / f) for f in _named(m))
+        size = (d / MANIFEST).stat().st_size + sum(file_size(d / f) for f in named_files(m))
         return dict(agent=m["agent_id"], model=m["model_id"], tokens=m["token_count"], bytes=size,
                     updated=m["updated"], path=d)
 
@@ -582,17 +471,13 @@ class CacheStore:
                     pass
             for a in agents:
                 try:
-                    named = _named(read_manifest(a))
+                    named = named_files(read_manifest(a))
                 except CacheFileError:
                     continue  # loading it says why (and quarantines it)
                 for p in a.iterdir():
                     try:  # a young one may be a live writer's, its manifest still to come
-                        if _NAME.fullmatch(p.name) and p.name not in named and now - p.stat().st_mtime > _STALE_TMP_S:
+                        if CONTENT_NAME.fullmatch(p.name) and p.name not in named and now - p.stat().st_mtime > _STALE_TMP_S:
                             p.unlink()
                     except FileNotFoundError:
                         pass
 
-
-def _named(manifest: dict) -> set[str]:
-    ring = [manifest["ring"]] if manifest["ring"] else []
-    return {e["file"] for e in (*manifest["blocks"], *manifest["text"], *ring)}

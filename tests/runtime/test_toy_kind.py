@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, _BaseCache
 
-from semantic.runtime import cache_file, kv
+from semantic.runtime import cache_manifest, kv
 from semantic.runtime.cache_file import CacheStore, load, read_manifest
 from semantic.runtime.cache_records import MANIFEST, CacheFileError, CacheRecord
 from semantic.runtime.kv.layer import Trimmed
@@ -145,7 +145,7 @@ def test_a_kind_checks_its_own_manifest_entry(tmp_path, toy):
     d = store.agent_dir(record.agent_id, record.model_id)
     m = json.loads((d / MANIFEST).read_bytes())
     m["layers"][0]["tensors"]["v"][4] = N - 1  # the toy's values stop a token short
-    (d / MANIFEST).write_bytes(cache_file._seal(m))
+    (d / MANIFEST).write_bytes(cache_manifest.seal(m))
     with pytest.raises(CacheFileError) as e:
         read_manifest(d)
     assert e.value.reason == "bad layout" and e.value.detail == "layer 0: toy tensors that do not cover their tokens"
