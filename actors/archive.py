@@ -46,10 +46,11 @@ from pathlib import Path
 import anyio
 
 from semantic.runtime import cache_file, cache_v1
-from semantic.runtime.cache_file import fsync_dir, model_key, pid_alive, remove_tree
+from semantic.runtime.cache_file import model_key
 from semantic.runtime.cache_records import AGENT_DIR_SUFFIX, MANIFEST, CacheFileError, InvalidAgentId, validate_agent_id
 from semantic.runtime.disk import NoRoom, check_room, history_path, human_bytes
 from semantic.runtime.errors import SemanticError
+from semantic.runtime.files import fsync_dir, pid_alive, remove_tree
 from semantic.runtime.json_reader import JSONError, read_json
 
 from .errors import AgentExists

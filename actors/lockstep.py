@@ -43,7 +43,7 @@ import mlx.core as mx
 import numpy as np
 from anyio.streams.memory import MemoryObjectSendStream
 
-from semantic.runtime.agent_cache import shard_suffix
+from semantic.runtime.model_caches import shard_suffix
 from semantic.runtime.cache_codec import HostCache
 
 from .errors import RuntimeUnhealthy

@@ -71,10 +71,11 @@ from pathlib import Path
 import anyio
 
 from semantic.runtime import disk, row_counts
-from semantic.runtime.cache_file import CacheStore, tree_bytes, write_atomic
+from semantic.runtime.cache_file import CacheStore
 from semantic.runtime.cache_records import StaleBlocks, merged
 from semantic.runtime.disk import NoRoom, history_path
 from semantic.runtime.errors import SemanticError
+from semantic.runtime.files import tree_bytes, write_atomic
 
 from . import archive
 from .history import parse_history, read_history

@@ -16,9 +16,10 @@ import logging
 
 import mlx.core as mx
 
-from semantic.runtime.agent_cache import AgentCaches, CacheDisk, open_caches
+from semantic.runtime.agent_cache import AgentCaches, CacheDisk
 from semantic.runtime.cache_file import CacheStore
 from semantic.runtime.engine import Engine
+from semantic.runtime.model_caches import open_caches
 from semantic.runtime.models import LoadedModel, load
 from semantic.runtime.row_counts import RowCounts, key
 

@@ -42,7 +42,7 @@ async def soak(loaded, root: Path, *, agents: int, turns: int, concurrency: int,
     import mlx.core as mx
 
     from semantic.actors import Runtime
-    from semantic.runtime.agent_cache import kv_budget
+    from semantic.runtime.model_caches import kv_budget
     from semantic.runtime.cache_records import BLOCK_TOKENS
 
     kv = kv_budget(loaded, 1 << 40)

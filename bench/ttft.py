@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
-from semantic.runtime.agent_cache import open_caches
+from semantic.runtime.model_caches import open_caches
 
 TEXT = Path(__file__).parent / "data" / "lighthouses.txt"
 SHORT_FOLLOW_UP = "And in one sentence, which lighthouse would you most like to visit?"

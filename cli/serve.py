@@ -158,7 +158,7 @@ def _other_layouts(cache_dir, model: str, kv_bits: int, ranks: int) -> None:
     they are not read here (each layout keeps its own files)."""
     from pathlib import Path
 
-    from semantic.runtime.agent_cache import cache_layouts
+    from semantic.runtime.model_caches import cache_layouts
 
     def layout(n: int) -> str:
         return "one process" if n == 1 else f"{n} ranks"

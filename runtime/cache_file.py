@@ -26,26 +26,24 @@ on; ``CacheStore.write``
 manifest on disk. Caches of an older format (version 1: one safetensors
 file per agent, ``runtime.cache_v1``; version 2: blocks of per-token Q4
 rows) are not loaded: the agent's history is prefilled again, and its next
-write replaces them. What the files hold -- records, layer kinds, errors, the
-agent-id rule -- is ``runtime.cache_records``; the MLX side of a block,
-``runtime.cache_codec``.
+write replaces them. What the files hold -- records, errors, the agent-id
+rule -- is ``runtime.cache_records``; the manifest that names them,
+``runtime.cache_manifest``; what a layer of each kind writes and how its
+entry is checked, the kind's class in ``runtime.kv``; the MLX side of a
+block, ``runtime.cache_codec``; writing a file atomically, ``runtime.files``.
 
-(Long on purpose: the store is one class whose directory layout, manifests,
-quarantine and crash rules hold together; split, each part would need the
-others' private paths.)
+(Long on purpose: the store is one class whose directory layout, quarantine
+and crash rules hold together; split, each part would need the others'
+private paths.)
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os
 import re
-import secrets
-import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -53,80 +51,22 @@ import numpy as np
 
 from . import cache_v1
 from .cache_codec import HostCache, snapshot
-from .cache_records import (AGENT_DIR_SUFFIX, BLOCK_TOKENS, DTYPES, FLOATS, FORMAT, FORMAT_VERSION, MANIFEST,
-                            MAX_TEXT_PIECES, OPEN, PACKED, QUANTIZED, ROTATING, SINK, SINKS, STATE, WINDOW, BlockUpdate,
-                            CacheFileError, CacheRecord, InvalidAgentId, StaleBlocks, open_checked, ring_names,
+from .cache_manifest import CONTENT_NAME, named_files, read_manifest, seal, text_digest, token_chains
+from .cache_records import (AGENT_DIR_SUFFIX, BLOCK_TOKENS, DTYPES, FORMAT, FORMAT_VERSION, MANIFEST, MAX_TEXT_PIECES,
+                            BlockUpdate, CacheFileError, CacheRecord, InvalidAgentId, StaleBlocks, open_checked,
                             validate_agent_id)
-from .json_reader import JSONError, read_json
+from .files import TMP_PREFIX, file_size, fsync_dir, pid_alive, remove_tree, tree_bytes, write_atomic
+from .kv import BY_KIND
 
-__all__ = ["CacheStore", "fsync_dir", "load", "model_key", "pid_alive", "read", "read_manifest", "remove_tree",
-           "tree_bytes", "write_atomic"]
+__all__ = ["CacheStore", "load", "model_key", "read", "read_manifest"]
 
 log = logging.getLogger("semantic.cache")
 _OLDER = ", older: its history is prefilled again on its next turn"
 
-_TMP = ".tmp-"  # temp files start with '.', which no agent id may: never taken for a cache
 _STALE_TMP_S = 3600.0  # no save takes an hour: an older temp file (or unnamed block) is stale
-_MAX_MANIFEST = 64 << 20
-_NAME = re.compile(r"[0-9a-f]{64}\.(block|ring|text)")
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-# -- the MLX side: copy out the bytes ---------------------------------------
-
-
-
-
-
-
-
-
-
-
-# -- files -----------------------------------------------------------------
-
-
-def write_atomic(path: os.PathLike | str, data: bytes | bytearray | memoryview) -> None:
-    """Write ``data`` to ``path`` atomically (temp file, fsync, rename, fsync the
-    directory): a reader sees the old file or the new one, never a part.  Touches
-    no MLX array; safe on any thread.  Raises ``OSError``; the temp file never stays."""
-    _write_atomic(Path(path), data)
-
-
-def _write_atomic(path: Path, data, sync_dir: bool = True) -> None:
-    tmp = path.parent / f"{_TMP}{os.getpid()}-{secrets.token_hex(4)}-{path.stem}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        with open(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            _fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if sync_dir:
-        fsync_dir(path.parent)  # makes the rename itself durable
-
-
+# -- reading -------------------------------------------------------------------
 
 
 def _read_named(path: Path, size: int) -> bytes:
@@ -143,179 +83,17 @@ def _read_named(path: Path, size: int) -> bytes:
     return data
 
 
-# -- the manifest ------------------------------------------------------------
-
-
-def _chains(tokens: list[int]) -> list[str]:
-    """Per block, a digest of every token id up to its end: two manifests' blocks
-    hold the same tokens' K/V up to block b exactly when their chains agree at b."""
-    h, out = hashlib.sha256(), []
-    for lo in range(0, len(tokens), BLOCK_TOKENS):
-        h.update(np.asarray(tokens[lo:lo + BLOCK_TOKENS], dtype="<u4").tobytes())
-        out.append(h.hexdigest()[:32])
-    return out
-
-
-def _text_digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def _seal(manifest: dict) -> bytes:
-    """The manifest's bytes, its checksum (of everything else) first."""
-    body = {k: v for k, v in manifest.items() if k != "checksum"}
-    digest = hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).hexdigest()
-    return json.dumps({"checksum": "sha256:" + digest, **body}, separators=(",", ":")).encode()
-
-
-def read_manifest(directory: os.PathLike | str) -> dict:
-    """An agent directory's manifest, parsed and checked against itself (not its
-    files). Raises ``CacheFileError``: ``missing`` when there is none."""
-    path = Path(directory) / MANIFEST
-    with open_checked(path) as f:
-        raw = f.read(_MAX_MANIFEST + 1)
-    if len(raw) > _MAX_MANIFEST:
-        raise CacheFileError(path, "unparsable", "manifest too large")
-    try:
-        m = read_json(raw, "manifest")
-    except JSONError as e:
-        raise CacheFileError(path, "unparsable" if raw else "truncated", f"manifest is not JSON: {e}") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise CacheFileError(path, "unparsable", "not a Semantic cache manifest")
-    version = m.get("format_version")
-    if type(version) is not int:
-        raise CacheFileError(path, "unparsable", "no format version")
-    if version != FORMAT_VERSION:
-        which = "old format" if version < FORMAT_VERSION else "newer format"
-        raise CacheFileError(path, which, f"format version {version}, this Semantic reads {FORMAT_VERSION}")
-    if _seal(m) != raw:
-        raise CacheFileError(path, "bad checksum", "the manifest is not the one written")
-    _check_manifest(path, m)
-    return m
-
-
-def _check_manifest(path: Path, m: dict) -> None:
-    """Types, and that blocks, layers and token count agree; raises ``CacheFileError``."""
-
-    def bad(reason, detail):
-        return CacheFileError(path, reason, detail)
-
-    try:
-        n, blocks, layers = m["token_count"], m["blocks"], m["layers"]
-        ok = (type(n) is int and n >= 0 and m["block_tokens"] == BLOCK_TOKENS
-              and all(isinstance(m[k], str) for k in ("agent_id", "model_id", "spec_hash"))
-              and all(type(m[k]) is float for k in ("created", "updated"))
-              and isinstance(m["text_digest"], str)
-              and isinstance(blocks, list) and isinstance(layers, list) and isinstance(m["text"], list)
-              and all(isinstance(e, dict) and _NAME.fullmatch(str(e.get("file")))
-                      for e in (*blocks, *m["text"], *([m["ring"]] if m["ring"] else [])))
-              and all(type(e.get("tokens")) is int and isinstance(e.get("chain"), str) for e in blocks)
-              and all(type(e.get(k)) is int for e in m["text"] for k in ("bytes", "chars"))
-              and all(isinstance(e.get("upto"), str) for e in m["text"])
-              and all(isinstance(e, dict) for e in layers))
-    except (KeyError, TypeError):
-        ok = False
-    if not ok:
-        raise bad("unparsable", "bad manifest fields")
-    sizes = [e["tokens"] for e in blocks]
-    if sum(sizes) != n or any(s != BLOCK_TOKENS for s in sizes[:-1]) or (sizes and not 0 < sizes[-1] <= BLOCK_TOKENS):
-        raise bad("bad layout", f"blocks of {sizes[:3]}... tokens do not make {n}")
-    for i, e in enumerate(layers):
-        if e.get("offset") != n:
-            raise bad("bad layout", f"layer {i} holds {e.get('offset')} tokens, the manifest lists {n}")
-        _check_layer(path, i, e, n)
-
-
-def _check_layer(path: Path, i: int, e: dict, n: int) -> None:
-    def bad(detail):
-        return CacheFileError(path, "bad layout", f"layer {i}: {detail}")
-
-    tensors, kind = e.get("tensors"), e.get("kind")
-    dims = 3 if kind == QUANTIZED else None  # a quantized layer's entries end with the tokens they cover: from 0
-    if not isinstance(tensors, dict) or not all(
-        isinstance(t, list) and t and t[0] in DTYPES and all(type(d) is int and d > 0 for d in t[1:dims])
-        and all(type(d) is int and d >= 0 for d in t[dims:] if dims)
-        for t in tensors.values()
-    ):
-        raise bad("bad tensor entries")
-    if kind == QUANTIZED:
-        bits, group, closed = e.get("bits"), e.get("group_size"), e.get("closed")
-        if bits not in (4, 8, 16) or group not in (32, 64, 128):
-            raise bad(f"unsupported bits {bits!r} / group size {group!r}")
-        if not (type(closed) is int and 0 <= closed <= n and closed % BLOCK_TOKENS == 0 and (bits < 16 or not closed)
-                and n - closed <= (n if bits == 16 else BLOCK_TOKENS)):
-            raise bad(f"{closed!r} tokens in closed blocks cannot go with {n} tokens at {bits} bits")
-        names = (set(PACKED) | set(SINK) if closed else set()) | (set(OPEN) if n > closed else set())
-        if set(tensors) != names:
-            raise bad("missing or extra tensors")
-        spans = {**dict.fromkeys(PACKED, [0, closed]), **dict.fromkeys(OPEN, [closed, n])}
-        if any(len(tensors[name]) != 5 or tensors[name][3:] != span
-               for name, span in spans.items() if name in tensors):
-            raise bad("a tensor that does not cover its tokens")
-        if n > closed:
-            k, v = tensors["k"], tensors["v"]
-            if k[0] not in FLOATS or v[0] != k[0] or v[1] != k[1]:
-                raise bad(f"open block tensors {k} {v} do not fit")
-        if closed:
-            (kw, ks, kb, vw, vs, vb), sinks = (tensors[name] for name in PACKED), [tensors[name] for name in SINK]
-            heads = kw[1]
-            if not (kw[0] == vw[0] == "U32" and ks[0] in FLOATS and ks[:3] == kb[:3] and vs[:3] == vb[:3]
-                    and vs[0] == ks[0] and {kw[1], ks[1], vw[1], vs[1]} == {heads}
-                    and kw[2] * 32 // bits == ks[2] * group and vw[2] * 32 // bits == vs[2] * group
-                    and all(len(t) == 4 and t[0] in FLOATS and t[1] == heads and t[2] == SINKS for t in sinks)
-                    and sinks[0][3] == ks[2] * group and sinks[1][3] == vs[2] * group):
-                raise bad(f"quantized tensors {kw} {ks} {kb} {vw} {vs} {vb} {sinks} do not fit")
-    elif kind == WINDOW:
-        window = e.get("window")
-        if not (type(window) is int and window > 0):
-            raise bad("bad window")
-        if n:
-            k, v = tensors.get("k"), tensors.get("v")
-            if set(tensors) != {"k", "v"} or len(k) != 4 or len(v) != 4 or k[0] not in FLOATS or v[0] != k[0]:
-                raise bad("missing or bad window tensors")
-            # It holds all n tokens, or at least the window's (window - 1 and the newest).
-            if k[1:3] != v[1:3] or not (k[2] == n or window - 1 <= k[2] <= n):
-                raise bad(f"window shapes {k} {v} do not fit {n} tokens")
-        elif tensors:
-            raise bad("an empty window with tensors")
-    elif kind == STATE:
-        size, marks = e.get("size"), e.get("checkpoints")
-        if not (type(size) is int and 0 < size <= 16 and isinstance(marks, list) and len(marks) <= 16
-                and all(type(at) is int and 0 < at <= n for at in marks) and marks == sorted(set(marks))
-                and set(tensors) <= set(ring_names(e))):
-            raise bad("bad state entries")
-        if any(t[0] not in FLOATS for t in tensors.values()) or bool(tensors) != bool(n):
-            raise bad("missing or bad state tensors")
-    elif kind == ROTATING:
-        size, keep, idx = e.get("max_size"), e.get("keep"), e.get("idx")
-        if not (type(size) is int and size > 0 and type(keep) is int and 0 <= keep < size and type(idx) is int):
-            raise bad("bad ring metadata")
-        if n:
-            k, v = tensors.get("k"), tensors.get("v")
-            if set(tensors) != {"k", "v"} or len(k) != 4 or len(v) != 4 or k[0] not in FLOATS or v[0] != k[0]:
-                raise bad("missing or bad ring tensors")
-            live = k[2]
-            # A ring holds all n tokens, or is full (max_size, or more just after a multi-token chunk).
-            if k[1:3] != v[1:3] or not (live == n or size <= live <= n) or not 0 <= idx <= live:
-                raise bad(f"ring shapes {k} {v} (index {idx}) do not fit {n} tokens")
-        elif tensors:
-            raise bad("an empty ring with tensors")
-    else:
-        raise bad(f"unknown kind {kind!r}")
-
-
 def _block_layout(layers: list[dict]) -> list[tuple[int, str, str, tuple[int, int], tuple[int, int]]]:
     """(layer, tensor name, dtype, (heads, width), (first token, end)) of every blocked tensor, in block order."""
     return [(i, name, e["tensors"][name][0], tuple(e["tensors"][name][1:3]), tuple(e["tensors"][name][3:5]))
-            for i, e in enumerate(layers) if e["kind"] == QUANTIZED
-            for name in (*PACKED, *OPEN) if name in e["tensors"]]
+            for i, e in enumerate(layers)
+            for name in BY_KIND[e["kind"]].blocked_names(e) if name in e["tensors"]]
 
 
 def _ring_layout(layers: list[dict]) -> list[tuple[int, str, str, tuple[int, ...]]]:
     return [(i, name, e["tensors"][name][0], tuple(e["tensors"][name][1:]))
-            for i, e in enumerate(layers) if e["kind"] in (WINDOW, ROTATING, STATE, QUANTIZED)
-            for name in ring_names(e) if name in e["tensors"]]
-
-
+            for i, e in enumerate(layers)
+            for name in BY_KIND[e["kind"]].ring_names(e) if name in e["tensors"]]
 
 
 def _in_block(layout, lo: int) -> list:
@@ -329,9 +107,6 @@ def _block_size(layout, lo: int, tokens: int) -> int:
 
 def _ring_size(layers: list[dict]) -> int:
     return sum(math.prod(shape) * DTYPES[dt][1].itemsize for _, _, dt, shape in _ring_layout(layers))
-
-
-# -- reading -------------------------------------------------------------------
 
 
 def load(directory: os.PathLike | str, *, model_id: str, spec_hash: str, agent_id: str | None = None) -> CacheRecord:
@@ -374,7 +149,7 @@ def read(directory: os.PathLike | str, *, model_id: str | None, spec_hash: str |
                 arrays[f"layer_{i}_{name}"][:, :, lo - start : lo - start + t, :] = \
                     np.frombuffer(data, DTYPES[dt][1], h * t * w, at).reshape(1, h, t, w)
             at += size
-    if chains != _chains(tokens):
+    if chains != token_chains(tokens):
         raise CacheFileError(directory, "bad layout", "the blocks do not hold the tokens the manifest lists")
     rings = _ring_layout(layers)
     if rings:
@@ -390,42 +165,12 @@ def read(directory: os.PathLike | str, *, model_id: str | None, spec_hash: str |
         text = "".join(_read_named(directory / e["file"], e["bytes"]).decode() for e in m["text"])
     except UnicodeDecodeError:  # a piece cut inside a character: not one we wrote
         raise CacheFileError(directory, "bad layout", "a text piece is not UTF-8") from None
-    if _text_digest(text) != m["text_digest"]:
+    if text_digest(text) != m["text_digest"]:
         raise CacheFileError(directory, "bad layout", "the text pieces do not make the text")
     if not keep:
         return m
     record = CacheRecord(m["agent_id"], m["model_id"], m["spec_hash"], tokens, text, m["created"], m["updated"], [])
     return HostCache(record, layers, arrays)
-
-
-
-
-
-
-
-
-
-
-def _fsync(fd: int) -> None:
-    # macOS fsync stops at the drive's cache; F_FULLFSYNC reaches the platter.
-    if sys.platform == "darwin":
-        import fcntl
-
-        try:
-            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
-            return
-        except OSError:
-            pass
-    os.fsync(fd)
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename or a new file in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- the store -------------------------------------------------------------
@@ -495,12 +240,12 @@ class CacheStore:
             nonlocal written
             name = f"{hashlib.sha256(data).hexdigest()}.{kind}"
             if not (d / name).is_file():  # named by content: one that is there holds these bytes
-                _write_atomic(d / name, data, sync_dir=False)
+                write_atomic(d / name, data, sync_dir=False)
                 written += len(data)
             return {"file": name}
 
         blocks = []
-        for b, chain in enumerate(_chains(update.tokens)):
+        for b, chain in enumerate(token_chains(update.tokens)):
             if b < update.first:
                 e = old["blocks"][b] if old and b < len(old["blocks"]) else None
                 if e is None or e.get("chain") != chain or not (d / e["file"]).is_file():
@@ -523,11 +268,11 @@ class CacheStore:
             "blocks": blocks,
             "ring": put(update.ring, "ring") if update.ring else None,
             "text": self._text_pieces(old, update.text, put),
-            "text_digest": _text_digest(update.text),
+            "text_digest": text_digest(update.text),
         }
         fsync_dir(d)  # the files are in place before the manifest that names them
-        data = _seal(manifest)
-        _write_atomic(d / MANIFEST, data)
+        data = seal(manifest)
+        write_atomic(d / MANIFEST, data)
         written += len(data)
         self.bytes_written += written
         self._remove_unnamed(d, manifest)
@@ -635,7 +380,7 @@ class CacheStore:
         if old:
             for e in old["text"]:
                 end = at + e["chars"]
-                if e["upto"] != _text_digest(text[:end]):
+                if e["upto"] != text_digest(text[:end]):
                     break
                 pieces.append(e)
                 at = end
@@ -644,15 +389,15 @@ class CacheStore:
         if at < len(text):
             data = text[at:].encode()
             e = put(data, "text")
-            e.update(bytes=len(data), chars=len(text) - at, upto=_text_digest(text))
+            e.update(bytes=len(data), chars=len(text) - at, upto=text_digest(text))
             pieces.append(e)
         return pieces
 
     def _remove_unnamed(self, d: Path, manifest: dict) -> None:
         """Remove the content files the manifest no longer names (an older version's)."""
-        named = _named(manifest)
+        named = named_files(manifest)
         for p in d.iterdir():
-            if _NAME.fullmatch(p.name) and p.name not in named:
+            if CONTENT_NAME.fullmatch(p.name) and p.name not in named:
                 p.unlink(missing_ok=True)
 
     def _entry(self, d: Path) -> dict | None:
@@ -660,7 +405,7 @@ class CacheStore:
             m = read_manifest(d)
         except CacheFileError:
             return None
-        size = (d / MANIFEST).stat().st_size + sum(_size(d / f) for f in _named(m))
+        size = (d / MANIFEST).stat().st_size + sum(file_size(d / f) for f in named_files(m))
         return dict(agent=m["agent_id"], model=m["model_id"], tokens=m["token_count"], bytes=size,
                     updated=m["updated"], path=d)
 
@@ -714,9 +459,9 @@ class CacheStore:
         now = time.time()
         for d in self._model_dirs():
             agents = [p for p in d.iterdir() if p.name.endswith(AGENT_DIR_SUFFIX) and p.is_dir()]
-            for p in [*d.glob(f"{_TMP}*"), *(t for a in agents for t in a.glob(f"{_TMP}*"))]:
+            for p in [*d.glob(f"{TMP_PREFIX}*"), *(t for a in agents for t in a.glob(f"{TMP_PREFIX}*"))]:
                 try:
-                    pid = int(p.name[len(_TMP) :].split("-", 1)[0])
+                    pid = int(p.name[len(TMP_PREFIX) :].split("-", 1)[0])
                 except ValueError:
                     pid = None
                 try:
@@ -726,56 +471,13 @@ class CacheStore:
                     pass
             for a in agents:
                 try:
-                    named = _named(read_manifest(a))
+                    named = named_files(read_manifest(a))
                 except CacheFileError:
                     continue  # loading it says why (and quarantines it)
                 for p in a.iterdir():
                     try:  # a young one may be a live writer's, its manifest still to come
-                        if _NAME.fullmatch(p.name) and p.name not in named and now - p.stat().st_mtime > _STALE_TMP_S:
+                        if CONTENT_NAME.fullmatch(p.name) and p.name not in named and now - p.stat().st_mtime > _STALE_TMP_S:
                             p.unlink()
                     except FileNotFoundError:
                         pass
 
-
-def _named(manifest: dict) -> set[str]:
-    ring = [manifest["ring"]] if manifest["ring"] else []
-    return {e["file"] for e in (*manifest["blocks"], *manifest["text"], *ring)}
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-def tree_bytes(top: Path) -> int:
-    """Bytes of every file under ``top`` (or of ``top`` itself, a file)."""
-    if not top.is_dir():
-        return _size(top)
-    return sum(_size(Path(parent) / name) for parent, _, names in os.walk(top) for name in names)
-
-
-def remove_tree(path: Path) -> int:
-    """Remove a file or a directory with everything in it; 1 if there was one."""
-    try:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    except FileNotFoundError:
-        return 0
-    return 1
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` runs (a writer that left temp files behind)."""
-    if pid <= 0:  # 0 and -1 would signal whole groups: no writer has such a pid
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True

@@ -1,9 +1,10 @@
 """What an agent's cache on disk is, to whoever reads or writes it: the
-format's names and limits, its layer kinds and tensor types, the agent-id
-rule, the records (a cache and what it covers; a version of it as bytes),
-the errors, and the checked reader every file of it is opened with. The
-MLX side is ``runtime.cache_codec``; the directory of files,
-``runtime.cache_file``; version 1 files, ``runtime.cache_v1``."""
+format's names and limits, its tensor types, the agent-id rule, the
+records (a cache and what it covers; a version of it as bytes), the
+errors, and the checked reader every file of it is opened with. The MLX
+side is ``runtime.cache_codec``; the directory of files,
+``runtime.cache_file``; version 1 files, ``runtime.cache_v1``; what each
+layer kind writes and checks, its class in ``runtime.kv``."""
 
 from __future__ import annotations
 
@@ -34,14 +35,7 @@ __all__ = [
     "MANIFEST",
     "MAX_AGENT_ID",
     "MAX_TEXT_PIECES",
-    "OPEN",
-    "PACKED",
-    "QUANTIZED",
-    "ROTATING",
-    "SINK",
     "SINKS",
-    "STATE",
-    "WINDOW",
     "BlockUpdate",
     "CacheFileError",
     "CacheRecord",
@@ -49,7 +43,6 @@ __all__ = [
     "StaleBlocks",
     "merged",
     "open_checked",
-    "ring_names",
     "validate_agent_id",
 ]
 
@@ -62,12 +55,6 @@ MANIFEST = "manifest.json"
 MAX_AGENT_ID = 128
 AGENT_CHARS = re.compile(r"[A-Za-z0-9._:@-]+")
 MAX_TEXT_PIECES = 32  # past this many, a save writes the text as one piece again
-QUANTIZED, WINDOW, STATE = "quantized", "window", "state"
-ROTATING = "rotating"  # an mlx-lm ring, written before ``WindowKVCache``: read as one
-# A quantized layer's tensors: a closed block's rows, in file order; the open block's floats; the sinks'.
-PACKED = ("k_weights", "k_scales", "k_biases", "v_weights", "v_scales", "v_biases")
-OPEN = ("k", "v")
-SINK = ("k_sinks", "v_sinks")
 # safetensors dtype name -> (MLX dtype, numpy dtype of the raw bytes); bfloat16 travels as uint16.
 DTYPES = {
     "U32": (mx.uint32, np.dtype("<u4")),
@@ -212,10 +199,3 @@ class open_checked:
         if isinstance(e, OSError):
             raise CacheFileError(self.path, "unreadable", e.strerror or str(e)) from e
 
-
-def ring_names(e: dict) -> list[str]:
-    """Tensor names of a ring-file layer in file order: a state's arrays, then its checkpoints'."""
-    if e["kind"] == STATE:
-        n = range(e["size"])
-        return [*map(str, n), *(f"c{k}.{j}" for k in range(len(e["checkpoints"])) for j in n)]
-    return list(SINK) if e["kind"] == QUANTIZED else ["k", "v"]

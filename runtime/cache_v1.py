@@ -26,7 +26,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from .cache_records import DTYPES, FLOATS, FORMAT, QUANTIZED, ROTATING, CacheFileError, open_checked
+from .cache_records import DTYPES, FLOATS, FORMAT, CacheFileError, open_checked
 from .json_reader import JSONError, read_json
 
 __all__ = ["SUFFIX", "VERSION", "read_meta", "verify"]
@@ -38,7 +38,7 @@ _CHUNK = 1 << 20
 _PREFIX = b'{"__metadata__":{"checksum":"sha256:'
 _SUM_AT = 8 + len(_PREFIX)  # file offset of the checksum's hex digits
 _ZERO_SUM = "0" * 64
-_DEQUANTIZING = "dequantizing"  # version 1's layer kinds and tensor parts
+QUANTIZED, ROTATING, _DEQUANTIZING = "quantized", "rotating", "dequantizing"  # version 1's layer kinds and tensor parts
 _PARTS = ("weights", "scales", "biases")
 
 

@@ -39,9 +39,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cache_file import CacheStore, remove_tree, tree_bytes
+from .cache_file import CacheStore
 from .cache_records import AGENT_DIR_SUFFIX, MANIFEST, InvalidAgentId, validate_agent_id
 from .cache_v1 import SUFFIX
+from .files import remove_tree, tree_bytes
 
 __all__ = [
     "CACHE", "CONVERSATION_PREFIX", "FREE_MARGIN", "HISTORY", "OTHER", "QUARANTINE", "DiskFile", "NoRoom", "Plan",

@@ -32,7 +32,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import blas
-from .cache_file import write_atomic
+from .files import write_atomic
 from .json_reader import read_json
 from .paths import cache_home
 from .row_plans import RowPlan

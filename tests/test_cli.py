@@ -390,7 +390,7 @@ def test_each_family_keeps_its_agent_across_turns_and_a_restart(tmp_path, family
 def test_serve_says_when_caches_of_another_layout_are_not_read(tmp_path, capsys):
     """Each layout (one process, n ranks) keeps its own files: a server says which it will not read."""
     from semantic.cli.serve import _other_layouts
-    from semantic.runtime.agent_cache import cache_layouts, cache_model_id
+    from semantic.runtime.model_caches import cache_layouts, cache_model_id
 
     for shard in (None, (0, 3), (1, 3), (0, 2)):
         (tmp_path / model_key(cache_model_id("smollm2", 4, shard))).mkdir()

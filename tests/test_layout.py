@@ -216,16 +216,18 @@ def test_a_package_docstring_names_every_module_it_holds(package):
 
 # -- cache kinds -------------------------------------------------------------------------------------
 
-KIND_NAMES = {"QUANTIZED", "WINDOW", "STATE", "ROTATING"}  # ``runtime.cache_records``: the manifest's kinds
-# Where the kinds are still told apart outside ``runtime/kv/`` (docs/architecture.md, "The KV cache has a type"):
-# the manifest's checks, its ring file's tensor names, and the reader of version 1 files.
-TELLS_KINDS_APART = {"runtime/cache_records.py", "runtime/cache_file.py", "runtime/cache_v1.py"}
+KIND_NAMES = {"QUANTIZED", "WINDOW", "STATE", "ROTATING"}  # the manifest's kinds, each in its class's module
+# Where kinds are still told apart outside ``runtime/kv/`` (docs/architecture.md, "The KV cache has a type"):
+# the reader of version 1 files, with its own kinds.
+TELLS_KINDS_APART = {"runtime/cache_v1.py"}
 
 
-def test_the_cache_codec_asks_the_layer_and_only_the_manifest_checks_name_kinds():
+def test_the_cache_files_ask_the_kind_and_only_version_1_names_kinds():
     """``runtime.cache_codec`` writes what a layer ``describe``s and reads through
-    the class ``BY_KIND`` registers for the entry: it names no kind. The modules
-    outside ``runtime/kv/`` that name one are the manifest's own."""
+    the class ``BY_KIND`` registers for the entry; ``runtime.cache_file`` checks
+    an entry and lays out its tensors through that class too: neither names a
+    kind. The one module outside ``runtime/kv/`` that names one is the reader
+    of version 1 files."""
     naming = set()
     for path, tree in _python(*PACKAGES):
         if path.is_relative_to(ROOT / "runtime" / "kv"):
@@ -234,7 +236,7 @@ def test_the_cache_codec_asks_the_layer_and_only_the_manifest_checks_name_kinds(
         names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
         if names & KIND_NAMES:
             naming.add(path.relative_to(ROOT).as_posix())
-    assert "runtime/cache_codec.py" not in naming
+    assert "runtime/cache_codec.py" not in naming and "runtime/cache_file.py" not in naming
     assert naming == TELLS_KINDS_APART
 
 

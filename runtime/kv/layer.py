@@ -5,10 +5,10 @@ A layer cache is first mlx-lm's cache protocol -- ``update_and_fetch``,
 ``make_mask``, ``offset``, ``trim``, ``is_trimmable``, ``state`` -- which the
 model's own layers call. The rest is ours: how far it can go back (trimming,
 or a checkpoint), what a step evaluates, how attention sees it, and how it is
-written to its files and rebuilt from them. Code outside ``runtime/kv/``
-asks these, never which kind it is. A new kind is its module here, its place
-in ``make_sequence_cache`` and its manifest checks (``runtime.cache_file``,
-``cache_records.ring_names``), which still branch on the kind's name.
+written to its files, checked and rebuilt from them, and which of mlx-lm's
+caches it takes the place of. Code outside ``runtime/kv/`` asks these, never
+which kind it is: a new kind is its module here, whose class ``register``s
+itself (``runtime.kv.kinds``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ __all__ = ["LayerCache", "SequenceCache", "Trimmed"]
 
 class LayerCache(Protocol):
     KINDS: ClassVar[tuple[str, ...]]  # the manifest kinds it is written as (first) and read from
+    blocked: ClassVar[bool]  # some of its tensors are cut into blocks: their entries end with the tokens they hold
     recurrent: ClassVar[bool]  # a state the layer itself runs per sequence (``runtime.rowwise``); cut by checkpoints
     float_keys: ClassVar[bool]  # attention reads float keys and values from it
     attends_new: ClassVar[bool]  # takes a decode step's Q4 rows from the batch (``attend_new``)
@@ -64,6 +65,26 @@ class LayerCache(Protocol):
     def rebuild(cls, entry: Mapping, arrays: Mapping[str, mx.array]) -> LayerCache:
         """The cache as it was after ``entry['offset']`` tokens, from its manifest
         entry and its tensors by name."""
+
+    @classmethod
+    def check_entry(cls, entry: Mapping, n: int) -> None:
+        """Check a manifest entry of its kinds that covers ``n`` tokens, its
+        tensors' entries already lists of a known dtype and sizes: raise
+        ``ValueError`` saying what does not fit."""
+
+    @classmethod
+    def blocked_names(cls, entry: Mapping) -> list[str]:
+        """The names of its tensors cut into the block files, in file order."""
+
+    @classmethod
+    def ring_names(cls, entry: Mapping) -> list[str]:
+        """The names of its tensors in the ring file, in file order."""
+
+    @classmethod
+    def replacing(cls, cache: _BaseCache, bits: int, group_size: int) -> LayerCache | None:
+        """Its empty cache in place of mlx-lm's ``cache`` (what the model makes
+        for a layer), or None when that is not its kind's. Raises
+        ``ValueError`` for one of its kind's that it cannot hold."""
 
 
 class Trimmed:

@@ -29,16 +29,22 @@ from __future__ import annotations
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache, create_attention_mask
+from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
 from ..attention import PackedPast
-from ..cache_records import BLOCK_TOKENS, OPEN, PACKED, QUANTIZED, SINK, SINKS
+from ..cache_records import BLOCK_TOKENS, FLOATS, SINKS
+from .kinds import register
 from .quantize import Packed, check_format, close_block, grown, open_blocks
 
 __all__ = ["CPU_FLOAT_HEAD", "DequantizingKVCache", "SequenceQuantizedKVCache", "device_float_head"]
 
 OPEN_STEP = 64  # rows an open block's float buffer grows by (a divisor of BLOCK_TOKENS)
 CPU_FLOAT_HEAD = 4096  # closed tokens a running sequence attends over in float on the CPU (docs/benchmarks.md)
+QUANTIZED = "quantized"
+# Its tensors: a closed block's rows, in file order; the open block's floats; the sinks'.
+PACKED = ("k_weights", "k_scales", "k_biases", "v_weights", "v_scales", "v_biases")
+OPEN = ("k", "v")
+SINK = ("k_sinks", "v_sinks")
 
 
 def device_float_head(model) -> Optional[int]:
@@ -53,6 +59,7 @@ def device_float_head(model) -> Optional[int]:
     return CPU_FLOAT_HEAD if mx.default_device() == mx.cpu else BLOCK_TOKENS
 
 
+@register
 class SequenceQuantizedKVCache(_BaseCache):
     """One sequence's full-attention layer: ``closed`` tokens in quantized
     blocks (``packed``, rows as ``close_block`` lays them out), the rest in
@@ -64,6 +71,7 @@ class SequenceQuantizedKVCache(_BaseCache):
     KINDS = (QUANTIZED,)
     recurrent = False
     float_keys = attends_new = False
+    blocked = True
     block = BLOCK_TOKENS
 
     def __init__(self, group_size: int = 64, bits: int = 4):
@@ -255,6 +263,47 @@ class SequenceQuantizedKVCache(_BaseCache):
         if c.offset > c.closed:
             c.open = tuple(arrays[name] for name in OPEN)
         return c
+
+    @classmethod
+    def check_entry(cls, entry, n):
+        tensors, bits, group, closed = entry["tensors"], entry.get("bits"), entry.get("group_size"), entry.get("closed")
+        if bits not in (4, 8, 16) or group not in (32, 64, 128):
+            raise ValueError(f"unsupported bits {bits!r} / group size {group!r}")
+        if not (type(closed) is int and 0 <= closed <= n and closed % BLOCK_TOKENS == 0 and (bits < 16 or not closed)
+                and n - closed <= (n if bits == 16 else BLOCK_TOKENS)):
+            raise ValueError(f"{closed!r} tokens in closed blocks cannot go with {n} tokens at {bits} bits")
+        names = (set(PACKED) | set(SINK) if closed else set()) | (set(OPEN) if n > closed else set())
+        if set(tensors) != names:
+            raise ValueError("missing or extra tensors")
+        spans = {**dict.fromkeys(PACKED, [0, closed]), **dict.fromkeys(OPEN, [closed, n])}
+        if any(len(tensors[name]) != 5 or tensors[name][3:] != span
+               for name, span in spans.items() if name in tensors):
+            raise ValueError("a tensor that does not cover its tokens")
+        if n > closed:
+            k, v = tensors["k"], tensors["v"]
+            if k[0] not in FLOATS or v[0] != k[0] or v[1] != k[1]:
+                raise ValueError(f"open block tensors {k} {v} do not fit")
+        if closed:
+            (kw, ks, kb, vw, vs, vb), sinks = (tensors[name] for name in PACKED), [tensors[name] for name in SINK]
+            heads = kw[1]
+            if not (kw[0] == vw[0] == "U32" and ks[0] in FLOATS and ks[:3] == kb[:3] and vs[:3] == vb[:3]
+                    and vs[0] == ks[0] and {kw[1], ks[1], vw[1], vs[1]} == {heads}
+                    and kw[2] * 32 // bits == ks[2] * group and vw[2] * 32 // bits == vs[2] * group
+                    and all(len(t) == 4 and t[0] in FLOATS and t[1] == heads and t[2] == SINKS for t in sinks)
+                    and sinks[0][3] == ks[2] * group and sinks[1][3] == vs[2] * group):
+                raise ValueError(f"quantized tensors {kw} {ks} {kb} {vw} {vs} {vb} {sinks} do not fit")
+
+    @classmethod
+    def blocked_names(cls, entry):
+        return [*PACKED, *OPEN]
+
+    @classmethod
+    def ring_names(cls, entry):
+        return list(SINK)
+
+    @classmethod
+    def replacing(cls, cache, bits, group_size):
+        return cls(group_size, bits) if isinstance(cache, KVCache) else None
 
 
 class DequantizingKVCache(_BaseCache):

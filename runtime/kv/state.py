@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from mlx_lm.models.cache import ArraysCache
 
-from ..cache_records import STATE, ring_names
+from ..cache_records import FLOATS
 from ..model_spec import STATE_CHECKPOINTS
+from .kinds import register
 
 __all__ = ["StateCache"]
 
+STATE = "state"
 
+
+@register
 class StateCache(ArraysCache):
     """A recurrent layer's state (linear attention: Qwen3-Next's and Qwen3.5's
     Gated DeltaNet) for one sequence: mlx-lm's ``ArraysCache``, counting the
@@ -26,7 +30,7 @@ class StateCache(ArraysCache):
     arrays are values: a checkpoint holds references, no copy."""
 
     KINDS = (STATE,)
-    recurrent, float_keys, attends_new = True, False, False
+    recurrent, float_keys, attends_new, blocked = True, False, False, False
 
     def __init__(self, size: int):
         super().__init__(size)
@@ -98,7 +102,7 @@ class StateCache(ArraysCache):
         entry = {"kind": STATE, "offset": self.offset, "size": len(self.cache),
                  "checkpoints": self.rewind_points()}
         held = [self.cache, *(state for _, state in self.checkpoints)]
-        rings = zip(ring_names(entry), (x for state in held for x in state))
+        rings = zip(self.ring_names(entry), (x for state in held for x in state))
         return entry, {}, {name: x for name, x in rings if x is not None}
 
     @classmethod
@@ -109,3 +113,27 @@ class StateCache(ArraysCache):
         c.checkpoints = [(at, [arrays.get(f"c{k}.{j}") for j in range(entry["size"])])
                          for k, at in enumerate(entry["checkpoints"])]
         return c
+
+    @classmethod
+    def check_entry(cls, entry, n):
+        tensors, size, marks = entry["tensors"], entry.get("size"), entry.get("checkpoints")
+        if not (type(size) is int and 0 < size <= 16 and isinstance(marks, list) and len(marks) <= 16
+                and all(type(at) is int and 0 < at <= n for at in marks) and marks == sorted(set(marks))
+                and set(tensors) <= set(cls.ring_names(entry))):
+            raise ValueError("bad state entries")
+        if any(t[0] not in FLOATS for t in tensors.values()) or bool(tensors) != bool(n):
+            raise ValueError("missing or bad state tensors")
+
+    @classmethod
+    def blocked_names(cls, entry):
+        return []
+
+    @classmethod
+    def ring_names(cls, entry):
+        """The state's arrays, then its checkpoints'."""
+        n = range(entry["size"])
+        return [*map(str, n), *(f"c{k}.{j}" for k in range(len(entry["checkpoints"])) for j in n)]
+
+    @classmethod
+    def replacing(cls, cache, bits, group_size):
+        return cls(len(cache.cache)) if type(cache) is ArraysCache else None

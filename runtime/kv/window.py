@@ -8,16 +8,21 @@ from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import _BaseCache
+from mlx_lm.models.cache import RotatingKVCache, _BaseCache
 
-from ..cache_records import ROTATING, WINDOW
+from ..cache_records import FLOATS
 from ..model_spec import WINDOW_SPARE
+from .kinds import register
 from .layer import Trimmed
 from .quantize import grown
 
 __all__ = ["WindowKVCache"]
 
+WINDOW = "window"
+ROTATING = "rotating"  # an mlx-lm ring, written before ``WindowKVCache``: read as one
 
+
+@register
 class WindowKVCache(Trimmed, _BaseCache):
     """A sliding-window layer's cache that a turn can cut back.
 
@@ -33,7 +38,7 @@ class WindowKVCache(Trimmed, _BaseCache):
     """
 
     KINDS = (WINDOW, ROTATING)
-    float_keys, attends_new = True, False
+    float_keys, attends_new, blocked = True, False, False
     step = 256
 
     def __init__(self, window: int, spare: int = WINDOW_SPARE):
@@ -123,6 +128,57 @@ class WindowKVCache(Trimmed, _BaseCache):
                 k, v = (_unrolled(x, entry["idx"], entry["offset"]) for x in (k, v))
             c.keys, c.values, c.live, c.offset = k, v, k.shape[2], entry["offset"]
         return c
+
+    @classmethod
+    def check_entry(cls, entry, n):
+        if entry["kind"] == ROTATING:
+            _check_ring(entry, n)
+            return
+        tensors, window = entry["tensors"], entry.get("window")
+        if not (type(window) is int and window > 0):
+            raise ValueError("bad window")
+        if n:
+            k, v = tensors.get("k"), tensors.get("v")
+            if set(tensors) != {"k", "v"} or len(k) != 4 or len(v) != 4 or k[0] not in FLOATS or v[0] != k[0]:
+                raise ValueError("missing or bad window tensors")
+            # It holds all n tokens, or at least the window's (window - 1 and the newest).
+            if k[1:3] != v[1:3] or not (k[2] == n or window - 1 <= k[2] <= n):
+                raise ValueError(f"window shapes {k} {v} do not fit {n} tokens")
+        elif tensors:
+            raise ValueError("an empty window with tensors")
+
+    @classmethod
+    def blocked_names(cls, entry):
+        return []
+
+    @classmethod
+    def ring_names(cls, entry):
+        return ["k", "v"]
+
+    @classmethod
+    def replacing(cls, cache, bits, group_size):
+        if not isinstance(cache, RotatingKVCache):
+            return None
+        if cache.keep:
+            raise ValueError("sliding layers that keep leading tokens cannot be batched")
+        return cls(cache.max_size)
+
+
+def _check_ring(entry, n: int) -> None:
+    """An mlx-lm ring's entry (``ROTATING``)."""
+    tensors, size, keep, idx = entry["tensors"], entry.get("max_size"), entry.get("keep"), entry.get("idx")
+    if not (type(size) is int and size > 0 and type(keep) is int and 0 <= keep < size and type(idx) is int):
+        raise ValueError("bad ring metadata")
+    if n:
+        k, v = tensors.get("k"), tensors.get("v")
+        if set(tensors) != {"k", "v"} or len(k) != 4 or len(v) != 4 or k[0] not in FLOATS or v[0] != k[0]:
+            raise ValueError("missing or bad ring tensors")
+        live = k[2]
+        # A ring holds all n tokens, or is full (max_size, or more just after a multi-token chunk).
+        if k[1:3] != v[1:3] or not (live == n or size <= live <= n) or not 0 <= idx <= live:
+            raise ValueError(f"ring shapes {k} {v} (index {idx}) do not fit {n} tokens")
+    elif tensors:
+        raise ValueError("an empty ring with tensors")
 
 
 def _unrolled(ring: mx.array, idx: int, offset: int) -> mx.array:

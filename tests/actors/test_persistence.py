@@ -22,7 +22,7 @@ from semantic.actors.messages import (
     CacheBlocks, CacheRead, CacheWritten, Done, Flush, Forget, HistoryBytes, Message, ReadCache, ReadHistory, Stop,
 )
 from semantic.actors.persistence import PersistenceActor, history_path
-from semantic.runtime import cache_file, disk
+from semantic.runtime import disk, files
 from semantic.runtime.cache_codec import snapshot
 from semantic.runtime.cache_file import CacheStore
 from semantic.runtime.cache_records import MANIFEST
@@ -229,7 +229,7 @@ async def test_a_write_that_fails_midway_removes_its_temp_file(tmp_path, monkeyp
         assert list(tmp_path.rglob(".tmp-*")), "the temp file holds the bytes when the disk fills"
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(cache_file, "_fsync", disk_full)
+    monkeypatch.setattr(files, "_fsync", disk_full)
     actor = actor_in(tmp_path)
     actor.mailbox.send_nowait(blocks("alice", 2))
     actor.mailbox.send_nowait(Stop())

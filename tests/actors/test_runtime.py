@@ -21,10 +21,11 @@ from semantic.actors import (
     TurnCancelled,
 )
 from semantic.actors.messages import Message
-from semantic.runtime.agent_cache import AgentCaches, kv_budget
+from semantic.runtime.agent_cache import AgentCaches
 from semantic.runtime.block_pool import KVBudget
 from semantic.runtime.cache_file import CacheStore
 from semantic.runtime.engine import Engine, SamplingParams
+from semantic.runtime.model_caches import kv_budget
 from semantic.runtime.prefix import encode
 from semantic.runtime.row_counts import cached
 from semantic.runtime.turns import render, run_turn

@@ -23,13 +23,14 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from semantic.runtime import cache_file
+from semantic.runtime import cache_manifest
 from semantic.runtime.kv import DequantizingKVCache, SequenceCache, SequenceQuantizedKVCache, StateCache, WindowKVCache
 from semantic.runtime.cache_codec import snapshot
-from semantic.runtime.cache_file import CacheStore, load, model_key, read_manifest, write_atomic
+from semantic.runtime.cache_file import CacheStore, load, model_key, read_manifest
 from semantic.runtime.cache_records import (BLOCK_TOKENS, MANIFEST, CacheFileError, CacheRecord, InvalidAgentId, StaleBlocks,
                                    merged, validate_agent_id)
 from semantic.runtime.engine import Engine, SamplingParams
+from semantic.runtime.files import write_atomic
 from semantic.runtime.model_spec import ModelCacheSpec
 from tests.runtime import cache_writer as writer
 from tests.runtime.test_engine import ByteTokenizer, drain, prompts
@@ -246,7 +247,7 @@ def _reseal(d: Path, edit) -> None:
     """Change the manifest and seal it again: only its meaning is wrong."""
     m = json.loads((d / MANIFEST).read_bytes())
     edit(m)
-    (d / MANIFEST).write_bytes(cache_file._seal(m))
+    (d / MANIFEST).write_bytes(cache_manifest.seal(m))
 
 
 def _past_the_blocks(m: dict) -> None:

@@ -86,7 +86,7 @@ def first_word_only(loaded: LoadedModel) -> LoadedModel:
 def kv_bytes(blocks: int, running: bool = True) -> int:
     """Bytes of ``blocks`` 256-token blocks of a ``tiny_loaded()`` agent: a running
     turn's (with its float working copy), or an idle cache's."""
-    from semantic.runtime.agent_cache import kv_budget
+    from semantic.runtime.model_caches import kv_budget
 
     return kv_budget(tiny_loaded(), 1 << 30).bytes_for(256 * blocks, running)
 
