@@ -23,10 +23,10 @@ from dataclasses import dataclass, field, replace
 
 from semantic.runtime import turns
 from semantic.runtime.agent_cache import OutOfMemory
-from semantic.runtime.engine import Delta as EngineDelta
-from semantic.runtime.engine import LENGTH, Finished
 from semantic.runtime.errors import SemanticError
 from semantic.runtime.outcome import TurnResult
+from semantic.runtime.sequence import LENGTH, Finished
+from semantic.runtime.sequence import Delta as EngineDelta
 
 from .errors import ContextTooLong, TurnError
 from .messages import BeginTurn, CacheRead, CancelTurn, Delta, ReadCache, TurnEnded, TurnFailed

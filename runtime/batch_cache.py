@@ -63,7 +63,7 @@ class BatchQuantizedKVCache:
         if not caches:
             raise ValueError("a batch needs at least one sequence")
         self.caches = list(caches)
-        self.widths = [1] * len(self.caches)  # this step's slots a sequence (``Engine._launch`` sets them)
+        self.widths = [1] * len(self.caches)  # this step's slots a sequence (``Decoder._launch`` sets them)
         # Every sequence attends over a float working copy: ``attend_new`` serves this layer.
         self.in_float = all(c.attends_new for c in self.caches)
         # Held steps: the keys and values of every slot (slots, H, 1, D), and the slots of each
@@ -92,7 +92,7 @@ class BatchQuantizedKVCache:
         each record costs a few MLX ops a sequence and step; a new token is
         kept in float in its record's open block, so nothing is quantized here.
         """
-        assert not self.full, "a full batch is flushed before its next step (Engine._launch)"
+        assert not self.full, "a full batch is flushed before its next step (Decoder._launch)"
         slots = keys.shape[0]
         self._rows.append(((keys, values), list(self.widths), list(self.widths)))
         if max(self.widths) == 1:  # a slot a sequence: one split
@@ -115,7 +115,7 @@ class BatchQuantizedKVCache:
 
     def drop_last(self) -> None:
         """Forget the last step's rows: its sequences' working copies drop its tokens too
-        (a decode step computed ahead and then dropped, ``runtime.engine``)."""
+        (a decode step computed ahead and then dropped, ``runtime.decode``)."""
         assert self._rows, "no step held to drop"
         _, _, kept = self._rows.pop()
         for c, n in zip(self.caches, kept):

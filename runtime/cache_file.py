@@ -132,7 +132,7 @@ def read(directory: os.PathLike | str, *, model_id: str | None, spec_hash: str |
     ):
         if want is not None and want != have:
             raise CacheFileError(directory, reason, f"cache is for {have!r}, wanted {want!r}")
-    layers, n = m["layers"], m["token_count"]
+    layers = m["layers"]
     layout = _block_layout(layers)
     arrays = {f"layer_{i}_{name}": np.empty((1, h, stop - start, w), DTYPES[dt][1])
               for i, name, dt, (h, w), (start, stop) in layout} if keep else {}

@@ -32,17 +32,25 @@ import mlx.core as mx
 __all__ = ["Evaluator"]
 
 
-_spare: list[mx.Stream] = []  # streams of evaluators gone, for the next (MLX keeps a thread for each stream)
+# Evaluators gone: their threads and streams, for the next (MLX keeps a thread for each stream).
+_retired: list[tuple[ThreadPoolExecutor, mx.Stream]] = []
 
 
 def _release(thread: ThreadPoolExecutor, stream: mx.Stream) -> None:
-    """An evaluator is gone: its thread gives its stream back once the graphs
-    started there are done (never joined here: this may run on that thread)."""
-    try:
-        thread.submit(_spare.append, stream)
-    except RuntimeError:  # the interpreter is shutting down
-        pass
+    """An evaluator is gone. This may run wherever the garbage collector does,
+    even inside another executor's ``submit``, holding its locks: so it takes
+    none but the thread's own (never joined here: this may run on that thread)."""
     thread.shutdown(wait=False)
+    _retired.append((thread, stream))
+
+
+def _stream() -> mx.Stream:
+    """A stream no graph runs on: a retired evaluator's once its thread is done, or a new one."""
+    if not _retired:
+        return mx.new_thread_unsafe_stream(mx.cpu)
+    thread, stream = _retired.pop()
+    thread.shutdown(wait=True)
+    return stream
 
 
 def _evaluate(trees: tuple) -> float:
@@ -63,7 +71,7 @@ class Evaluator:
         if mx.default_device() != mx.cpu:
             self.stream, self._thread = mx.default_stream(mx.default_device()), None
             return
-        self.stream = _spare.pop() if _spare else mx.new_thread_unsafe_stream(mx.cpu)
+        self.stream = _stream()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="semantic-eval")
         weakref.finalize(self, _release, self._thread, self.stream)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .engine import Finished
+    from .sequence import Finished
     from .sampling import TokenLogprob
 
 __all__ = ["TurnResult", "decode_rate"]

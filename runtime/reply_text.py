@@ -6,7 +6,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["ReplyText"]
+__all__ = ["ReplyText", "reply_detokenizer"]
+
+
+def reply_detokenizer(tokenizer, continues: bool):
+    """A fresh streaming detokenizer for a reply. mlx-lm's drop the space that
+    begins a text (its first token's " The" is "The"), as a chat reply wants;
+    one whose text ``continues`` the prompt's is first given the text "a",
+    left out, so nothing begins there (one that holds "a" back is left as it
+    is)."""
+    detokenizer = tokenizer.detokenizer
+    if continues:
+        for token in tokenizer.encode("a", add_special_tokens=False):
+            detokenizer.add_token(token)
+        if detokenizer.last_segment != "a":
+            detokenizer.reset()
+    return detokenizer
 
 
 class ReplyText:

@@ -144,7 +144,7 @@ class Sampler:
         ``mask``: the grammar's at this place, where it is not the
         constraint's now (a slot after drafts: ``Constraint.masks``). A
         draft fed before this place is taken when it is the token drawn here
-        (``runtime.engine``): with temperature that happens with the chance
+        (``runtime.decode``): with temperature that happens with the chance
         p(draft) the row gives it, and the reply is the one without drafts."""
         p = self.params
         self._trail.append(self._key)
@@ -183,6 +183,6 @@ class Sampler:
     def undo(self, draws: int = 1) -> None:
         """Forget the last ``draws`` draws: the next call draws as the first of
         them did (a decode step computed ahead and then dropped; a drafting
-        step's slots after the tokens taken: ``runtime.engine``)."""
+        step's slots after the tokens taken: ``runtime.decode``)."""
         for _ in range(draws):
             self._key = self._trail.pop()

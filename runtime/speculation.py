@@ -172,7 +172,7 @@ class StepCosts:
     how many tokens each holds (``contexts``), for ``allot`` to weigh drafts.
 
     A step without drafts is built while the last one computes
-    (``Engine._launch``): it costs its computation, measured at each row
+    (``Decoder._launch``): it costs its computation, measured at each row
     count as steps go (``periods``; before any, the forward times measured at
     load, ``RowCounts.ms``, and its attention). A step with drafts costs
     that, its forwards' extra slots (from ``RowCounts.ms``) and their attention

@@ -191,7 +191,7 @@ def test_decoded_tokens_reach_the_record_exactly(leave):
     long_, short = (engine.add(p, SamplingParams(max_tokens=steps + 10)) for p in prompts(2, seed=4))
     while engine.prefilling:
         engine.prefill_step()
-    views = {seq.id: seq.view for seq in engine._decoding}
+    views = {seq.id: seq.view for seq in engine._decoder.rows}
     finished = {}
     for step in range(steps):
         if step == 20:
@@ -304,7 +304,7 @@ def test_prompt_chunks_share_forwards_in_turn_within_the_row_budget(monkeypatch)
             super().__init__(caches, lengths)
             batches.append(tuple(lengths))
 
-    monkeypatch.setattr("semantic.runtime.engine.PrefillBatch", Recording)
+    monkeypatch.setattr("semantic.runtime.prefill.PrefillBatch", Recording)
     engine = Engine(model, tok, max_chunk=32, min_chunk=32, prefill_rows=80, row_counts=RowCounts((1,), prefill_from=9))
     engine.add(list(range(1, 200)), SamplingParams(max_tokens=2))
     engine.add(list(range(1, 150)), SamplingParams(max_tokens=2))

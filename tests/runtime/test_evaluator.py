@@ -62,7 +62,7 @@ def test_steps_computed_on_the_evaluators_thread_change_no_token(monkeypatch):
     runs = []
     for ahead in (True, False):
         engine = Engine(model, tok, speculation=False)
-        engine.compute_ahead = ahead
+        engine._decoder.compute_ahead = ahead
         ids = [engine.add(p, SamplingParams(max_tokens=12)) for p in prompts(3, seed=5)]
         done = drain(engine)
         runs.append([done[i].output_tokens for i in ids])
@@ -166,3 +166,29 @@ def test_a_prefill_step_with_none_pending_leaves_the_step_ahead_computing(monkey
     monkeypatch.setattr(Evaluator, "settle", lambda self: (waits.append(self), settle(self)))
     assert engine.prefill_step() == []
     assert not waits
+
+
+def test_an_evaluator_collected_inside_another_submit_gives_its_stream_back():
+    """The garbage collector may finalize an evaluator anywhere -- inside a
+    ``ThreadPoolExecutor.submit``, which holds the module's shutdown lock:
+    giving its thread and stream back takes no lock of the module's."""
+    import gc
+    from concurrent.futures import thread
+
+    def collect():
+        with thread._global_shutdown_lock:  # as inside ``submit``
+            gc.collect()
+
+    gc.disable()  # only the collection below frees it
+    try:
+        evaluator = Evaluator()
+        stream = evaluator.stream
+        evaluator.cycle = evaluator
+        del evaluator
+        collector = threading.Thread(target=collect, daemon=True)
+        collector.start()
+        collector.join(timeout=30)
+    finally:
+        gc.enable()
+    assert not collector.is_alive(), "finalizing an evaluator waited on the executor's lock"
+    assert Evaluator().stream == stream  # taken back by the next

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from semantic.runtime import engine as engine_module
+from semantic.runtime import prefill as prefill_module
 from semantic.runtime import sampling
 from semantic.runtime.batch_cache import PrefillBatch
 from semantic.runtime.kv import SequenceCache
@@ -287,11 +287,11 @@ def _prefill_together(model, tokenizer, seen, row_counts, seed: int = 0, max_chu
         act(0)
         engine.add(probe, params)
         act(1)
-        engine_module.PrefillBatch, plain = Counting, engine_module.PrefillBatch
+        prefill_module.PrefillBatch, plain = Counting, prefill_module.PrefillBatch
         try:
             drain(engine, act)
         finally:
-            engine_module.PrefillBatch = plain
+            prefill_module.PrefillBatch = plain
         runs.append(seen.pop(id(params)))
     alone, busy = runs
     assert len(alone) == len(busy) == steps

@@ -12,6 +12,7 @@ import pytest
 
 from semantic.runtime.engine import Engine, SamplingParams
 from semantic.runtime.grammar import Grammars, json_schema
+from semantic.runtime.reply_text import reply_detokenizer
 from semantic.runtime.row_counts import RowCounts
 from semantic.runtime.sampling import Sampler, TokenLogprob
 from tests.runtime.test_engine import drain, prefix_cache
@@ -198,12 +199,11 @@ def test_a_reply_that_continues_its_prompt_keeps_its_first_space():
     """mlx-lm's detokenizers drop the space a text begins with, as a chat reply
     wants; a raw completion's reply (``continues``) keeps it: its text is its
     tokens' decoded."""
-    model, tok = tiny_model_with_tokenizer("llama")
-    engine = Engine(model, tok)
+    _, tok = tiny_model_with_tokenizer("llama")
     ids = tok.encode(" openly and", add_special_tokens=False)
     assert tok.decode(ids) == " openly and"
     for continues, want in ((False, "openly and"), (True, " openly and")):
-        detokenizer, text = engine._detokenizer(continues), ""
+        detokenizer, text = reply_detokenizer(tok, continues), ""
         for t in ids:  # what the engine reads of it: each token's segment
             detokenizer.add_token(t)
             text += detokenizer.last_segment

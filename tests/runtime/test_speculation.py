@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
+from semantic.runtime import decode as decode_module
 from semantic.runtime import engine as engine_module
 from semantic.runtime.cache_file import CacheStore
 from semantic.runtime.cache_records import CacheRecord
@@ -53,13 +54,13 @@ def run(model, tokenizer, prompts, params, counts, speculation=True, oracle=None
     """Each prompt's ``Finished``, all added at once (``act(engine, step)`` may add and cancel more)."""
     if oracle is not None:
         monkeypatch.setattr(engine_module, "Drafter", lambda history, _indents: Oracle(history, *oracle[tuple(history)]))
-        monkeypatch.setattr(engine_module, "StepCosts", SteadyCosts)
+        monkeypatch.setattr(decode_module, "StepCosts", SteadyCosts)
     engine = Engine(model, tokenizer, row_counts=counts, speculation=speculation)
     ids = [engine.add(p, q) for p, q in zip(prompts, params)]
     done = drain(engine, act and (lambda step: act(engine, step)))
     if oracle is not None:
         monkeypatch.setattr(engine_module, "Drafter", Drafter)
-        monkeypatch.setattr(engine_module, "StepCosts", StepCosts)
+        monkeypatch.setattr(decode_module, "StepCosts", StepCosts)
     return [done[i] for i in ids]
 
 
@@ -366,12 +367,13 @@ def test_a_fresh_sequence_tries_its_drafts_where_none_pays(monkeypatch):
     echo.settle(TRY, TRY)
     assert allot(offers, [echo.rate] * 4, contexts, costs, open=True) != [0] * 4
 
-    monkeypatch.setattr(engine_module, "StepCosts", CostlyDrafts)
+    monkeypatch.setattr(decode_module, "StepCosts", CostlyDrafts)
     monkeypatch.setattr(engine_module, "Drafter", Offering)
     model, tok = tiny_model("llama"), ByteTokenizer()
     tok.eos_token_ids = set()  # (every reply runs to its length, whatever the kernels make it say)
     engine = Engine(model, tok, row_counts=RowCounts.fixed(8))
-    launches, forwards = count_calls(monkeypatch, engine, "_launch"), count_calls(monkeypatch, engine, "forward")
+    decoder = engine._decoder
+    launches, forwards = count_calls(monkeypatch, decoder, "_launch"), count_calls(monkeypatch, decoder, "forward")
     ids = [engine.add(p, SamplingParams(max_tokens=12)) for p in prompts(4, seed=3)]
     monkeypatch.setattr(Offering, "on", False)  # until all four decode: four first offers in one step
 
