@@ -9,8 +9,9 @@ held as a ``SequenceCache``.
 * ``quantize``: MLX's affine quantization with 16-bit scales, its exact
   unpacking, and a closed block's layout (keys per channel, values per token);
 * ``quantized``: full attention, blocks quantized as they fill
-  (``SequenceQuantizedKVCache``), attended over through a float working copy
-  of its first blocks and its open one and the rest packed
+  (``SequenceQuantizedKVCache``);
+* ``working_copy``: what a running sequence attends over: a float working
+  copy of its first blocks and its open one, the rest packed
   (``DequantizingKVCache``);
 * ``window``: sliding-window attention (``WindowKVCache``);
 * ``state``: recurrent layers (``StateCache``).
@@ -23,9 +24,10 @@ from __future__ import annotations
 
 from .kinds import BY_KIND, make_sequence_cache, register, unregister
 from .layer import LayerCache, SequenceCache
-from .quantized import CPU_FLOAT_HEAD, DequantizingKVCache, SequenceQuantizedKVCache, device_float_head
+from .quantized import SequenceQuantizedKVCache
 from .state import StateCache
 from .window import WindowKVCache
+from .working_copy import CPU_FLOAT_HEAD, DequantizingKVCache, device_float_head
 
 __all__ = [
     "BY_KIND",
