@@ -12,6 +12,7 @@ Layout (each module one job; routes are thin and speak only ``schema`` to the ru
 - ``agents``    the agent API (``/v1/agents``): parsing, JSON and SSE bodies
 - ``tools``     tool-call formats: parse calls out of generated text, hold them back
                 from streamed text, and flatten tool turns for models without tools
+- ``tool_grammar`` the grammar of a reply's tool calls, per format (forced or strict)
 - ``reasoning`` ``<think>`` tags: reasoning split out of a reply's text
 - ``harmony``   GPT-OSS's harmony channels: reasoning, calls and the reply apart
 - ``sse``       encoding one event; a response that cancels its body on disconnect
@@ -34,8 +35,8 @@ Layout (each module one job; routes are thin and speak only ``schema`` to the ru
 - ``_aio``      closing async iterators, collapsing task groups (private)
 
 The protocol modules (``schema``, ``anthropic``, ``openai``, ``completions``,
-``responses``, ``responses_request``, ``response_ids``, ``tools``, ``sse``,
-``agents``) are pure: no runtime, no model, no I/O.
+``responses``, ``responses_request``, ``response_ids``, ``tools``,
+``tool_grammar``, ``sse``, ``agents``) are pure: no runtime, no model, no I/O.
 """
 
 from .schema import ChatRequest, ChatResult, RequestError, StreamItem, TextDelta, ToolCall, Usage

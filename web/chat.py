@@ -47,9 +47,10 @@ from .metrics import Metrics
 from .reasoning import CLOSE, OPEN, ThinkTags
 from .schema import (ChatRequest, ChatResult, CompletionRequest, Heartbeat, LogprobsDelta, PromptLogprobs,
                      ReasoningDelta, RequestError, StreamItem, TextDelta, Usage)
-from .tools import (DEEPSEEK, LibraryFormat, ToolCallFilter, ToolFormat, added_tokens, call_grammar,
-                    deepseek_tool_prompt, finish_result, flatten_tool_messages, library_format, reply_format,
-                    supports_tools, tool_format, tool_prompt)
+from .tool_grammar import call_grammar
+from .tools import (DEEPSEEK, LibraryFormat, ToolCallFilter, ToolFormat, added_tokens, deepseek_tool_prompt,
+                    finish_result, flatten_tool_messages, library_format, reply_format, supports_tools, tool_format,
+                    tool_prompt)
 
 __all__ = ["Answers", "ChatCore", "ChatProtocol", "ChatTurn", "Prepared", "chat_result", "checked_agent_id", "context_first", "prepare",
            "sampling", "turn_error"]

@@ -1,4 +1,5 @@
-"""Tool calls: formats, parsing whole and streamed text, models without tools."""
+"""Tool calls: formats, their grammars (``web.tool_grammar``), parsing whole
+and streamed text, models without tools."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 
 from semantic.runtime.grammar import GrammarError
 from semantic.web.schema import ChatResult, ToolCall, Usage
-from semantic.web.tools import (LibraryFormat, ToolCallFilter, added_tokens, call_grammar, deepseek_tool_prompt, finish_result,
+from semantic.web.tool_grammar import call_grammar
+from semantic.web.tools import (LibraryFormat, ToolCallFilter, added_tokens, deepseek_tool_prompt, finish_result,
                        flatten_tool_messages, hermes_calls, library_format, parse_tool_calls, reply_format,
                        supports_tools, tool_format, tool_prompt)
 
