@@ -17,6 +17,7 @@ Layout (each module one job; routes are thin and speak only ``schema`` to the ru
 - ``harmony``   GPT-OSS's harmony channels: reasoning, calls and the reply apart
 - ``sse``       encoding one event; a response that cancels its body on disconnect
 - ``chat``      one turn for a route: request -> runtime conversation -> stream items
+- ``prepare``   a request as the model's template takes it: conversation, tools, grammar
 - ``identity``  which agent a stateless request continues (longest stored prefix)
 - ``answer``    a turn answered as JSON or SSE, a ``RequestError`` in its route's shape
 - ``chat_routes``  the stateless chat routes (Anthropic, OpenAI chat, Completions, Responses)
