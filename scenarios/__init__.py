@@ -3,6 +3,7 @@
 Layout (dependencies point down; nothing here but ``local`` imports MLX):
 
 * ``schema``  the YAML format -> frozen ``Scenario`` (or ``ScenarioError`` with file:line)
+* ``yaml_lines`` YAML whose mappings and sequences remember the line of each key and item
 * ``backend`` the seam: ``Backend`` / ``AgentHandle`` protocols, ``Sampling``, ``TextDelta``
 * ``local``   the in-process backend: scenario agents are agents of an actor ``Runtime``
 * ``remote``  the HTTP backend: agents of a running ``semantic serve`` (its agent API)

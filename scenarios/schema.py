@@ -22,10 +22,8 @@ Reference: ``docs/scenarios.md``.  In short::
         sampling: {max_tokens: 80}     # optional override
         judge: {payoff_matrix: {...}}  # optional, last phase only
 
-How line numbers survive: a custom PyYAML loader builds mappings and
-sequences as ``_Map``/``_Seq``, which remember the line of every key and
-item.  Duplicate keys, which PyYAML would silently overwrite, are recorded
-and reported by the validator (with the field they belong to).
+Line numbers survive the YAML parser: ``yaml_lines`` reads mappings and
+sequences that remember the line of every key and item.
 
 (Long on purpose: the whole scenario schema, field by field, in one place
 that its error messages and ``docs/scenarios.md`` follow.)
@@ -45,6 +43,7 @@ import yaml
 from semantic.runtime.errors import SemanticError
 
 from .backend import Sampling
+from .yaml_lines import YamlMap, YamlSeq, empty_map, located_list, read_yaml
 
 __all__ = [
     "Agent", "Judge", "Phase", "Private", "Ref", "Scenario", "ScenarioError", "Template",
@@ -165,63 +164,6 @@ class Scenario:
         return tuple(p for p in self.phases if agent in p.agents)
 
 
-# --- YAML with line numbers ------------------------------------------------------
-
-
-class _Map(dict):
-    """A mapping that remembers where it, each key and each value start (1-based)."""
-
-    line: int
-    key_lines: dict
-    text_lines: dict  # where a string value's text starts (a block scalar's next line)
-    duplicates: list  # (key, line) of keys seen twice; the last value wins in the dict
-
-
-class _Seq(list):
-    line: int
-    item_lines: list
-    text_lines: list
-
-
-def _text_line(node: yaml.Node) -> int:
-    line = node.start_mark.line + 1
-    if isinstance(node, yaml.ScalarNode) and node.style in ("|", ">"):
-        line += 1  # the text starts below the indicator
-    return line
-
-
-class _Loader(yaml.SafeLoader):
-    pass
-
-
-def _construct_map(loader: _Loader, node: yaml.MappingNode) -> _Map:
-    loader.flatten_mapping(node)  # '<<' merge keys
-    m = _Map()
-    m.line, m.key_lines, m.text_lines, m.duplicates = node.start_mark.line + 1, {}, {}, []
-    for k, v in node.value:
-        key = loader.construct_object(k, deep=True)
-        if not isinstance(key, str):
-            key = str(key)  # YAML 1.1 reads `no:` as False; the validator reports it as an unknown key
-        if key in m:  # keep the first one's lines; the validator reports the second
-            m.duplicates.append((key, k.start_mark.line + 1))
-        else:
-            m.key_lines[key], m.text_lines[key] = k.start_mark.line + 1, _text_line(v)
-        m[key] = loader.construct_object(v, deep=True)
-    return m
-
-
-def _construct_seq(loader: _Loader, node: yaml.SequenceNode) -> _Seq:
-    s = _Seq(loader.construct_object(v, deep=True) for v in node.value)
-    s.line = node.start_mark.line + 1
-    s.item_lines = [v.start_mark.line + 1 for v in node.value]
-    s.text_lines = [_text_line(v) for v in node.value]
-    return s
-
-
-_Loader.add_constructor("tag:yaml.org,2002:map", _construct_map)
-_Loader.add_constructor("tag:yaml.org,2002:seq", _construct_seq)
-
-
 # --- validation ------------------------------------------------------------------
 
 
@@ -241,7 +183,7 @@ def load(path: str | Path) -> Scenario:
 def loads(text: str, source: str = "<string>") -> Scenario:
     """Validate scenario YAML ``text``; ``source`` names it in errors."""
     try:
-        doc = yaml.load(text, Loader=_Loader)
+        doc = read_yaml(text)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         raise ScenarioError(source, mark.line + 1 if mark else 1, "", f"invalid YAML: {e.problem or e}") from None
@@ -268,7 +210,7 @@ class _Validator:
         self.agents: dict[str, Agent] = {}
         self.phases: list[Phase] = []
         self.phase_lines: dict[str, int] = {}
-        self.agent_maps: dict[str, _Map] = {}  # for the agents' own sampling settings, applied last
+        self.agent_maps: dict[str, YamlMap] = {}  # for the agents' own sampling settings, applied last
         self.all_phases: set[str] = set()  # every phase name in the file, to tell "later" from "unknown"
 
     def fail(self, line: int, field: str, message: str):
@@ -276,8 +218,8 @@ class _Validator:
 
     # -- helpers: each takes the parent container, the key and the field path
 
-    def mapping(self, value, line: int, path: str, allowed: tuple[str, ...]) -> _Map:
-        if not isinstance(value, _Map):
+    def mapping(self, value, line: int, path: str, allowed: tuple[str, ...]) -> YamlMap:
+        if not isinstance(value, YamlMap):
             self.fail(line, path, f"expected a mapping, got {_kind(value)}")
         for key, dup_line in value.duplicates:
             self.fail(dup_line, path, f"duplicate key '{key}' (first at line {value.key_lines[key]})")
@@ -286,12 +228,12 @@ class _Validator:
                 self.fail(value.key_lines[key], _join(path, key), f"unknown key (allowed: {', '.join(allowed)})")
         return value
 
-    def need(self, m: _Map, key: str, path: str):
+    def need(self, m: YamlMap, key: str, path: str):
         if key not in m:
             self.fail(m.line, path, f"missing required key '{key}'")
         return m[key]
 
-    def string(self, m: _Map, key: str, path: str, *, required: bool = False, default: str = "") -> str:
+    def string(self, m: YamlMap, key: str, path: str, *, required: bool = False, default: str = "") -> str:
         if key not in m:
             return self.need(m, key, path) if required else default
         value = m[key]
@@ -303,21 +245,21 @@ class _Validator:
             self.fail(m.key_lines[key], _join(path, key), "must not be empty")
         return value
 
-    def integer(self, m: _Map, key: str, path: str, default: int, minimum: int = 1) -> int:
+    def integer(self, m: YamlMap, key: str, path: str, default: int, minimum: int = 1) -> int:
         value = m.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             self.fail(m.key_lines.get(key, m.line), _join(path, key),
                       f"expected an integer >= {minimum}, got {value!r}")
         return value
 
-    def keys(self, m: _Map, key: str, path: str, universe: Mapping[str, object] | tuple[str, ...],
+    def keys(self, m: YamlMap, key: str, path: str, universe: Mapping[str, object] | tuple[str, ...],
              *, phase: bool = False, unique: bool = True) -> tuple[str, ...]:
         """A non-empty list of agent keys drawn from ``universe`` (the phase's agents if ``phase``)."""
         seq = self.need(m, key, path)
         field = _join(path, key)
         if isinstance(seq, str):  # `agents: alice` is a likely slip for `[alice]`
-            seq = _located_list([seq], m.text_lines[key])
-        if not isinstance(seq, _Seq):
+            seq = located_list([seq], m.text_lines[key])
+        if not isinstance(seq, YamlSeq):
             self.fail(m.key_lines[key], field, f"expected a list of agent keys, got {_kind(seq)}")
         if not seq:
             self.fail(m.key_lines[key], field, "needs at least one agent")
@@ -348,11 +290,11 @@ class _Validator:
         sampling = self.base_sampling = self.sampling(top, "sampling", Sampling())
         self.agent_map(top, sampling)
         phases = self.need(top, "phases", "")
-        if not isinstance(phases, _Seq):
+        if not isinstance(phases, YamlSeq):
             self.fail(top.key_lines["phases"], "phases", f"expected a list of phases, got {_kind(phases)}")
         if not phases:
             self.fail(top.key_lines["phases"], "phases", "a scenario needs at least one phase")
-        self.all_phases = {p["name"] for p in phases if isinstance(p, _Map) and isinstance(p.get("name"), str)}
+        self.all_phases = {p["name"] for p in phases if isinstance(p, YamlMap) and isinstance(p.get("name"), str)}
         for i, (item, line) in enumerate(zip(phases, phases.item_lines)):
             self.phase(item, line, i, len(phases))
         for key in self.agents:
@@ -361,7 +303,7 @@ class _Validator:
                 self.fail(agents.key_lines[key], f"agents.{key}", "takes part in no phase")
         return Scenario(sid, title, description, MappingProxyType(dict(self.agents)), tuple(self.phases), self.source)
 
-    def sampling(self, parent: _Map, key: str, base: Sampling, path: str = "") -> Sampling:
+    def sampling(self, parent: YamlMap, key: str, base: Sampling, path: str = "") -> Sampling:
         if key not in parent:
             return base
         field = _join(path, key)
@@ -378,9 +320,9 @@ class _Validator:
             self.fail(m.key_lines.get("stop", m.line), _join(field, "stop"), "expected a list of non-empty strings")
         return Sampling(stop=tuple(stop), **out)
 
-    def agent_map(self, top: _Map, sampling: Sampling) -> None:
+    def agent_map(self, top: YamlMap, sampling: Sampling) -> None:
         agents = self.need(top, "agents", "")
-        if not isinstance(agents, _Map):
+        if not isinstance(agents, YamlMap):
             self.fail(top.key_lines["agents"], "agents",
                       f"expected a mapping of agent key to agent, got {_kind(agents)}")
         for key, dup_line in agents.duplicates:
@@ -411,10 +353,10 @@ class _Validator:
             self.agents[key] = Agent(key, name, system, lifecycle, self.sampling(m, "sampling", sampling, path))
             self.agent_maps[key] = m
 
-    def system(self, m: _Map, path: str) -> str:
+    def system(self, m: YamlMap, path: str) -> str:
         """Text, or a list of texts joined by blank lines (so YAML anchors can share a briefing)."""
         value = self.need(m, "system", path)
-        if isinstance(value, _Seq):
+        if isinstance(value, YamlSeq):
             for item, line in zip(value, value.item_lines):
                 if not isinstance(item, str) or not item.strip():
                     self.fail(line, f"{path}.system", f"expected non-empty texts, got {_kind(item)}")
@@ -459,11 +401,11 @@ class _Validator:
         self.phases.append(Phase(name, label, agents, order, rounds, opening, MappingProxyType(prompts),
                                  private, MappingProxyType(sampling), judge))
 
-    def private(self, m: _Map, path: str, agents: tuple[str, ...]) -> tuple[Private, ...]:
+    def private(self, m: YamlMap, path: str, agents: tuple[str, ...]) -> tuple[Private, ...]:
         if "private" not in m:
             return ()
         seq = m["private"]
-        if not isinstance(seq, _Seq):
+        if not isinstance(seq, YamlSeq):
             self.fail(m.key_lines["private"], f"{path}.private",
                       f"expected a list of {{visible_to, text}}, got {_kind(seq)}")
         out = []
@@ -475,12 +417,12 @@ class _Validator:
             out.append(Private(visible, self.template(pm, "text", ipath, audience=visible, private=True)))
         return tuple(out)
 
-    def judge(self, m: _Map, path: str, index: int, count: int, agents: tuple[str, ...], rounds: int) -> Judge:
+    def judge(self, m: YamlMap, path: str, index: int, count: int, agents: tuple[str, ...], rounds: int) -> Judge:
         field = f"{path}.judge"
         line = m.key_lines["judge"]
         value = m["judge"]
         if value is None or value is True:  # `judge:` or `judge: true`, no payoff matrix
-            value = _empty_map(line)
+            value = empty_map(line)
         jm = self.mapping(value, line, field, _JUDGE)
         if index != count - 1:
             self.fail(line, field, "only the last phase can be the judging phase")
@@ -489,14 +431,14 @@ class _Validator:
         matrix = ()
         if "payoff_matrix" in jm:
             pm, mfield = jm["payoff_matrix"], f"{field}.payoff_matrix"
-            if not isinstance(pm, _Map) or not pm:
+            if not isinstance(pm, YamlMap) or not pm:
                 self.fail(jm.key_lines["payoff_matrix"], mfield, "expected a mapping of outcome to consequence")
             for key, dup_line in pm.duplicates:
                 self.fail(dup_line, mfield, f"duplicate outcome '{key}' (first at line {pm.key_lines[key]})")
             matrix = tuple((k, self.string(pm, k, mfield, required=True).strip()) for k in pm)
         return Judge(matrix)
 
-    def template(self, m: _Map, key: str, path: str, *, audience: tuple[str, ...], private: bool = False) -> Template:
+    def template(self, m: YamlMap, key: str, path: str, *, audience: tuple[str, ...], private: bool = False) -> Template:
         """Parse ``m[key]`` and check its references against the phases so far.
 
         A reference shows phase P's transcript to ``audience``.  Outside a
@@ -545,17 +487,5 @@ def _join(path: str, key: str) -> str:
 def _kind(value) -> str:
     if value is None:
         return "nothing"
-    return {dict: "a mapping", _Map: "a mapping", list: "a list", _Seq: "a list", str: "text",
+    return {dict: "a mapping", YamlMap: "a mapping", list: "a list", YamlSeq: "a list", str: "text",
             bool: "true/false", int: "a number", float: "a number"}.get(type(value), type(value).__name__)
-
-
-def _located_list(items: list, line: int) -> _Seq:
-    s = _Seq(items)
-    s.line, s.item_lines, s.text_lines = line, [line] * len(items), [line] * len(items)
-    return s
-
-
-def _empty_map(line: int) -> _Map:
-    m = _Map()
-    m.line, m.key_lines, m.text_lines, m.duplicates = line, {}, {}, []
-    return m

@@ -6,14 +6,18 @@ Layout (each module one job; routes are thin and speak only ``schema`` to the ru
 - ``anthropic`` ``/v1/messages``: body -> ChatRequest; ChatResult -> JSON or SSE events
 - ``openai``    ``/v1/chat/completions``: the same for OpenAI's shapes
 - ``completions`` ``/v1/completions``: OpenAI's legacy raw-text completions and prompt scoring
-- ``responses`` ``/v1/responses``: OpenAI's Responses API; response ids name agent states
+- ``responses`` ``/v1/responses``: OpenAI's Responses API; its JSON and SSE events
+- ``responses_request`` the Responses API's request: input items, tools -> ``ResponsesRequest``
+- ``response_ids`` the Responses API's ids: ``resp_<agent>_<n>_<hash>`` names an agent state
 - ``agents``    the agent API (``/v1/agents``): parsing, JSON and SSE bodies
 - ``tools``     tool-call formats: parse calls out of generated text, hold them back
                 from streamed text, and flatten tool turns for models without tools
+- ``tool_grammar`` the grammar of a reply's tool calls, per format (forced or strict)
 - ``reasoning`` ``<think>`` tags: reasoning split out of a reply's text
 - ``harmony``   GPT-OSS's harmony channels: reasoning, calls and the reply apart
 - ``sse``       encoding one event; a response that cancels its body on disconnect
 - ``chat``      one turn for a route: request -> runtime conversation -> stream items
+- ``prepare``   a request as the model's template takes it: conversation, tools, grammar
 - ``identity``  which agent a stateless request continues (longest stored prefix)
 - ``answer``    a turn answered as JSON or SSE, a ``RequestError`` in its route's shape
 - ``chat_routes``  the stateless chat routes (Anthropic, OpenAI chat, Completions, Responses)
@@ -32,7 +36,8 @@ Layout (each module one job; routes are thin and speak only ``schema`` to the ru
 - ``_aio``      closing async iterators, collapsing task groups (private)
 
 The protocol modules (``schema``, ``anthropic``, ``openai``, ``completions``,
-``responses``, ``tools``, ``sse``, ``agents``) are pure: no runtime, no model, no I/O.
+``responses``, ``responses_request``, ``response_ids``, ``tools``,
+``tool_grammar``, ``sse``, ``agents``) are pure: no runtime, no model, no I/O.
 """
 
 from .schema import ChatRequest, ChatResult, RequestError, StreamItem, TextDelta, ToolCall, Usage

@@ -2,7 +2,7 @@
 OpenAI's Chat Completions, Responses and legacy (raw-text) Completions. Each
 parses its body with its protocol module, starts one turn on the chat core
 and answers it in that protocol's shape; a Responses id names an agent's
-state (``web.responses``)."""
+state (``web.response_ids``)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class ChatRoutes(Routes):
         turn = await self.server.core.start(req, self.server.model_for(req.model), route=route)
         return await answer(request, turn, req.stream, protocol)
 
-    # -- the Responses API: response ids name agent states (web.responses) ------------
+    # -- the Responses API: response ids name agent states (web.response_ids) ---------
 
     async def _history(self, state: responses.ResponseState, param: str | None = None):
         """The history of the agent that holds ``state`` (it may have gone on), else 404."""

@@ -31,7 +31,8 @@ from semantic.actors import grammar
 from semantic.runtime.json_reader import JSONError, read_json
 
 from .schema import ToolCall
-from .tools import arguments_rule, new_call_id
+from .tool_grammar import arguments_rule
+from .tools import new_call_id
 
 __all__ = ["HARMONY", "Harmony", "HarmonySplitter", "call_grammar", "read_harmony", "speaks_harmony"]
 

@@ -24,18 +24,11 @@ such a template can render. DeepSeek's templates take no tools but write calls a
 results: its model is told of the tools as DeepSeek lays them out
 (``deepseek_tool_prompt``), and its tool turns stay as they are.
 
-A forced call (``tool_choice`` required or naming a tool) is enforced while
-decoding: ``call_grammar`` allows exactly one call, in the model's format,
-of one of the tools, with arguments its parameters schema accepts (formats
-no grammar here holds to a schema: the call markers around the model's
-text). Under ``auto``, a request whose tools ask for ``strict`` adherence
-gets the grammar of text or calls: text that never starts a call, or text
-and then one call or more, each valid; without ``strict`` nothing is
-enforced (a grammar costs every step its drafts and its build ahead) and a
-call that does not parse stays text.
+A forced call, or tools that ask for ``strict`` adherence, hold the reply
+to the grammar of its calls (``web.tool_grammar``), built from the markers
+named here: a format's reading and its grammar share them.
 
-(Long on purpose: every call format we read and constrain, side by side, so
-that a format's reading and its grammar are changed together.)
+(Long on purpose: every call format we read, side by side.)
 """
 
 from __future__ import annotations
@@ -45,23 +38,25 @@ import importlib
 import json
 import re
 import secrets
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from semantic.actors import grammar
 from semantic.runtime.json_reader import JSONError, check_depth, read_json
 
 from .schema import ChatResult, ToolCall
 
 __all__ = [
     "DEEPSEEK",
+    "DS_CALL",
+    "DS_CALL_END",
+    "DS_SEP",
+    "HERMES_CLOSE",
+    "HERMES_OPEN",
     "LibraryFormat",
     "ToolCallFilter",
     "ToolFormat",
     "added_tokens",
-    "arguments_rule",
-    "call_grammar",
     "deepseek_tool_prompt",
     "finish_result",
     "flatten_tool_messages",
@@ -100,16 +95,15 @@ class LibraryFormat:
 
 ToolFormat = Literal["hermes", "llama3"] | LibraryFormat
 
-_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
-_ARGS = "[ARGS]"  # Mistral's marker between a call's name and its arguments
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 # DeepSeek's (V3, R1, V3.1): calls, each call, and a call's name from its arguments
 _DS_CALLS, _DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-_DS_CALL, _DS_CALL_END, _DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 DEEPSEEK = ("deepseek_v3_1", "deepseek_r1")  # its formats' names: V3.1's, and V3's and R1's
-_DS_ONE_CALL = re.compile(f"{_DS_CALL}(.*?){_DS_SEP}(.*?){_DS_CALL_END}", re.S)
+_DS_ONE_CALL = re.compile(f"{DS_CALL}(.*?){DS_SEP}(.*?){DS_CALL_END}", re.S)
 _PYTHON_TAG = "<|python_tag|>"
 _LLAMA_ENDS = ("<|eom_id|>", "<|eot_id|>")
-_MARKERS: dict[str, str] = {"hermes": _HERMES_OPEN, "llama3": _PYTHON_TAG}
+_MARKERS: dict[str, str] = {"hermes": HERMES_OPEN, "llama3": _PYTHON_TAG}
 _TOOLS_VAR = re.compile(r"\btools\b")
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S)
 
@@ -161,7 +155,7 @@ def tool_format(chat_template: str | None, library: LibraryFormat | None = None)
         return None
     if library is not None:
         return library
-    if _HERMES_OPEN in chat_template:
+    if HERMES_OPEN in chat_template:
         return "hermes"
     if _PYTHON_TAG in chat_template or ("ipython" in chat_template and '"parameters"' in chat_template):
         return "llama3"
@@ -180,143 +174,16 @@ def reply_format(tokenizer) -> ToolFormat | None:
     return tool_format(template, library) if supports_tools(template) else "hermes"
 
 
-def call_grammar(fmt: ToolFormat, tools: Collection[dict], forced: bool = True,
-                 tokens: Mapping[str, int] | None = None) -> str | None:
-    """The grammar of a reply that is one call, in ``fmt``, of one of
-    ``tools`` (``{"type": "function", "function": {name, parameters}}``)
-    with arguments its parameters schema accepts -- or, not ``forced``, text
-    or calls: text that never starts a call, or text that ends where a call
-    begins, then one call or more (Llama 3: one). A format whose calls a
-    grammar cannot hold to their schemas (mlx-lm's other parsers) gets, when
-    forced, a reply that is its call markers around the model's text, and
-    under ``auto`` no grammar (None). ``tokens``: the tokenizer's
-    ``added_tokens``, which markers are written as. Raises ``GrammarError``."""
-    tokens = tokens or {}
-
-    def mark(text: str) -> str:
-        return f"<[{tokens[text]}]>" if text in tokens else _literal(text)
-
-    if fmt == "llama3":
-        calls = _json_calls_rule(tools, "parameters")
-        if forced:
-            return grammar.lark(f"start: {calls}")
-        return grammar.lark(f"start: TEXT | {calls}\nTEXT: /(?s:.*)/ & ~/[ \\t\\n]*\\{{(?s:.*)/")
-    more: str | None = '"\\n"'  # between two calls; None: one span holds every call
-    rules = ""  # the call's own rules
-    if fmt == "hermes":
-        fmt = LibraryFormat("hermes", _HERMES_OPEN, _HERMES_CLOSE)
-        call = f'"\\n" {_json_calls_rule(tools, "arguments")} "\\n" {mark(_HERMES_CLOSE)}'
-    elif fmt.parser == "qwen3_coder":  # as its template renders a call
-        functions = " | ".join(_xml_call(t["function"]) for t in tools)
-        call, rules = f'"\\n" ({functions}) "\\n" {mark(fmt.end)}', _XML_TEXT
-    elif fmt.parser == "mistral" and _ARGS in tokens:  # v11 tokenizers on: name[ARGS]{...}
-        call = " | ".join(f'{_literal(t["function"]["name"])} {mark(_ARGS)} {arguments_rule(t)}' for t in tools)
-        more = ""
-    elif fmt.parser == "mistral":  # older ones: [{"name": ..., "arguments": {...}}, ...]
-        call, more = grammar.json_rule({"type": "array", "minItems": 1, "items": _call_schema(tools, "arguments")}), None
-    elif fmt.parser in DEEPSEEK:  # calls chained with nothing between, closed once
-        def one_call(t: dict) -> str:
-            name = _literal(t["function"]["name"])
-            if fmt.parser == "deepseek_r1":
-                fenced = f'"\\n```json\\n" {arguments_rule(t)} "\\n```"'
-                return f'{mark(_DS_CALL)} "function" {mark(_DS_SEP)} {name} {fenced} {mark(_DS_CALL_END)}'
-            return f"{mark(_DS_CALL)} {name} {mark(_DS_SEP)} {arguments_rule(t)} {mark(_DS_CALL_END)}"
-
-        calls = " | ".join(one_call(t) for t in tools)
-        call, more = f'({calls}){"" if forced else "+"} {mark(fmt.end)}', None
-    elif not forced:
-        return None
-    else:  # the model's own text between a call's markers
-        head, end = f"start: {mark(fmt.start)} body\n", mark(fmt.end) if fmt.end else ""
-        if end.startswith('"'):
-            return grammar.lark(head + f"body[stop={end}]: /(?s:.+)/")
-        return grammar.lark(head + f"body: /(?s:.+)/ {end}")
-    start = mark(fmt.start)
-    if forced:
-        return grammar.lark(f"start: {start} call\ncall: {call}{rules}")
-    again = f"({more} {start} call)*" if more is not None else ""
-    if fmt.start in tokens:  # one token, which no text holds: text ends where it comes
-        return grammar.lark(f"start: TEXT? ({start} call {again})?\ncall: {call}\nTEXT: /(?s:.+)/{rules}")
-    return grammar.lark(  # (a lexeme cannot end where the marker begins: ``prose`` stops at it)
-        f"start: TEXT | prose call {again}\nprose[stop={start}]: /(?s:.*)/\ncall: {call}\n"
-        f"TEXT: /(?s:.*)/ & ~/(?s:.*){_regex(fmt.start)}(?s:.*)/{rules}")
-
-
-def _literal(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
-
-
-def _regex(text: str) -> str:
-    """``text`` matched literally inside a Lark ``/regex/``."""
-    return re.escape(text).replace("/", "\\/")
-
-
-def arguments_rule(tool: dict) -> str:
-    """A Lark rule's body matching the arguments ``tool``'s parameters schema accepts."""
-    return grammar.json_rule(tool["function"].get("parameters") or {"type": "object"})
-
-
-def _call_schema(tools: Collection[dict], key: str) -> dict:
-    return {"anyOf": [{
-        "type": "object", "additionalProperties": False, "required": ["name", key], "properties": {
-            "name": {"const": t["function"]["name"]}, key: t["function"].get("parameters") or {"type": "object"}}}
-        for t in tools]}
-
-
-def _json_calls_rule(tools: Collection[dict], key: str) -> str:
-    return grammar.json_rule(_call_schema(tools, key))
-
-
-# A string parameter's value and what closes it, as Qwen3-Coder's parser reads
-# it back: it ends at the first ``</parameter>`` and its call at the first
-# ``</tool_call>``, and "null" is None (lazy: the lexeme ends where it can).
-_XML_CLOSE = "\\n<\\/parameter>\\n"
-_XML_TEXT = (f"\nxml_text[lazy]: XML_TEXT\nXML_TEXT: /(?s:.*){_XML_CLOSE}/ & "
-             f"~/(?s:.*)<\\/(parameter|tool_call)>(?s:.*){_XML_CLOSE}/ & ~/(?i:null){_XML_CLOSE}/")
-_ANNOTATIONS = {"description", "title", "default", "examples", "$comment"}
-
-
-def _xml_call(function: dict) -> str:
-    """One call of ``function`` as Qwen3-Coder writes it: ``<function=NAME>``,
-    then each parameter (the required ones always) as ``<parameter=KEY>``,
-    its value on its own lines -- a string as it is, any other type as JSON,
-    which is what mlx-lm's parser reads back by the schema's ``type``."""
-    name, schema = function["name"], function.get("parameters") or {}
-    required = set(schema.get("required") or ())
-    parts = [_literal(f"<function={name}>\n")]
-    for key, spec in (schema.get("properties") or {}).items():
-        block = f'{_literal(f"<parameter={key}>")} "\\n" {_xml_value(spec, f"{name}.{key}")}'
-        parts.append(block if key in required else f"({block})?")
-    return "(" + " ".join([*parts, '"</function>"']) + ")"
-
-
-def _xml_value(spec: dict, where: str) -> str:
-    """A parameter's value, then its closing tag."""
-    kind, rest = spec.get("type"), set(spec) - _ANNOTATIONS - {"type"}
-    close = '"\\n</parameter>\\n"'
-    if kind == "boolean" and not rest:  # the template writes Python's True, the parser reads either
-        return f'("true" | "false" | "True" | "False") {close}'
-    if kind in ("integer", "number", "boolean", "object", "array"):
-        return f"{grammar.json_rule(spec)} {close}"
-    if kind in ("string", None) and rest <= {"enum", "const"} and rest:
-        values = spec["enum"] if "enum" in spec else [spec["const"]]
-        if all(isinstance(v, str) and v.lower() != "null" for v in values):
-            return "(" + " | ".join(_literal(v) for v in values) + f") {close}"
-    elif kind == "string" and not rest:
-        return "xml_text"
-    raise grammar.GrammarError(f"{where}: Qwen3-Coder's calls carry a string as it is and other values by their "
-                               f"`type`; this schema cannot be held to that ({json.dumps(spec)[:200]})")
-
-
 def tool_prompt(tools: Collection[dict]) -> str:
     """What a model whose template takes no tools is told of them: the tools
-    and the Hermes call format (``call_grammar`` holds it to it). The same
-    whatever the ``tool_choice``, so the prompt's cache serves both."""
+    and the Hermes call format (``tool_grammar.call_grammar`` holds it to
+    it). The same whatever the ``tool_choice``, so the prompt's cache serves
+    both."""
     listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     return ("# Tools\n\nYou may call one of these functions. Their signatures are within <tools></tools> "
             f"XML tags:\n<tools>\n{listed}\n</tools>\n\nTo call one, return a JSON object with the function's "
-            f'name and arguments within {_HERMES_OPEN}{_HERMES_CLOSE} XML tags:\n{_HERMES_OPEN}\n'
-            f'{{"name": <function-name>, "arguments": <args-json-object>}}\n{_HERMES_CLOSE}')
+            f'name and arguments within {HERMES_OPEN}{HERMES_CLOSE} XML tags:\n{HERMES_OPEN}\n'
+            f'{{"name": <function-name>, "arguments": <args-json-object>}}\n{HERMES_CLOSE}')
 
 
 def _parse_deepseek(span: str, r1: bool) -> list[dict]:
@@ -340,8 +207,8 @@ def deepseek_tool_prompt(tools: Collection[dict], fmt: LibraryFormat) -> str:
     listed = "".join(f"### {t['function']['name']}\nDescription: {t['function'].get('description', '')}\n\n"
                      f"Parameters: {json.dumps(t['function'].get('parameters') or {}, ensure_ascii=False)}\n\n"
                      for t in tools)
-    one = (f"{_DS_CALL}function{_DS_SEP}tool_call_name\n```json\ntool_call_arguments\n```{_DS_CALL_END}"
-           if fmt.parser == "deepseek_r1" else f"{_DS_CALL}tool_call_name{_DS_SEP}tool_call_arguments{_DS_CALL_END}")
+    one = (f"{DS_CALL}function{DS_SEP}tool_call_name\n```json\ntool_call_arguments\n```{DS_CALL_END}"
+           if fmt.parser == "deepseek_r1" else f"{DS_CALL}tool_call_name{DS_SEP}tool_call_arguments{DS_CALL_END}")
     return (f"## Tools\nYou have access to the following tools:\n\n{listed}IMPORTANT: ALWAYS adhere to this exact "
             f"format for tool use:\n{_DS_CALLS}{one}{{{{additional_tool_calls}}}}{_DS_CALLS_END}\n\nWhere:\n\n"
             "- `tool_call_name` must be an exact match to one of the available tools\n"
@@ -524,9 +391,10 @@ def finish_result(result: ChatResult, fmt: ToolFormat | None, tool_names: Collec
 
 def hermes_calls(calls: Collection[dict]) -> str:
     """``calls`` (``{"function": {"name", "arguments"}}``) as a model told of
-    them by ``tool_prompt`` writes them, held to ``call_grammar("hermes")``:
-    a call a line, its JSON laid out as the grammar lays it."""
-    return "\n".join(f"{_HERMES_OPEN}\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']}, ensure_ascii=False)}\n{_HERMES_CLOSE}"
+    them by ``tool_prompt`` writes them, held to the Hermes grammar
+    (``tool_grammar.call_grammar``): a call a line, its JSON laid out as the
+    grammar lays it."""
+    return "\n".join(f"{HERMES_OPEN}\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']}, ensure_ascii=False)}\n{HERMES_CLOSE}"
                      for c in calls)
 
 

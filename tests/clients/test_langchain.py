@@ -9,8 +9,8 @@ both of its output versions, ``test_tool_calling_async`` and
 ``test_tool_calling_with_no_arguments``); the rest of the standard suite is
 left out of the classes.
 Each forces a call (``tool_choice="any"``), which the server holds to a call of
-the tool whose arguments its schema accepts (``web/tools.py``: ``call_grammar``),
-so the tests pass whatever the 135M model would prefer to write: greedy
+the tool whose arguments its schema accepts (``web/tool_grammar.py``:
+``call_grammar``), so the tests pass whatever the 135M model would prefer to write: greedy
 output depends on the BLAS kernels, the grammar does not.
 """
 

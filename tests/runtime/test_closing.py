@@ -63,7 +63,8 @@ def closing_text(closer: Closer, grammar: str, begun: str) -> str | None:
 
 def call_grammars():
     from semantic.web.reasoning import ThinkTags
-    from semantic.web.tools import LibraryFormat, call_grammar
+    from semantic.web.tool_grammar import call_grammar
+    from semantic.web.tools import LibraryFormat
 
     xml = LibraryFormat("qwen3_coder", "<tool_call>", "</tool_call>")
     notes = [{"type": "function", "function": {"name": "note", "parameters": {

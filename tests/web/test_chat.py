@@ -9,9 +9,10 @@ import json
 from semantic.actors import Message
 from semantic.runtime.outcome import TurnResult
 from semantic.web.anthropic import parse_request
-from semantic.web.chat import chat_result, context_first, prepare
+from semantic.web.chat import chat_result
 from semantic.web.identity import (ConversationIndex, as_generated, forked_conversation_id, new_conversation_id,
                                    route_scope)
+from semantic.web.prepare import context_first, prepare
 from semantic.web.tools import hermes_calls, tool_prompt
 
 from .test_anthropic import CLAUDE_CODE

@@ -12,9 +12,10 @@ import pytest
 
 from semantic.actors import Delta, Message
 from semantic.runtime.outcome import TurnResult
-from semantic.web.chat import Prepared, _run_turn
+from semantic.web.chat import _run_turn
 from semantic.web.harmony import Harmony, HarmonySplitter, read_harmony, speaks_harmony
 from semantic.web.identity import message_key
+from semantic.web.prepare import Prepared
 from semantic.web.schema import ChatResult, ReasoningDelta, TextDelta
 
 CALL = '{"city": "Paris"}'

@@ -138,9 +138,9 @@ def test_a_gpt_oss_reply_thinks_then_answers_on_the_final_channel():
 
 def test_prepare_lets_a_reasoning_model_think_before_its_constrained_reply():
     from semantic.runtime.grammar import json_schema
-    from semantic.web.chat import prepare
     from semantic.web.harmony import Harmony
     from semantic.web.harmony import call_grammar as harmony_grammar
+    from semantic.web.prepare import prepare
     from semantic.web.reasoning import ThinkTags
     from semantic.web.schema import ChatRequest
 

@@ -150,7 +150,7 @@ def parse_cut(url: str) -> dict:
 def smallest_call(smollm2) -> int:
     """Tokens in the smallest forced call of WEATHER on the embedded model (its markup is text there)."""
     from semantic.runtime.grammar import Grammars
-    from semantic.web.tools import call_grammar
+    from semantic.web.tool_grammar import call_grammar
 
     tok = smollm2.tokenizer
     return len(Grammars(tok, tok.eos_token_ids).constraint(call_grammar("hermes", [WEATHER]), limit=10**6).closing)

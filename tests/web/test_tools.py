@@ -1,4 +1,5 @@
-"""Tool calls: formats, parsing whole and streamed text, models without tools."""
+"""Tool calls: formats, their grammars (``web.tool_grammar``), parsing whole
+and streamed text, models without tools."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 
 from semantic.runtime.grammar import GrammarError
 from semantic.web.schema import ChatResult, ToolCall, Usage
-from semantic.web.tools import (LibraryFormat, ToolCallFilter, added_tokens, call_grammar, deepseek_tool_prompt, finish_result,
+from semantic.web.tool_grammar import call_grammar
+from semantic.web.tools import (LibraryFormat, ToolCallFilter, added_tokens, deepseek_tool_prompt, finish_result,
                        flatten_tool_messages, hermes_calls, library_format, parse_tool_calls, reply_format,
                        supports_tools, tool_format, tool_prompt)
 
@@ -321,7 +323,7 @@ def test_calls_a_template_without_tools_gets_back_are_as_its_grammar_has_them_wr
 
 
 def test_auto_gets_a_grammar_only_when_a_tool_is_strict():
-    from semantic.web.chat import prepare
+    from semantic.web.prepare import prepare
     from semantic.web.schema import ChatRequest
 
     ask = dict(messages=({"role": "user", "content": "Weather?"},), max_tokens=50)
@@ -333,7 +335,7 @@ def test_auto_gets_a_grammar_only_when_a_tool_is_strict():
 
 
 def test_a_model_without_tools_is_told_of_them_and_held_to_text_or_a_call():
-    from semantic.web.chat import prepare
+    from semantic.web.prepare import prepare
     from semantic.web.schema import ChatRequest
 
     ask = dict(messages=({"role": "user", "content": "Weather?"},), max_tokens=50, system="Be brief.")
@@ -551,8 +553,8 @@ def test_other_library_formats_get_their_markers_when_forced_and_nothing_under_a
 
 
 def test_a_forced_call_gets_its_format_grammar():
-    from semantic.web.chat import prepare
     from semantic.web.harmony import call_grammar as harmony_grammar
+    from semantic.web.prepare import prepare
     from semantic.web.schema import ChatRequest
 
     req = ChatRequest(messages=({"role": "user", "content": "Weather?"},), max_tokens=50, tools=(WEATHER_FN,),
@@ -634,7 +636,7 @@ def test_deepseek_calls_read_back_and_a_grammar_holds_them(template, parser, spe
 
 def test_a_deepseek_model_is_told_of_the_tools_and_keeps_its_tool_turns():
     from semantic.runtime.turns import render
-    from semantic.web.chat import prepare
+    from semantic.web.prepare import prepare
     from semantic.web.schema import ChatRequest
 
     tok = deepseek(DEEPSEEK_V31)
@@ -668,7 +670,7 @@ def test_a_marker_the_tokenizer_adds_is_written_as_its_token():
 def test_a_named_tool_is_the_one_called_and_every_tool_is_still_shown():
     """The prompt does not change with ``tool_choice`` (so neither does the
     cache, nor the conversation a told-tools system prompt belongs to)."""
-    from semantic.web.chat import prepare
+    from semantic.web.prepare import prepare
     from semantic.web.schema import ChatRequest
 
     ask = dict(messages=({"role": "user", "content": "Weather?"},), max_tokens=50, tools=(WEATHER_FN, NOOP_FN))
