@@ -99,6 +99,15 @@ def _python(*packages: str):
             yield path, ast.parse(path.read_text())
 
 
+MAX_MODULE_LINES = 500  # a module a newcomer reads in one sitting (CONTRIBUTING.md)
+
+
+def test_no_module_is_over_500_lines():
+    long = {path.relative_to(ROOT).as_posix(): n for package in PACKAGES for path in (ROOT / package).rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}, f"split these along their seams: {long}"
+
+
 def test_no_code_outside_runtime_kv_asks_a_layer_cache_its_kind():
     """Code asks a layer cache (``runtime.kv.LayerCache``) what it can do, never
     which kind it is: an ``isinstance`` over our layer kinds lives only in
