@@ -169,11 +169,6 @@ class Engine:
         return self._prefiller.prefill_rows
 
     @property
-    def compute_ahead(self) -> bool:
-        """Whether each decode step is built while the last computes."""
-        return self._decoder.compute_ahead
-
-    @property
     def prefilling(self) -> int:
         return len(self._prefiller.queue)
 
