@@ -5,7 +5,7 @@ row counts, one step built and started while the last computes.
 ``Engine`` owns a ``Decoder`` and hands it the sequences whose prompts are
 in (``join``); ``step`` reads a step's tokens and verifies them, the
 engine's ``accept`` turning each into text and a finish reason. The step
-computing ahead is undone whenever the batch changes (``drop_ahead``), and
+computing ahead is undone whenever the batch changes (``drop_next_step``), and
 the newest tokens' rows the batch caches hold go to the records whenever
 its forwards' sequences change (``flush``)."""
 
@@ -26,7 +26,7 @@ from .kv import LayerCache
 from .row_counts import RowCounts
 from .sampling import Draw
 from .sequence import Sequence
-from .speculation import TRY, StepCosts, allot
+from .speculation import TRY, StepCosts, choose_drafts
 
 __all__ = ["DecodeStep", "Decoder"]
 
@@ -42,7 +42,7 @@ class DecodeStep:
     tokens: mx.array  # each token slot's draw: a row's slots are its input's, then each draft's
     logprobs: list  # each slot's ``Draw.logprobs``
     # Each forward's rows, and the batch caches it wrote with the steps each held before.
-    tiles: list[tuple[list[Sequence], list[tuple[BatchQuantizedKVCache, int]]]]
+    forwards: list[tuple[list[Sequence], list[tuple[BatchQuantizedKVCache, int]]]]
     states: list[tuple[LayerCache, int, list]]  # recurrent layers before it (they cannot be cut back)
     contexts: list[int]  # tokens each row's cache held before it
     launched: float  # ``perf_counter`` when its build was done and it started computing
@@ -50,7 +50,7 @@ class DecodeStep:
 
     @property
     def layers(self) -> list[tuple[BatchQuantizedKVCache, int]]:
-        return [layer for _, layers in self.tiles for layer in layers]
+        return [layer for _, layers in self.forwards for layer in layers]
 
 
 class Decoder:
@@ -58,26 +58,26 @@ class Decoder:
 
     ``row_counts``: the token slots a forward may have.
     ``shared_tokens``: what a sharded model's ranks go on with (``Engine``).
-    ``compute_ahead``: build each step while the last computes (not sharded:
+    ``pipelined``: build each step while the last computes (not sharded:
     ranks act on rank 0's tokens).
     """
 
-    def __init__(self, model: nn.Module, row_counts: RowCounts, shared_tokens, *, compute_ahead: bool):
+    def __init__(self, model: nn.Module, row_counts: RowCounts, shared_tokens, *, pipelined: bool):
         self.model = model
         self.shared_tokens = shared_tokens
-        self.compute_ahead = compute_ahead
+        self.pipelined = pipelined
         self.use_row_counts(row_counts)  # (``Engine.use_row_counts``)
         self.rows: list[Sequence] = []
         # Each decode forward's per-layer batch caches, kept while its sequences stay the same:
         # they hold the newest tokens' Q4 rows until ``flush`` writes them to the records.
         self._batches: dict[tuple[int, ...], list[BatchQuantizedKVCache]] = {}
-        self._ahead: DecodeStep | None = None  # the decode step started on tokens not yet read
+        self._next_step: DecodeStep | None = None  # the decode step started on tokens not yet read
         self.evaluator = Evaluator()  # where steps compute: a step ahead, while the next is built
         self._held: set[int] = set()  # sequences whose next step verifies no drafts (``hold_drafts``)
 
     def use_row_counts(self, counts: RowCounts) -> None:
         self.row_counts = counts
-        self._costs = StepCosts(counts)  # what a step costs, for ``allot``
+        self._costs = StepCosts(counts)  # what a step costs, for ``choose_drafts``
 
     def join(self, *seqs: Sequence) -> None:
         """Sequences whose prompts are in (or whose last prompt token is this step's input)."""
@@ -91,8 +91,8 @@ class Decoder:
         token either way) -- and how many drafts the step may add for a while
         (those it rejects are cut at its end). ``hold_drafts`` if those
         cannot fit."""
-        ahead = self._ahead.rows if self._ahead is not None and self._ahead.rows == self.rows else ()
-        return {seq.id: (len(seq.fed) + 1, 0) if seq in ahead else (len(seq.fed) + 2, self._draft_room(seq))
+        ahead = self._next_step.rows if self._next_step is not None and self._next_step.rows == self.rows else ()
+        return {seq.id: (len(seq.cached) + 1, 0) if seq in ahead else (len(seq.cached) + 2, self._draft_room(seq))
                 for seq in self.rows}
 
     def hold_drafts(self, seq_id: int) -> None:
@@ -108,26 +108,26 @@ class Decoder:
         sequence is about to join, so no step is built ahead of this one's."""
         if not self.rows:
             return []
-        if self._ahead is not None and self._ahead.rows != self.rows:
-            self.drop_ahead()  # a sequence joined: a fresh step feeds everyone
-        built_ahead = self._ahead is not None
-        step, self._ahead = self._ahead or self._launch(), None
+        if self._next_step is not None and self._next_step.rows != self.rows:
+            self.drop_next_step()  # a sequence joined: a fresh step feeds everyone
+        built_before = self._next_step is not None
+        step, self._next_step = self._next_step or self._launch(), None
         self._held.clear()  # (for that step only)
-        if self.compute_ahead and not prefills_waiting and not any(step.drafts) and all(
+        if self.pipelined and not prefills_waiting and not any(step.drafts) and all(
                 len(seq.output) + 1 < seq.sampling.max_tokens and seq.sampler.constraint is None
                 for seq in step.rows) and not any(self._drafts_pay(step.rows)):
             # (not when a sequence is about to join or reach its length, nor when a grammar's
             # next mask or a sequence's drafts wait on these tokens)
-            self._ahead = self._launch(after=step)
+            self._next_step = self._launch(after=step)
         computed = None if step.evaluation is None else step.evaluation.result()
         tokens = step.tokens.tolist()
-        if computed is None and not built_ahead:  # (not on the CPU: its time since it started)
+        if computed is None and not built_before:  # (not on the CPU: its time since it started)
             computed = (time.perf_counter() - step.launched) * 1e3
         if computed is not None:
             self._costs.computed([1 + len(d) for d in step.drafts], step.contexts, computed)
-        if self._ahead is not None:
+        if self._next_step is not None:
             for seq, token in zip(step.rows, tokens):
-                seq.fed.append(token)  # what the step ahead feeds
+                seq.cached.append(token)  # what the step ahead feeds
         results, at = [], 0
         for seq, drafts in zip(step.rows, step.drafts):
             width = 1 + len(drafts)
@@ -136,7 +136,7 @@ class Decoder:
             at += width
         self.rows = [seq for seq, (_, _, reason) in zip(step.rows, results) if reason is None]
         if len(self.rows) < len(step.rows):
-            self.drop_ahead()
+            self.drop_next_step()
             self.flush()
         return [(seq, *result) for seq, result in zip(step.rows, results)]
 
@@ -164,10 +164,10 @@ class Decoder:
 
     def _cut(self, seq: Sequence, n: int, step: DecodeStep) -> None:
         """Drop a sequence's last ``n`` tokens of ``step`` (drafts not taken) from
-        ``fed`` and every cache: rows the step holds, records, recurrent states."""
-        del seq.fed[len(seq.fed) - n :]
-        tile, layers = next((tile, layers) for tile, layers in step.tiles if seq in tile)
-        i = tile.index(seq)
+        ``cached`` and every cache: rows the step holds, records, recurrent states."""
+        del seq.cached[len(seq.cached) - n :]
+        forward, layers = next((forward, layers) for forward, layers in step.forwards if seq in forward)
+        i = forward.index(seq)
         for layer, held in layers:
             c = layer.caches[i]
             if c.recurrent:
@@ -192,23 +192,23 @@ class Decoder:
         """Build and start a decode step of the decoding sequences, in forwards
         of ``row_counts``: fed their next inputs and the drafts ``_drafts_pay``
         allots them, or (``after``) the tokens that step samples, still
-        computing, which ``step_once`` appends to ``fed`` once read."""
+        computing, which ``step_once`` appends to ``cached`` once read."""
         start = time.perf_counter()
         rows = list(self.rows)
-        contexts = [len(seq.fed) for seq in rows]
+        contexts = [len(seq.cached) for seq in rows]
         drafts = self._drafts_pay(rows, open=True) if after is None else [[] for _ in rows]
-        tiles, at = [], 0
+        forwards, at = [], 0
         for n, slots in self.row_counts.pack([1 + len(d) for d in drafts]):
-            tiles.append((rows[at : at + n], drafts[at : at + n], slots))
+            forwards.append((rows[at : at + n], drafts[at : at + n], slots))
             at += n
-        keys = [tuple(seq.id for seq in tile) for tile, _, _ in tiles]
+        keys = [tuple(seq.id for seq in forward) for forward, _, _ in forwards]
         if set(keys) != self._batches.keys():  # the forwards' sequences changed: records first
             self.flush()
-            self._batches = {key: _batch(s.view for s in tile) for key, (tile, _, _) in zip(keys, tiles)}
+            self._batches = {key: _batch(s.view for s in forward) for key, (forward, _, _) in zip(keys, forwards)}
         for layer in (layer for batch in self._batches.values() for layer in batch if layer.full):
             layer.flush()  # only steps that are read (``after`` is, next) are ever held
-        for key, (tile, _, _) in zip(keys, tiles):
-            if any(c.offset and c.offset % BLOCK_TOKENS == 0 for seq in tile for c in seq.view if c.attends_new):
+        for key, (forward, _, _) in zip(keys, forwards):
+            if any(c.offset and c.offset % BLOCK_TOKENS == 0 for seq in forward for c in seq.view if c.attends_new):
                 for layer in self._batches[key]:
                     layer.flush()  # the record closes the block before a step's first token (``kv.quantized``)
         states = [(c, c.offset, list(c.cache)) for seq in rows for c in seq.view if c.recurrent]
@@ -216,19 +216,19 @@ class Decoder:
         if after is None:
             fed = [[seq.next_input, *d] for seq, d in zip(rows, drafts)]
             for seq, tokens in zip(rows, fed):
-                seq.fed += tokens
+                seq.cached += tokens
             inputs = mx.array([t for tokens in fed for t in tokens])
         else:
             inputs = after.tokens
         draws: list[Draw] = []
         at = 0
-        for key, (tile, tile_drafts, slots) in zip(keys, tiles):
-            widths = [1 + len(d) for d in tile_drafts]
+        for key, (forward, forward_drafts, slots) in zip(keys, forwards):
+            widths = [1 + len(d) for d in forward_drafts]
             for layer in self._batches[key]:
                 layer.widths = widths
             logits = self.forward(self._batches[key], inputs[at : at + sum(widths)], slots)
             slot = 0
-            for seq, d in zip(tile, tile_drafts):  # each slot draws what decode would there: a draft is taken if drawn
+            for seq, d in zip(forward, forward_drafts):  # each slot draws what decode would there: a draft is taken if drawn
                 c = seq.sampler.constraint  # (a grammar's mask at each slot: after the drafts before it)
                 masks = c.masks(d, logits.shape[-1]) if c is not None and d else [None] * (1 + len(d))
                 draws += [seq.sampler(logits[slot + j], mask) for j, mask in enumerate(masks)]
@@ -242,25 +242,25 @@ class Decoder:
         # A step computes on the evaluator's thread, the next built meanwhile (none is where
         # steps are not computed ahead: ranks wait on each other's), but one that may hold the
         # caller's arrays on its own streams starts here.
-        here = not self.compute_ahead or any(seq.callers_cache for seq in rows)
+        here = not self.pipelined or any(seq.callers_cache for seq in rows)
         evaluation = self.evaluator.start(tokens, [lp for lp in logprobs if lp is not None],
                                            [seq.view.arrays() for seq in rows], held, here=here)
         for seq in rows:
             seq.callers_cache = False
-        tiled = [(tile, w) for (tile, _, _), w in zip(tiles, written)]
+        tiled = [(forward, w) for (forward, _, _), w in zip(forwards, written)]
         return DecodeStep(rows, drafts, tokens, logprobs, tiled, states, contexts, launched, evaluation)
 
     def _draft_room(self, seq: Sequence) -> int:
         """The most drafts a sequence may verify in its next step."""
         if seq.drafter is None or seq.id in self._held:
             return 0
-        block_left = BLOCK_TOKENS - 1 - len(seq.fed) % BLOCK_TOKENS  # a step's tokens share a block (``kv.quantized``)
+        block_left = BLOCK_TOKENS - 1 - len(seq.cached) % BLOCK_TOKENS  # a step's tokens share a block (``kv.quantized``)
         return max(0, min(self.row_counts.counts[-1] - 1, seq.sampling.max_tokens - len(seq.output) - 1, block_left))
 
     def _drafts_pay(self, rows: list[Sequence], open: bool = False) -> list[list[int]]:
         """The drafts each sequence verifies in its next step (``open``: one
         built in the open whatever it feeds): what its history offers, as many
-        as ``allot`` finds pay for their slots -- and up to ``TRY`` where a
+        as ``choose_drafts`` finds pay for their slots -- and up to ``TRY`` where a
         sequence's drafts were never judged, as far as its forward has room:
         only verdicts tell its own rate, and the rate before any cannot pay
         everywhere (four agents beside each other)."""
@@ -268,8 +268,8 @@ class Decoder:
         if not any(offers):
             return offers
         tries = [TRY if seq.drafter is not None and not seq.drafter.verdicts else 0 for seq in rows]
-        counts = allot(offers, [0.0 if seq.drafter is None else seq.drafter.rate for seq in rows],
-                       [len(seq.fed) for seq in rows], self._costs, open, tries)
+        counts = choose_drafts(offers, [0.0 if seq.drafter is None else seq.drafter.rate for seq in rows],
+                       [len(seq.cached) for seq in rows], self._costs, open, tries)
         return [offer[:n] for offer, n in zip(offers, counts)]
 
     def _offer(self, seq: Sequence) -> list[int]:
@@ -280,17 +280,17 @@ class Decoder:
         c = seq.sampler.constraint
         return offer if c is None or not offer else offer[: c.allows(offer)]
 
-    def drop_ahead(self) -> None:
+    def drop_next_step(self) -> None:
         """Undo the step computed ahead, if any: each of its sequences as before
-        it (its input out of ``fed``, its sampler's draw, its token out of every
+        it (its input out of ``cached``, its sampler's draw, its token out of every
         cache: held rows and working copies dropped, records cut back,
         recurrent states restored)."""
-        step, self._ahead = self._ahead, None
+        step, self._next_step = self._next_step, None
         if step is None:
             return
         self.evaluator.settle()
         for seq in step.rows:
-            seq.fed.pop()
+            seq.cached.pop()
             seq.sampler.undo()
         for layer, held in step.layers:
             if layer.held > held:  # the step's rows wait in the batch (attention through working copies)

@@ -150,7 +150,7 @@ class Engine:
         # token slot counts whose rows agree (``calibrate``), or one count.
         counts = row_counts or RowCounts.fixed(decode_rows)
         row_plans.apply(self.model, counts.plans)
-        self._decoder = Decoder(self.model, counts, self.shared_tokens, compute_ahead=shared_tokens is None)
+        self._decoder = Decoder(self.model, counts, self.shared_tokens, pipelined=shared_tokens is None)
         self._preempted: dict[int, Sequence] = {}  # out of the engine, without their caches
         self._choices: dict[int, list[Sequence]] = {}  # by the sequence whose prompt they wait on (``add_choices``)
 
@@ -270,7 +270,7 @@ class Engine:
             continues=continues,
             cache=cache,
             view=cache.view(self.float_head),
-            fed=prompt[:cached_tokens],
+            cached=prompt[:cached_tokens],
             reused=cached_tokens,
             prompt_tokens=len(prompt),
             drafter=Drafter(prompt, self._indents) if self.speculation else None,
@@ -283,7 +283,7 @@ class Engine:
         for c in choices:
             c.cache = seq.cache.clone()
             c.view = c.cache.view(self.float_head)
-            c.fed, c.reused = list(seq.fed), len(seq.fed)
+            c.cached, c.reused = list(seq.cached), len(seq.cached)
             c.prompt_logprobs = list(seq.prompt_logprobs)
         return choices
 
@@ -300,9 +300,9 @@ class Engine:
         picks = self._prefiller.picks(self.row_counts)
         logits = self._prefiller.run(picks)
         deltas = []
-        for seq, _, rides in picks:
+        for seq, _, joins_decode in picks:
             if seq.pending:
-                if rides:  # its last prompt token is the next decode step's input, as its choices'
+                if joins_decode:  # its last prompt token is the next decode step's input, as its choices'
                     self._decoder.join(seq, *self._fork_choices(seq))
                 continue
             for s in [seq, *self._fork_choices(seq)]:  # each draws from the prompt's last logits
@@ -331,7 +331,7 @@ class Engine:
         built and started on these tokens before they are read, so the
         model's graph is built while the last step computes. A sequence that
         still finishes (end of turn, a stop string), joins or leaves drops
-        that step (``Decoder.drop_ahead``): nothing it computed is kept. The
+        that step (``Decoder.drop_next_step``): nothing it computed is kept. The
         step ahead computes on the evaluator's thread (``runtime.evaluator``)
         while this returns and the next call builds the one after it."""
         with mx.stream(self._decoder.evaluator.stream):
@@ -391,12 +391,12 @@ class Engine:
         if cache is None:
             cache, cached_tokens = self.new_cache(), 0
         cache = _sequence_cache(cache)
-        if not 0 <= cached_tokens <= len(seq.fed) or any(c.offset != cached_tokens for c in cache):
-            raise ValueError(f"a resumed cache must cover 0..{len(seq.fed)} of the sequence's tokens exactly")
+        if not 0 <= cached_tokens <= len(seq.cached) or any(c.offset != cached_tokens for c in cache):
+            raise ValueError(f"a resumed cache must cover 0..{len(seq.cached)} of the sequence's tokens exactly")
         del self._preempted[seq_id]
-        if len(seq.fed) >= len(seq.prompt):  # it was decoding: its next input is the last token it sampled
-            seq.prompt = seq.fed + seq.output[-1:]
-        seq.fed = seq.fed[:cached_tokens]
+        if len(seq.cached) >= len(seq.prompt):  # it was decoding: its next input is the last token it sampled
+            seq.prompt = seq.cached + seq.output[-1:]
+        seq.cached = seq.cached[:cached_tokens]
         seq.cache, seq.view = cache, cache.view(self.float_head)
         seq.callers_cache = cached_tokens > 0
         # One token left is a decode input (as before it left); more are a prefill, chunked as before.
@@ -407,7 +407,7 @@ class Engine:
         self._preempted.pop(seq_id, None)
 
     def _take(self, seq_id: int) -> Sequence | None:
-        self._decoder.drop_ahead()
+        self._decoder.drop_next_step()
         self._decoder.flush()
         for queue in (self._prefiller.queue, self._decoder.rows, *self._choices.values()):
             for seq in queue:
@@ -476,12 +476,12 @@ class Engine:
         return Finished(
             reason=reason,
             cache=seq.cache,
-            cache_tokens=tuple(seq.fed),
+            cache_tokens=tuple(seq.cached),
             output_tokens=tuple(seq.output),
             text=seq.reply.text,
             prompt_tokens=seq.prompt_tokens,
             reused_tokens=seq.reused,
-            prefilled_tokens=min(len(seq.fed), seq.prompt_tokens) - seq.reused,
+            prefilled_tokens=min(len(seq.cached), seq.prompt_tokens) - seq.reused,
             stop_sequence=seq.reply.stop if reason == STOP else None,
             logprobs=tuple(seq.logprobs),
             drafted_tokens=seq.drafted,

@@ -32,7 +32,7 @@ class Pick(NamedTuple):
 
     seq: Sequence
     tokens: int  # of its pending prompt
-    rides: bool  # its last prompt token rides the next decode step
+    joins_decode: bool  # its last prompt token joins the next decode step
 
 
 class Prefiller:
@@ -60,22 +60,22 @@ class Prefiller:
         (``max_tokens`` 0) takes its last prompt token in its chunk."""
         picks, rows, batching = [], 0, False
         for seq in self.queue:
-            n = self.chunk_size(len(seq.fed))
+            n = self.chunk_size(len(seq.cached))
             if len(seq.pending) - n < self.min_chunk:
                 n = len(seq.pending)  # a short rest would cost a forward of its own: it comes along
-            rides = _LAST_IN_CHUNK < len(seq.pending) <= n and seq.sampling.max_tokens > 0
-            if rides:
+            joins_decode = _LAST_IN_CHUNK < len(seq.pending) <= n and seq.sampling.max_tokens > 0
+            if joins_decode:
                 # Only the last token's logits are needed, but a chunk computes them for
-                # every position (vocab x hidden a token): the last prompt token rides
+                # every position (vocab x hidden a token): the last prompt token joins
                 # the next decode step instead, beside the other sequences' tokens.
                 n = len(seq.pending) - 1
-            joins = self.batch_prefill and row_counts.prefill_from is not None and not seq.scores_prompt and (
-                n >= row_counts.prefill_from and (rides or n < len(seq.pending)))
+            may_batch = self.batch_prefill and row_counts.prefill_from is not None and not seq.scores_prompt and (
+                n >= row_counts.prefill_from and (joins_decode or n < len(seq.pending)))
             if not picks:
-                batching = joins  # the first in the queue decides whether others may join it
-            elif not (batching and joins) or rows + n > self.prefill_rows:
+                batching = may_batch  # the first in the queue decides whether others may join it
+            elif not (batching and may_batch) or rows + n > self.prefill_rows:
                 break
-            picks.append(Pick(seq, n, rides))
+            picks.append(Pick(seq, n, joins_decode))
             rows += n
         return picks
 
@@ -98,13 +98,13 @@ class Prefiller:
                            cache=[PrefillBatch(layer, lengths) for layer in zip(*(p.seq.view for p in picks))])
         for _ in picks:
             self.queue.popleft()
-        for (seq, _, rides), chunk in zip(picks, chunks):
-            seq.fed += chunk
-            if rides or not seq.pending:  # the prompt is in: recurrent layers keep their state here (a checkpoint)
+        for (seq, _, joins_decode), chunk in zip(picks, chunks):
+            seq.cached += chunk
+            if joins_decode or not seq.pending:  # the prompt is in: recurrent layers keep their state here (a checkpoint)
                 seq.cache.mark()
             if seq.pending:
                 mx.eval(seq.view.arrays())
-                if not rides:
+                if not joins_decode:
                     self.queue.append(seq)  # round-robin among pending prefills
         return logits
 
@@ -116,12 +116,12 @@ class Prefiller:
 
     def _score_prompt(self, seq: Sequence, logits: mx.array) -> None:
         """Score the prompt tokens a chunk's ``logits`` predict, the chunk
-        being the tokens after ``seq.fed``: row ``j`` is the model's
+        being the tokens after ``seq.cached``: row ``j`` is the model's
         prediction of the token after the chunk's ``j``-th, so a chunk of
         ``n`` from offset ``o`` scores prompt tokens ``o + 1`` to ``o + n``
         (its last row the next chunk's first token, or nothing past the
         prompt). The first token has nothing before it: logprob None."""
-        start, pieces = len(seq.fed), self.token_bytes
+        start, pieces = len(seq.cached), self.token_bytes
         if start == 0:
             seq.prompt_logprobs.append(TokenLogprob(seq.prompt[0], pieces(seq.prompt[0]), None))
         targets = seq.prompt[start + 1 : min(start + 1 + logits.shape[0], seq.prompt_tokens)]

@@ -65,7 +65,7 @@ class Sequence:
     reply: ReplyText  # its text, stop strings found, what has been shown
     cache: SequenceCache  # per-layer caches of record (what a finished sequence hands back)
     view: SequenceCache  # the same caches as attention sees them (``SequenceCache.view``)
-    fed: list[int]  # token ids whose K/V are in the cache
+    cached: list[int]  # token ids whose K/V are in the cache
     reused: int
     prompt_tokens: int  # the prompt as given (``resume`` may extend ``prompt`` with tokens to recompute)
     drafter: Drafter | None  # its history, for drafts (None: it does not speculate)
@@ -82,13 +82,13 @@ class Sequence:
 
     @property
     def pending(self) -> list[int]:
-        return self.prompt[len(self.fed):]
+        return self.prompt[len(self.cached):]
 
     @property
     def next_input(self) -> int:
         """What the next decode step feeds: the last prompt token (it joined the
         batch with it pending), else the last token sampled."""
-        return self.prompt[len(self.fed)] if len(self.fed) < len(self.prompt) else self.output[-1]
+        return self.prompt[len(self.cached)] if len(self.cached) < len(self.prompt) else self.output[-1]
 
     @property
     def scores_prompt(self) -> bool:

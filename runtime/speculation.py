@@ -23,7 +23,7 @@ probability p(d) and otherwise draws from p without d (``Sampler``, the
 speculative-sampling rule for a draft that is certain), so each token's
 distribution is exactly the model's.
 
-``allot`` chooses how many drafts each sequence verifies in a step: the most
+``choose_drafts`` chooses how many drafts each sequence verifies in a step: the most
 expected tokens per unit of time, from each sequence's recent acceptance and
 what steps cost (``StepCosts``: measured as steps go, and at load); a
 sequence whose drafts keep failing gets none, so text that never repeats
@@ -37,7 +37,7 @@ import numpy as np
 from .prefix import encode
 from .row_counts import RowCounts
 
-__all__ = ["Drafter", "Indents", "NGRAMS", "StepCosts", "TRY", "allot"]
+__all__ = ["Drafter", "Indents", "NGRAMS", "StepCosts", "TRY", "choose_drafts"]
 
 NGRAMS = (4, 3, 2)  # the history's last tokens looked up, longest first
 # Echoed text fails where the model changes a little (a line re-indented) and then echoes on:
@@ -156,7 +156,7 @@ class Drafter:
         """Count a step's verdict: the first ``accepted`` of ``proposed`` drafts
         taken (none proposed: the counts fade towards the prior). Drafts after
         the first refused were never judged, so they are not counted: ``rate``
-        is the chance of a draft whose predecessors were taken, as ``allot``
+        is the chance of a draft whose predecessors were taken, as ``choose_drafts``
         uses it."""
         if proposed:
             self.verdicts += 1
@@ -169,7 +169,7 @@ class Drafter:
 
 class StepCosts:
     """What a decode step costs (ms) by its sequences' slots (``widths``) and
-    how many tokens each holds (``contexts``), for ``allot`` to weigh drafts.
+    how many tokens each holds (``contexts``), for ``choose_drafts`` to weigh drafts.
 
     A step without drafts is built while the last one computes
     (``Decoder._launch``): it costs its computation, measured at each row
@@ -253,7 +253,7 @@ def _extra_keys(widths: list[int], contexts: list[int]) -> int:
     return _keys(widths, contexts) - _keys([1] * len(widths), contexts)
 
 
-def allot(offers: list[list[int]], rates: list[float], contexts: list[int], costs: StepCosts,
+def choose_drafts(offers: list[list[int]], rates: list[float], contexts: list[int], costs: StepCosts,
           open: bool = False, least: list[int] | None = None) -> list[int]:
     """How many of its offered drafts each sequence verifies in the next step
     (``open``: one built in the open whatever it feeds; ``least``: how many

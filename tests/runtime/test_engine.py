@@ -62,7 +62,7 @@ def prefix_cache(engine: Engine, prefix: list[int]) -> list:
 
 def prompts(n: int, seed: int, long: bool = False) -> list[list[int]]:
     rng = mx.random.key(seed)
-    lengths = [100, 7, 23, 90, 13][:n]  # A and D end in a long chunk: their last token rides a decode step
+    lengths = [100, 7, 23, 90, 13][:n]  # A and D end in a long chunk: their last token joins a decode step
     if long:  # past two blocks; C's decode steps start its third
         lengths = [760, 7, 506, 640, 13][:n]
     return [mx.random.randint(1, VOCAB, (L,), key=mx.random.split(rng, n)[i]).tolist() for i, L in enumerate(lengths)]

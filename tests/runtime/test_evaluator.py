@@ -62,7 +62,7 @@ def test_steps_computed_on_the_evaluators_thread_change_no_token(monkeypatch):
     runs = []
     for ahead in (True, False):
         engine = Engine(model, tok, speculation=False)
-        engine._decoder.compute_ahead = ahead
+        engine._decoder.pipelined = ahead
         ids = [engine.add(p, SamplingParams(max_tokens=12)) for p in prompts(3, seed=5)]
         done = drain(engine)
         runs.append([done[i].output_tokens for i in ids])

@@ -140,7 +140,7 @@ def direct_prompt_logprobs(engine: Engine, prompt: list[int], chunks: list[int])
 @pytest.mark.parametrize("kv_bits", [4, 8, 16])
 def test_each_prompt_tokens_logprob_is_the_log_softmax_of_the_row_before_it(kv_bits):
     """Scored in the forwards that prefill it (three chunks; the last prompt
-    token rides the decode step), each prompt token's logprob and likeliest
+    token joins the decode step), each prompt token's logprob and likeliest
     alternatives are those of a direct forward over a cache of the same kind,
     within 1e-4; the first token has none. They come with the sequence's first
     delta, and the first generated token's are the draw's as ever."""

@@ -17,7 +17,7 @@ from semantic.runtime.cache_records import CacheRecord
 from semantic.runtime.kv import StateCache
 from semantic.runtime.engine import Engine, SamplingParams
 from semantic.runtime.row_counts import RowCounts
-from semantic.runtime.speculation import NO_INDENTS, TRY, Drafter, Indents, StepCosts, allot
+from semantic.runtime.speculation import NO_INDENTS, TRY, Drafter, Indents, StepCosts, choose_drafts
 from tests.runtime.test_engine import ByteTokenizer, drain, measured, prompts
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
@@ -25,7 +25,7 @@ from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 class Oracle(Drafter):
     """Drafts read from a known continuation, wrong at every ``wrong``-th
     place: runs of drafts that are taken, cut short where one is wrong. It
-    claims a high acceptance, so that ``allot`` verifies its drafts even where
+    claims a high acceptance, so that ``choose_drafts`` verifies its drafts even where
     a slot costs nearly a forward (attention run per slot)."""
 
     rate = 0.99
@@ -43,7 +43,7 @@ class Oracle(Drafter):
 
 class SteadyCosts(StepCosts):
     """A step costs its forwards, whatever this machine's timings: on a busy
-    machine measured times could make ``allot`` verify no wrong draft, and
+    machine measured times could make ``choose_drafts`` verify no wrong draft, and
     the oracle's runs would not show a draft cut."""
 
     def __call__(self, widths, contexts, open=False):
@@ -303,16 +303,16 @@ def test_allot_pays_only_for_drafts_worth_their_slots():
     low against a costly slot, more for the likelier sequence, fewer over a
     long context once its attention is known to cost."""
     free = StepCosts(RowCounts.fixed(8))
-    assert allot([[1, 2, 3]], [0.5], [100], free) == [3]
-    assert allot([[1] * 7] * 8, [0.9] * 8, [100] * 8, free) == [0] * 8  # drafts would add forwards
+    assert choose_drafts([[1, 2, 3]], [0.5], [100], free) == [3]
+    assert choose_drafts([[1] * 7] * 8, [0.9] * 8, [100] * 8, free) == [0] * 8  # drafts would add forwards
     costs = StepCosts(RowCounts(tuple(range(1, 9)), ms=(50.0, 60, 70, 75, 80, 85, 95, 100)))
-    assert allot([[1, 2, 3, 4]], [0.05], [100], costs) == [0]
-    assert allot([[1, 2, 3, 4, 5, 6, 7]], [0.95], [100], costs) == [7]
-    likely, unlikely = allot([[1, 2, 3], [1, 2, 3]], [0.9, 0.3], [100, 100], costs)
+    assert choose_drafts([[1, 2, 3, 4]], [0.05], [100], costs) == [0]
+    assert choose_drafts([[1, 2, 3, 4, 5, 6, 7]], [0.95], [100], costs) == [7]
+    likely, unlikely = choose_drafts([[1, 2, 3], [1, 2, 3]], [0.9, 0.3], [100, 100], costs)
     assert likely > unlikely
     costs.computed([4], [2000], 75 + 4 * 2000 * 0.01)  # computing it took 0.01 ms more a token a slot attended over
     assert 0.001 < costs.key_ms < 0.01
-    short, long = (allot([[1, 2, 3, 4, 5, 6, 7]], [0.8], [context], costs)[0] for context in (100, 8000))
+    short, long = (choose_drafts([[1, 2, 3, 4, 5, 6, 7]], [0.8], [context], costs)[0] for context in (100, 8000))
     assert short > long
 
 
@@ -362,10 +362,10 @@ def test_a_fresh_sequence_tries_its_drafts_where_none_pays(monkeypatch):
     costs.build_ms, costs.key_ms = 24.0, 0.0092
     offers, contexts = [[1, 2, 3, 4]] * 4, [550] * 4
     prior = Drafter([]).rate
-    assert allot(offers, [prior] * 4, contexts, costs) == allot(offers, [prior] * 4, contexts, costs, open=True) == [0] * 4
+    assert choose_drafts(offers, [prior] * 4, contexts, costs) == choose_drafts(offers, [prior] * 4, contexts, costs, open=True) == [0] * 4
     echo = Drafter([])
     echo.settle(TRY, TRY)
-    assert allot(offers, [echo.rate] * 4, contexts, costs, open=True) != [0] * 4
+    assert choose_drafts(offers, [echo.rate] * 4, contexts, costs, open=True) != [0] * 4
 
     monkeypatch.setattr(decode_module, "StepCosts", CostlyDrafts)
     monkeypatch.setattr(engine_module, "Drafter", Offering)
@@ -400,7 +400,7 @@ def count_calls(monkeypatch, obj, name: str) -> list:
 
 def test_drafts_never_move_a_sequence_into_another_forward():
     """A step whose drafts regroup the sequences into other forwards rebuilds
-    every working copy, and the next step again: ``allot`` keeps each
+    every working copy, and the next step again: ``choose_drafts`` keeps each
     sequence in the forward it runs in without drafts, for the drafts that
     pay and for a fresh sequence's try alike (the first in line get theirs)."""
     free = StepCosts(RowCounts(tuple(range(1, 9)), ms=(50.0,) * 8))  # slots cost nothing: all drafts would pay
@@ -409,10 +409,10 @@ def test_drafts_never_move_a_sequence_into_another_forward():
         return [n for n, _ in free.counts.pack([1 + t for t in taken])]
 
     offers = [[1] * 7] * 4
-    taken = allot(offers, [0.99] * 4, [100] * 4, free)
+    taken = choose_drafts(offers, [0.99] * 4, [100] * 4, free)
     assert sum(taken) == 4 and groups(taken) == [4]
-    assert allot(offers, [0.0] * 4, [100] * 4, free, least=[TRY] * 4) == [TRY, TRY, 0, 0]
-    ten = allot([[1] * 7] * 10, [0.99] * 10, [100] * 10, free)  # forwards of 8 and 2 sequences
+    assert choose_drafts(offers, [0.0] * 4, [100] * 4, free, least=[TRY] * 4) == [TRY, TRY, 0, 0]
+    ten = choose_drafts([[1] * 7] * 10, [0.99] * 10, [100] * 10, free)  # forwards of 8 and 2 sequences
     assert ten[:8] == [0] * 8 and sum(ten[8:]) == 6 and groups(ten) == [8, 2]
 
 
@@ -431,7 +431,7 @@ def test_a_miss_between_runs_costs_little_and_a_failed_rate_returns():
     for _ in range(5):
         echo.settle(3, 3)
     echo.settle(3, 1)
-    assert allot([[1] * 7], [echo.rate], [500], costs)[0] >= 5
+    assert choose_drafts([[1] * 7], [echo.rate], [500], costs)[0] >= 5
     failed = Drafter([])
     for _ in range(3):
         failed.settle(2, 0)
@@ -446,7 +446,7 @@ def test_a_miss_between_runs_costs_little_and_a_failed_rate_returns():
 def test_drafts_after_the_first_refused_are_not_counted():
     """Drafts are judged in order and the first refused ends the verdict: those
     after it say nothing of the chance a draft is taken once its
-    predecessors were (``rate``, as ``allot`` uses it). Counted as refused,
+    predecessors were (``rate``, as ``choose_drafts`` uses it). Counted as refused,
     one early miss of seven drafts set a rate near 1/5 that kept an
     echoing agent from drafting for some 25 steps (``bench speculation``'s
     edit)."""

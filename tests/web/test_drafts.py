@@ -27,7 +27,7 @@ ASK = "Tell me about the sea."
 
 class Recalling(Drafter):
     seen: list[Drafter] = []
-    rate = 0.99  # claimed, so that its drafts are verified (``allot``)
+    rate = 0.99  # claimed, so that its drafts are verified (``choose_drafts``)
 
     def __init__(self, history, indents):
         super().__init__(history, indents)
