@@ -19,6 +19,7 @@ Layout (each module one job; routes are thin and speak only ``schema`` to the ru
 - ``chat``      one turn for a route: request -> runtime conversation -> stream items
 - ``prepare``   a request as the model's template takes it: conversation, tools, grammar
 - ``identity``  which agent a stateless request continues (longest stored prefix)
+- ``protocols`` each protocol's declaration (name, paths, answers, errors) and the app's registry
 - ``answer``    a turn answered as JSON or SSE, a ``RequestError`` in its route's shape
 - ``chat_routes``  the stateless chat routes (Anthropic, OpenAI chat, Completions, Responses)
 - ``agent_routes`` the agent API's routes
@@ -35,9 +36,9 @@ Layout (each module one job; routes are thin and speak only ``schema`` to the ru
 - ``_validate`` field checks shared by the parsers (private)
 - ``_aio``      closing async iterators, collapsing task groups (private)
 
-The protocol modules (``schema``, ``anthropic``, ``openai``, ``completions``,
-``responses``, ``responses_request``, ``response_ids``, ``tools``,
-``tool_grammar``, ``sse``, ``agents``) are pure: no runtime, no model, no I/O.
+The protocol modules (``schema``, ``protocols``, ``anthropic``, ``openai``,
+``completions``, ``responses``, ``responses_request``, ``response_ids``,
+``tools``, ``tool_grammar``, ``sse``, ``agents``) are pure: no runtime, no model, no I/O.
 """
 
 from .schema import ChatRequest, ChatResult, RequestError, StreamItem, TextDelta, ToolCall, Usage

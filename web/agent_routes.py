@@ -26,6 +26,8 @@ IMPORT_PATH = r"/v1/agents/[^/]+/import"  # reads its own body: an archive may b
 
 
 class AgentRoutes(Routes):
+    protocols = (agents.PROTOCOL,)
+
     def routes(self) -> list[Route]:
         return [
             Route("/v1/agents", self.create_agent, methods=["POST"]),
@@ -144,8 +146,9 @@ class AgentRoutes(Routes):
         turn_req = agents.parse_turn(await request.body(), max_tokens_cap=self.server.max_tokens_cap)
         model = self.server.model_for(turn_req.model, strict=True)
         turn = await self.server.core.send(agent, turn_req.content, model=model,
-                                           use_cache=turn_req.use_cache, sampling=turn_req.sampling, route="agent")
-        return await answer(request, turn, turn_req.stream, agents)
+                                           use_cache=turn_req.use_cache, sampling=turn_req.sampling,
+                                           route=agents.PROTOCOL.name)
+        return await answer(request, turn, turn_req.stream, agents.PROTOCOL)
 
 
 def _disk_error(e: OSError) -> RequestError:

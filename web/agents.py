@@ -35,6 +35,7 @@ from semantic.actors import MAX_LOGPROBS, AgentInfo, TurnResult
 
 from . import _validate as v
 from ._aio import closing
+from .protocols import ProtocolSpec
 from .schema import (ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem, TextDelta,
                      load_json, logprob_json)
 from .sse import KEEP_ALIVE, encode
@@ -42,8 +43,8 @@ from .sse import KEEP_ALIVE, encode
 if TYPE_CHECKING:
     from .chat import ChatTurn
 
-__all__ = ["NewAgent", "TurnRequest", "agent_json", "error_json", "events", "parse_fork", "parse_new_agent",
-           "parse_turn", "response_json", "turn_events", "turn_json"]
+__all__ = ["PROTOCOL", "NewAgent", "TurnRequest", "agent_json", "error_json", "events", "parse_fork",
+           "parse_new_agent", "parse_turn", "response_json", "turn_events", "turn_json"]
 
 _STOP = {"stop": "end_turn", "length": "max_tokens", "stop_sequence": "stop_sequence", "tool_use": "tool_use"}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -172,3 +173,6 @@ async def turn_events(agent_id: str, model: str, items: AsyncIterable[StreamItem
         if not sent:
             raise
         yield encode(error_json(err), "error")
+
+
+PROTOCOL = ProtocolSpec("agent", ("/v1/agents",), response_json, events, error_json)

@@ -1,42 +1,39 @@
 """Answering a turn, and refusing a request, in the shape its route's clients
 expect: a turn's JSON once it ended, or its events streamed as SSE (begun only
 once the turn produced its first item, so a turn refused at the start is a
-plain HTTP error); a ``RequestError`` as the route's protocol writes errors."""
+plain HTTP error); a ``RequestError`` as the protocol of its path writes errors
+(``web.protocols``)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from . import agents, anthropic, openai, responses
 from ._aio import closing
 from .chat import Answers, ChatTurn
+from .protocols import Protocols
 from .schema import ChatResult, RequestError, StreamItem
 from .sse import EventStreamResponse
 
-__all__ = ["answer", "error_response", "request_error"]
+__all__ = ["answer", "error_response", "request_errors"]
 
 
-def error_shape(path: str) -> Callable[[RequestError], dict]:
-    """The error JSON a route's clients expect."""
-    if path.startswith("/v1/responses"):
-        return responses.error_json
-    if path.startswith("/v1/chat/") or path == "/v1/completions":
-        return openai.error_json
-    if path.startswith("/v1/agents"):
-        return agents.error_json
-    return anthropic.error_json
+def error_response(err: RequestError, error_json: Callable[[RequestError], dict],
+                   headers: dict | None = None) -> JSONResponse:
+    """``err`` as ``error_json`` writes it, with its status."""
+    return JSONResponse(error_json(err), status_code=err.status, headers=headers)
 
 
-def error_response(path: str, err: RequestError, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_shape(path)(err), status_code=err.status, headers=headers)
+def request_errors(protocols: Protocols) -> Callable[[Request, RequestError], Awaitable[JSONResponse]]:
+    """What every route answers a ``RequestError`` with: its status, in the
+    error shape of the protocol its path belongs to."""
 
+    async def request_error(request: Request, err: RequestError) -> JSONResponse:
+        return error_response(err, protocols.for_path(request.url.path).error_json)
 
-async def request_error(request: Request, err: RequestError) -> JSONResponse:
-    """What every route answers a ``RequestError`` with: its status, in the route's error shape."""
-    return error_response(request.url.path, err)
+    return request_error
 
 
 async def answer(request: Request, turn: ChatTurn, stream: bool, protocol: Answers) -> Response:
@@ -47,7 +44,7 @@ async def answer(request: Request, turn: ChatTurn, stream: bool, protocol: Answe
     try:
         return JSONResponse(protocol.response_json(turn, await _final(turn.items)), headers=headers)
     except RequestError as err:
-        return error_response(request.url.path, err, headers)
+        return error_response(err, protocol.error_json, headers)
 
 
 class _Peeked:

@@ -59,6 +59,7 @@ from semantic.runtime.json_reader import JSONError, read_json
 
 from . import _validate as v
 from ._aio import closing
+from .protocols import ProtocolSpec
 from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, TextDelta, Usage,
                      cancelled, load_json, stream_text)
 from .sse import encode
@@ -66,8 +67,8 @@ from .sse import encode
 if TYPE_CHECKING:
     from .chat import ChatTurn
 
-__all__ = ["error_json", "events", "message_events", "message_json", "parse_count_tokens", "parse_request",
-           "response_json"]
+__all__ = ["PROTOCOL", "error_json", "events", "message_events", "message_json", "parse_count_tokens",
+           "parse_request", "response_json"]
 
 log = logging.getLogger("semantic.web")
 
@@ -464,3 +465,5 @@ async def message_events(items: AsyncIterable[StreamItem], *, model: str,
     yield _event({"type": "message_stop"})
 
 
+# "/": its errors answer every path no other protocol claims (the models, health, a 404)
+PROTOCOL = ProtocolSpec("anthropic", ("/v1/messages", "/"), response_json, events, error_json)

@@ -6,6 +6,7 @@ state (``web.response_ids``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -15,13 +16,16 @@ from semantic.actors import InvalidAgentId
 
 from . import anthropic, completions, openai, responses
 from .answer import answer
-from .chat import ChatProtocol
+from .protocols import ProtocolSpec
+from .schema import ChatRequest
 from .state import Routes
 
 __all__ = ["ChatRoutes"]
 
 
 class ChatRoutes(Routes):
+    protocols = (anthropic.PROTOCOL, openai.PROTOCOL, completions.PROTOCOL, responses.PROTOCOL)
+
     def routes(self) -> list[Route]:
         return [
             Route("/v1/messages", self.messages, methods=["POST"]),
@@ -34,23 +38,24 @@ class ChatRoutes(Routes):
         ]
 
     async def messages(self, request: Request) -> Response:
-        return await self._chat(request, anthropic, "anthropic")
+        return await self._chat(request, anthropic.parse_request, anthropic.PROTOCOL)
 
     async def completions(self, request: Request) -> Response:
-        return await self._chat(request, openai, "openai")
+        return await self._chat(request, openai.parse_request, openai.PROTOCOL)
 
     async def text_completions(self, request: Request) -> Response:
         """OpenAI's legacy completions: raw text continued, no chat template (``web.completions``)."""
         req = completions.parse_request(await request.body(), _headers(request),
                                         max_tokens_cap=self.server.max_tokens_cap)
-        turn = await self.server.core.complete(req, self.server.model_for(req.model))
-        return await answer(request, turn, req.stream, completions)
+        turn = await self.server.core.complete(req, self.server.model_for(req.model), route=completions.PROTOCOL.name)
+        return await answer(request, turn, req.stream, completions.PROTOCOL)
 
-    async def _chat(self, request: Request, protocol: ChatProtocol, route: str) -> Response:
-        """A turn of a stateless chat protocol: ``protocol`` parses the body and
-        answers the turn (``response_json``, or ``events`` when streaming)."""
-        req = protocol.parse_request(await request.body(), _headers(request), max_tokens_cap=self.server.max_tokens_cap)
-        turn = await self.server.core.start(req, self.server.model_for(req.model), route=route)
+    async def _chat(self, request: Request, parse: Callable[..., ChatRequest], protocol: ProtocolSpec) -> Response:
+        """A turn of a stateless chat protocol: ``parse`` (its ``parse_request``)
+        reads the body and ``protocol`` answers the turn (``response_json``, or
+        ``events`` when streaming)."""
+        req = parse(await request.body(), _headers(request), max_tokens_cap=self.server.max_tokens_cap)
+        turn = await self.server.core.start(req, self.server.model_for(req.model), route=protocol.name)
         return await answer(request, turn, req.stream, protocol)
 
     # -- the Responses API: response ids name agent states (web.response_ids) ---------
@@ -73,7 +78,7 @@ class ChatRoutes(Routes):
                                       max_tokens_cap=self.server.max_tokens_cap)
         model = self.server.model_for(req.model)
         if req.previous_response_id is None:
-            turn = await self.server.core.start(req, model, route="responses")
+            turn = await self.server.core.start(req, model, route=responses.PROTOCOL.name)
         else:
             state = responses.parse_response_id(req.previous_response_id, "previous_response_id")
             info = await self._history(state, "previous_response_id")
@@ -81,8 +86,9 @@ class ChatRoutes(Routes):
             # a turn running on the agent will move it on: a fork keeps both
             at_state = len(info.history) == state.n and not self.server.core.index.busy(state.agent_id)
             turn = await self.server.core.start(req, model, agent_id=state.agent_id if at_state else None,
-                                         fork_from=None if at_state else state.agent_id, route="responses")
-        return await answer(request, turn, req.stream, responses)
+                                                fork_from=None if at_state else state.agent_id,
+                                                route=responses.PROTOCOL.name)
+        return await answer(request, turn, req.stream, responses.PROTOCOL)
 
     async def get_response(self, request: Request) -> Response:
         """The response rebuilt from its agent's history (usage unknown: null)."""

@@ -53,6 +53,7 @@ from semantic.actors import MAX_CHOICES, TokenLogprob
 from . import _validate as v
 from ._aio import closing
 from .openai import error_json, request_fields, usage_json
+from .protocols import ProtocolSpec
 from .schema import (ChatResult, CompletionRequest, Heartbeat, LogprobsDelta, PromptLogprobs, RequestError,
                      StreamItem, cancelled, load_json, stream_text)
 from .sse import KEEP_ALIVE, encode
@@ -60,7 +61,7 @@ from .sse import KEEP_ALIVE, encode
 if TYPE_CHECKING:
     from .chat import ChatTurn
 
-__all__ = ["DEFAULT_MAX_TOKENS", "MAX_LOGPROBS", "error_json", "events", "parse_request", "response_json"]
+__all__ = ["DEFAULT_MAX_TOKENS", "MAX_LOGPROBS", "PROTOCOL", "error_json", "events", "parse_request", "response_json"]
 
 log = logging.getLogger("semantic.web")
 
@@ -270,3 +271,7 @@ async def events(turn: ChatTurn, items: AsyncIterable[StreamItem]) -> AsyncItera
     if req.include_usage:
         yield encode({**head, "choices": [], "usage": usage_json(result), "system_fingerprint": None})
     yield _DONE
+
+
+# its errors are OpenAI's (``error_json``)
+PROTOCOL = ProtocolSpec("completions", ("/v1/completions",), response_json, events, error_json)

@@ -10,6 +10,7 @@ import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .answer import error_response
+from .protocols import Protocols
 from .schema import RequestError
 
 __all__ = ["Guard"]
@@ -25,11 +26,13 @@ class Guard:
     closes the connection (``Connection: close``). A body declared larger
     than that (``Content-Length``) is not waited for: the answer goes out at
     once, and the connection closes (hypercorn closes a connection whose
-    request is still coming once its response has gone)."""
+    request is still coming once its response has gone). A refusal here is in
+    the error shape of the protocol its path belongs to (``protocols``)."""
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, body_timeout_s: float,
-                 open_paths: tuple[str, ...], open_prefix: str, streamed_path: str):
+                 open_paths: tuple[str, ...], open_prefix: str, streamed_path: str, protocols: Protocols):
         self.app = app
+        self.protocols = protocols  # whose error shape a path's refusals take
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
@@ -48,7 +51,7 @@ class Guard:
             self._authorize(path, headers)
             body = b"" if streamed else await self._body(headers, receive)
         except RequestError as err:
-            return await error_response(path, err)(scope, receive, send)
+            return await error_response(err, self.protocols.for_path(path).error_json)(scope, receive, send)
         if streamed:
             return await self.app(scope, receive, send)
         replayed = False

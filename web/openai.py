@@ -62,6 +62,7 @@ from semantic.runtime.json_reader import JSONError, read_json
 
 from . import _validate as v
 from ._aio import closing
+from .protocols import ProtocolSpec
 from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, TextDelta, Usage,
                      cancelled, load_json, logprob_json, stream_text)
 from .sse import KEEP_ALIVE, encode
@@ -69,8 +70,8 @@ from .sse import KEEP_ALIVE, encode
 if TYPE_CHECKING:
     from .chat import ChatTurn
 
-__all__ = ["completion_chunks", "completion_json", "drafts_json", "error_json", "events", "function_tool", "parse_request",
-           "response_json", "session_hint", "tool_arguments", "usage_json"]
+__all__ = ["PROTOCOL", "completion_chunks", "completion_json", "drafts_json", "error_json", "events", "function_tool",
+           "parse_request", "response_json", "session_hint", "tool_arguments", "usage_json"]
 
 log = logging.getLogger("semantic.web")
 
@@ -427,3 +428,6 @@ async def completion_chunks(items: AsyncIterable[StreamItem], *, model: str, inc
     if include_usage:
         yield encode({**head, "choices": [], "usage": usage_json(result)})
     yield _DONE
+
+
+PROTOCOL = ProtocolSpec("openai", ("/v1/chat",), response_json, events, error_json)

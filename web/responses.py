@@ -62,6 +62,7 @@ from .openai import drafts_json
 from .reasoning import CLOSE, OPEN, split_reasoning
 from .response_ids import ResponseState, not_found, parse_response_id, response_id
 from .responses_request import ResponsesRequest, continued, parse_request
+from .protocols import ProtocolSpec
 from .schema import (ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem, TextDelta, Usage,
                      cancelled, logprob_json, stream_text)
 from .sse import KEEP_ALIVE, encode
@@ -70,7 +71,7 @@ from .tools import ToolFormat, parse_tool_calls
 if TYPE_CHECKING:
     from .chat import ChatTurn
 
-__all__ = ["ResponseState", "ResponsesRequest", "continued", "deleted_json", "error_json", "events",
+__all__ = ["PROTOCOL", "ResponseState", "ResponsesRequest", "continued", "deleted_json", "error_json", "events",
            "not_found", "parse_request", "parse_response_id", "response_id", "response_json", "stored_json"]
 
 log = logging.getLogger("semantic.web")
@@ -330,3 +331,6 @@ async def response_events(items: AsyncIterable[StreamItem], *, rid: str, model: 
         index += 1
     final = response("completed", output=output, usage=result.usage, result=result)
     yield event("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
+
+
+PROTOCOL = ProtocolSpec("responses", ("/v1/responses",), response_json, events, error_json)

@@ -1,5 +1,6 @@
 """What the routes share: the server's settings (``ServerConfig``) and its
-state (``Server``: the runtime, the chat core, the metrics, the dashboard)."""
+state (``Server``: the runtime, the chat core, the metrics, the dashboard);
+and what a family of routes is (``Routes``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from .chat import HEARTBEAT_S, ChatCore, turn_error
 from .dashboard import Dashboard
 from .events import EventHub
 from .metrics import Metrics
+from .protocols import ProtocolSpec
 
 __all__ = ["Routes", "Server", "ServerConfig"]
 
@@ -114,7 +116,11 @@ class Server:
 
 
 class Routes:
-    """A family of routes over the server's shared state (``routes()`` lists them)."""
+    """A family of routes over the server's shared state (``routes()`` lists
+    them), and the protocols they speak (``web.protocols``: the app's registry
+    is every family's)."""
+
+    protocols: tuple[ProtocolSpec, ...] = ()
 
     def __init__(self, server: Server):
         self.server = server
