@@ -7,10 +7,11 @@ GPU actor -- the second of two sends sees the first's reply in its prompt.
 Different agents' actors run side by side; the GPU actor batches their turns.
 
 A turn: the actor sends ``BeginTurn`` (the history plus the new user message)
-to the GPU actor with a reply stream, forwards each ``Delta`` to the
-consumer's stream, and on ``TurnEnded`` appends the user message and the reply
-to the history, hands the history file to the persistence actor, and only
-then forwards the end -- so a consumer that saw the end sees the new history.
+to the GPU actor with the consumer's stream, where the GPU actor posts each
+``Delta`` straight, and a stream of its own for the end: on ``TurnEnded`` it
+appends the user message and the reply to the history, hands the history
+file to the persistence actor, and only then forwards the end -- so a
+consumer that saw the end sees the new history.
 A turn that brings its whole conversation (``Agent.respond``, for stateless
 HTTP clients) replaces the history with that conversation plus the reply.
 
@@ -55,7 +56,6 @@ from .messages import (
     AgentCommand,
     BeginTurn,
     Delete,
-    Delta,
     Done,
     DropCache,
     Failed,
@@ -67,8 +67,8 @@ from .messages import (
     Open,
     ReadHistory,
     Send,
+    TurnEnd,
     TurnEnded,
-    TurnEvent,
     TurnFailed,
 )
 
@@ -219,26 +219,16 @@ class AgentActor:
             messages = message.messages
         else:
             messages = (*self.slot.history, Message("user", message.text))
-        send, events = anyio.create_memory_object_stream[TurnEvent](math.inf)
+        send, ends = anyio.create_memory_object_stream[TurnEnd](math.inf)
         gpu = self.ctx.gpu
-        gpu.submit(BeginTurn(message.turn_id, self.agent_id, messages, message.sampling, send, message.use_cache,
-                             message.tools, message.model, message.choices, message.prompt))
-        end: TurnEnded | TurnFailed | None = None
-        consumer_gone = False
-        async with events:
-            async for event in events:
-                if isinstance(event, Delta):
-                    if not consumer_gone:
-                        try:
-                            consumer.send_nowait(event)
-                        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                            consumer_gone = True
-                            gpu.cancel(message.turn_id)  # the consumer stopped reading
-                    continue
-                end = event
-                break
-        if end is None:  # the GPU actor ended without answering
-            end = TurnFailed(message.turn_id, gpu.error or RuntimeClosed("the runtime shut down during this turn"))
+        # The deltas go from the GPU actor to the consumer straight; only the end comes here.
+        gpu.submit(BeginTurn(message.turn_id, self.agent_id, messages, message.sampling, consumer, send,
+                             message.use_cache, message.tools, message.model, message.choices, message.prompt))
+        async with ends:
+            try:
+                end = await ends.receive()
+            except anyio.EndOfStream:  # the GPU actor ended without answering
+                end = TurnFailed(message.turn_id, gpu.error or RuntimeClosed("the runtime shut down during this turn"))
         if isinstance(end, TurnEnded):
             self.slot.last_result = _kept(end.result)
             if end.result.reason != "cancelled":

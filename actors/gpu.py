@@ -249,7 +249,7 @@ class GpuActor:
     def _refuse(self, command) -> None:
         error = self.error or RuntimeClosed("the runtime is closed")
         if isinstance(command, BeginTurn):
-            _send_final(command.reply, TurnFailed(command.turn_id, error))
+            _send_final(command.end, TurnFailed(command.turn_id, error))
         elif isinstance(command, (ForkCache, DropCache, FlushCaches, SwapModel)):
             _send_final(command.reply, Failed(error))
 

@@ -10,6 +10,7 @@ until a final event).  Who reads what:
     persistence actor mailbox   memory object stream             PersistCommand
     eviction actor mailbox      memory object stream             EvictCommand
     a turn's reply stream       memory object stream             TurnEvent
+    a turn's end (agent actor)  memory object stream             TurnEnd
 
 No MLX array ever travels in a message: the GPU actor turns caches into bytes
 (``CacheBlocks``) before they leave its thread.
@@ -38,8 +39,8 @@ __all__ = [
     "AgentCommand", "BeginTurn", "CacheBlocks", "CacheRead", "CacheWritten", "CancelTurn", "Delta", "Demote",
     "DropCache", "Done", "EvictCommand", "Failed", "FlushCaches", "ForkCache", "Forget", "Fork",
     "Flush", "GpuCommand", "GpuDown", "HistoryBytes", "HotAgent", "HotSet", "ImportArchive", "Message", "Open",
-    "PersistCommand", "ReadCache", "ReadHistory", "Send", "StopGpu", "Stop", "SwapModel", "TurnEnded", "TurnEvent",
-    "TurnFailed", "TurnResult", "Delete",
+    "PersistCommand", "ReadCache", "ReadHistory", "Send", "StopGpu", "Stop", "SwapModel", "TurnEnd", "TurnEnded",
+    "TurnEvent", "TurnFailed", "TurnResult", "Delete",
 ]
 
 
@@ -113,7 +114,7 @@ class Failed:
     error: SemanticError
 
 
-# -- a turn's reply stream: GPU actor -> agent actor -> consumer --------------
+# -- a turn's reply stream: deltas GPU actor -> consumer; the end GPU actor -> agent actor -> consumer
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ class TurnFailed:
     error: SemanticError
 
 
+TurnEnd = Union[TurnEnded, TurnFailed]  # how a turn ended
 TurnEvent = Union[Delta, TurnEnded, TurnFailed]  # Delta*, then exactly one of the others
 
 
@@ -140,7 +142,8 @@ class BeginTurn:
     agent_id: str
     messages: tuple[Message, ...]  # the whole conversation, ending with the new user message
     sampling: SamplingParams
-    reply: Sink[TurnEvent]
+    reply: Sink[TurnEvent]  # the consumer's: the GPU actor posts the deltas here, straight
+    end: Sink[TurnEnd]  # the agent actor's: the turn's end, which it forwards once the history is updated
     use_cache: bool = True  # False: prefill the whole prompt, reuse nothing (for comparisons)
     tools: tuple[dict, ...] | None = None  # tool definitions for the chat template
     model: str | None = None  # the catalogue's model to run on (None: the one loaded)

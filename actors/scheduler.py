@@ -4,10 +4,10 @@
   (``ReadCache``) while the batch goes on; the bytes come back (``CacheRead``).
 * ``Admission``: waiting turns enter the engine first come, first served, once
   their cache is in memory and their prompt fits the budget.
-* ``Scheduler``: routes each engine delta to its turn's reply stream, stores a
-  finished turn's cache and hands it to persistence, cancels, and reserves
-  each decoding turn's next token -- preempting the newest turn when the
-  budget runs out.
+* ``Scheduler``: routes each engine delta straight to its turn's consumer
+  and the turn's end to its agent actor, stores a finished turn's cache and
+  hands it to persistence, cancels, and reserves each decoding turn's next
+  token -- preempting the newest turn when the budget runs out.
 
 None of them waits, touches a file or knows the thread: they call the
 engine, the agents' caches and ``post`` (which queues a message for the event
@@ -196,7 +196,7 @@ class Admission:
                 self.waiting.remove(t)
                 self.reads.forget(t.cmd.agent_id)
                 self.discard(t)
-                self.post(t.cmd.reply, TurnEnded(turn_id, t.result(t.preempted, "cancelled")), True)
+                self.post(t.cmd.end, TurnEnded(turn_id, t.result(t.preempted, "cancelled")), True)
                 return True
         return False
 
@@ -210,7 +210,7 @@ class Admission:
             self.waiting.remove(t)
             self.reads.forget(t.cmd.agent_id)
             if cancel_started and t.preempted is not None:
-                self.post(t.cmd.reply, TurnEnded(t.cmd.turn_id, t.result(t.preempted, "cancelled")), True)
+                self.post(t.cmd.end, TurnEnded(t.cmd.turn_id, t.result(t.preempted, "cancelled")), True)
             else:
                 self.fail(t, error)
 
@@ -220,7 +220,7 @@ class Admission:
             self.registry.engine.discard(t.seq_id)
 
     def fail(self, t: GpuTurn, error: SemanticError) -> None:
-        self.post(t.cmd.reply, TurnFailed(t.cmd.turn_id, error), True)
+        self.post(t.cmd.end, TurnFailed(t.cmd.turn_id, error), True)
 
 
 class Scheduler:
@@ -348,7 +348,9 @@ class Scheduler:
             return
         reg.caches.hand_over(memory.agent_id)
         self.on_hot_changed()  # first: whoever sees the turn end sees its cache hot
-        self.post(t.cmd.reply, TurnEnded(t.cmd.turn_id, t.result(finished, finished.reason)), True)
+        # To the agent actor, which updates the history and then tells the consumer: posted after the
+        # deltas, so the consumer has every delta before the end.
+        self.post(t.cmd.end, TurnEnded(t.cmd.turn_id, t.result(finished, finished.reason)), True)
 
     def cancel_all(self) -> None:
         """Cancel every turn in the engine (their caches are kept)."""

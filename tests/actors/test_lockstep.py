@@ -17,7 +17,7 @@ from semantic.runtime.engine import SamplingParams
 
 def _turn(seed=None) -> BeginTurn:
     send, _ = anyio.create_memory_object_stream(1)
-    return BeginTurn(7, "ann", (Message("user", "Hi"),), SamplingParams(temperature=0.7, seed=seed), send)
+    return BeginTurn(7, "ann", (Message("user", "Hi"),), SamplingParams(temperature=0.7, seed=seed), send, send)
 
 
 def test_a_turn_travels_without_its_reply_stream_and_with_a_seed_drawn_on_rank_0():
@@ -25,7 +25,7 @@ def test_a_turn_travels_without_its_reply_stream_and_with_a_seed_drawn_on_rank_0
     sent = lockstep.send(_turn())
     assert sent.sampling.seed is not None  # every rank's sampler starts from the same key
     received = pickle.loads(_dumps(sent))
-    assert received.reply is None and received.sampling == sent.sampling and received.messages == sent.messages
+    assert received.reply is None and received.end is None and received.sampling == sent.sampling and received.messages == sent.messages
     assert lockstep.send(_turn(seed=5)).sampling.seed == 5  # a seed the client chose is kept
     assert lockstep.send(STEP) == STEP
 
