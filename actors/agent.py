@@ -209,31 +209,33 @@ class AgentActor:
         _final(message.reply, Done())
 
     async def _turn(self, message: Send) -> None:
-        consumer = message.reply
+        consumer, ask, slot = message.reply, message.request, self.slot
+        if not slot.exists:  # a turn creates its agent, as ``Open`` with no system prompt does
+            slot.exists = True
+            self._set_history(slot.history)
         if consumer.statistics().open_receive_streams == 0:
             return  # the consumer stopped before the turn started: nothing to run
         if self.ctx.closing():
-            _final(consumer, TurnFailed(message.turn_id, RuntimeClosed("the runtime is shutting down")))
+            _final(consumer, TurnFailed(ask.turn_id, RuntimeClosed("the runtime is shutting down")))
             return
-        if message.messages is not None:  # the whole conversation: it replaces the history
-            messages = message.messages
+        if ask.messages is not None:  # the whole conversation: it replaces the history
+            messages = ask.messages
         else:
-            messages = (*self.slot.history, Message("user", message.text))
+            messages = (*slot.history, Message("user", ask.text))
         send, ends = anyio.create_memory_object_stream[TurnEnd](math.inf)
         gpu = self.ctx.gpu
         # The deltas go from the GPU actor to the consumer straight; only the end comes here.
-        gpu.submit(BeginTurn(message.turn_id, self.agent_id, messages, message.sampling, consumer, send,
-                             message.use_cache, message.tools, message.model, message.choices, message.prompt))
+        gpu.submit(BeginTurn(ask, self.agent_id, messages, consumer, send))
         async with ends:
             try:
                 end = await ends.receive()
             except anyio.EndOfStream:  # the GPU actor ended without answering
-                end = TurnFailed(message.turn_id, gpu.error or RuntimeClosed("the runtime shut down during this turn"))
+                end = TurnFailed(ask.turn_id, gpu.error or RuntimeClosed("the runtime shut down during this turn"))
         if isinstance(end, TurnEnded):
             self.slot.last_result = _kept(end.result)
             if end.result.reason != "cancelled":
                 self._set_history((*messages, Message("assistant", end.result.text)))
-            self.ctx.turn_ended(self.agent_id, message.turn_id, end.result)
+            self.ctx.turn_ended(self.agent_id, ask.turn_id, end.result)
         _final(consumer, end)
 
     async def _fork(self, message: Fork) -> None:

@@ -40,7 +40,7 @@ __all__ = [
     "DropCache", "Done", "EvictCommand", "Failed", "FlushCaches", "ForkCache", "Forget", "Fork",
     "Flush", "GpuCommand", "GpuDown", "HistoryBytes", "HotAgent", "HotSet", "ImportArchive", "Message", "Open",
     "PersistCommand", "ReadCache", "ReadHistory", "Send", "StopGpu", "Stop", "SwapModel", "TurnEnd", "TurnEnded",
-    "TurnEvent", "TurnFailed", "TurnResult", "Delete",
+    "TurnEvent", "TurnFailed", "TurnRequest", "TurnResult", "Delete",
 ]
 
 
@@ -97,6 +97,29 @@ class Delta:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
+@dataclass(frozen=True)
+class TurnRequest:
+    """What a turn asks for, as ``Agent.send`` (``respond``, ``complete``) builds
+    it: carried to the agent actor (``Send``) and on to the GPU actor
+    (``BeginTurn``) as it is.
+
+    ``text`` is the new user message, appended to the history; or, when
+    ``messages`` is given, the turn's whole conversation, which replaces the
+    history (stateless clients send everything each time). With ``prompt``,
+    the model continues that raw text instead of the rendered conversation
+    (``messages`` then holds it as the user's message)."""
+
+    turn_id: int
+    sampling: SamplingParams
+    text: str = ""
+    messages: tuple[Message, ...] | None = None
+    use_cache: bool = True  # False: prefill the whole prompt, reuse nothing (for comparisons)
+    tools: tuple[dict, ...] | None = None  # tool definitions for the chat template
+    model: str | None = None  # the catalogue's model to run on (None: the one loaded)
+    choices: int = 1  # replies to the prompt, prefilled once; choice 0's is the agent's
+    prompt: str | None = None  # raw text to continue as it is (no chat template: ``Agent.complete``)
+
+
 # -- generic replies ---------------------------------------------------------
 
 
@@ -138,17 +161,17 @@ TurnEvent = Union[Delta, TurnEnded, TurnFailed]  # Delta*, then exactly one of t
 
 @dataclass(frozen=True)
 class BeginTurn:
-    turn_id: int
+    """A turn for the GPU actor: its request, and what the agent actor adds."""
+
+    request: TurnRequest
     agent_id: str
     messages: tuple[Message, ...]  # the whole conversation, ending with the new user message
-    sampling: SamplingParams
     reply: Sink[TurnEvent]  # the consumer's: the GPU actor posts the deltas here, straight
     end: Sink[TurnEnd]  # the agent actor's: the turn's end, which it forwards once the history is updated
-    use_cache: bool = True  # False: prefill the whole prompt, reuse nothing (for comparisons)
-    tools: tuple[dict, ...] | None = None  # tool definitions for the chat template
-    model: str | None = None  # the catalogue's model to run on (None: the one loaded)
-    choices: int = 1  # replies to the prompt, prefilled once; choice 0's is the agent's
-    prompt: str | None = None  # raw text to continue as it is (no chat template: ``Agent.complete``)
+
+    @property
+    def turn_id(self) -> int:
+        return self.request.turn_id
 
 
 @dataclass(frozen=True)
@@ -242,7 +265,8 @@ class GpuDown:
 
 @dataclass(frozen=True)
 class Open:
-    """Create the agent (with ``system`` as its first message) or check it matches."""
+    """Create the agent (with ``system`` as its first message) or check it matches
+    (``Runtime.agent``; a turn needs none: its ``Send`` creates the agent if new)."""
 
     system: str | None
     reply: Sink[Done | Failed]
@@ -250,22 +274,16 @@ class Open:
 
 @dataclass(frozen=True)
 class Send:
-    """A turn: ``text`` is the new user message, appended to the history; or,
-    when ``messages`` is given, the turn's whole conversation, which replaces
-    the history (stateless clients send everything each time). With
-    ``prompt``, the model continues that raw text instead of the rendered
-    conversation (``messages`` then holds it as the user's message)."""
+    """A turn (the one message that starts it): the agent is created if new (as
+    ``Open`` with no system prompt), then the turn runs after the agent's
+    earlier ones."""
 
-    turn_id: int
-    text: str
-    sampling: SamplingParams
+    request: TurnRequest
     reply: Sink[TurnEvent]
-    use_cache: bool = True
-    messages: tuple[Message, ...] | None = None
-    tools: tuple[dict, ...] | None = None
-    model: str | None = None
-    choices: int = 1
-    prompt: str | None = None
+
+    @property
+    def turn_id(self) -> int:
+        return self.request.turn_id
 
 
 @dataclass(frozen=True)

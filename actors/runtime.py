@@ -282,6 +282,16 @@ class Runtime(RuntimeStatus):
         raise_failed(await request(lambda r: self.deliver(slot, Open(system, r))))
         return Agent(self, slot)
 
+    async def handle(self, agent_id: str) -> Agent:
+        """A handle on ``agent_id`` without a message to its actor: its first turn
+        creates the agent if it is new (as ``agent`` with no system prompt does),
+        so a turn takes one message.  Its ``history`` is what the agent's actor
+        last loaded or wrote (empty before); open the agent with ``agent`` to
+        read it first.  Raises ``InvalidAgentId``, ``RuntimeClosed``."""
+        validate_agent_id(agent_id)
+        self.check_open()
+        return Agent(self, await self._slot(agent_id))
+
     async def swap_model(self, model: str | LoadedModel) -> str:
         """Swap the model: turns in flight finish, new ones wait; every dirty cache
         is written; the old model is unloaded and ``model`` loaded.  Agents keep

@@ -46,7 +46,7 @@ class GpuTurn:
     received: float = field(default_factory=time.perf_counter)
     turn: turns.Turn | None = None
     seq_id: int | None = None  # choice 0's: the reply the agent keeps
-    seq_ids: list[int] = field(default_factory=list)  # every choice's, in order (``BeginTurn.choices``)
+    seq_ids: list[int] = field(default_factory=list)  # every choice's, in order (``TurnRequest.choices``)
     ended: dict[int, Finished] = field(default_factory=dict)  # choices that ended, until all have
     admitted: float | None = None
     first_token: float | None = None
@@ -103,12 +103,12 @@ class Admission:
 
     def runs_here(self, t: GpuTurn) -> bool:
         """The turn runs on the loaded model (it named none, or that one)."""
-        return t.preempted is not None or t.cmd.model in (None, self.registry.name)
+        return t.preempted is not None or t.cmd.request.model in (None, self.registry.name)
 
     def wanted_model(self) -> str | None:
         """The model the oldest waiting turn names, when another is loaded (or none)."""
         t = next((t for t in self.waiting if t.preempted is None), None)
-        return None if t is None or self.runs_here(t) else t.cmd.model
+        return None if t is None or self.runs_here(t) else t.cmd.request.model
 
     def next(self, crowded: bool, preempted_only: bool = False) -> GpuTurn | None:
         """Admit waiting turns in order until one is admitted (returned) or one must
@@ -116,7 +116,7 @@ class Admission:
         room.  Turns for another model are passed over: they wait for a swap."""
         here = [t for t in self.waiting if self.runs_here(t)]
         for t in here[:READ_AHEAD]:
-            if t.cmd.use_cache or t.preempted is not None:
+            if t.cmd.request.use_cache or t.preempted is not None:
                 self.reads.want(t.cmd.agent_id)
         for t in here:
             if preempted_only and t.preempted is None:
@@ -134,16 +134,16 @@ class Admission:
 
     def _start(self, t: GpuTurn, crowded: bool) -> bool | None:
         """True: in the engine; False: no room while others run; None: failed (replied)."""
-        cmd, reg = t.cmd, self.registry
+        cmd, ask, reg = t.cmd, t.cmd.request, self.registry
         caches, tokenizer = reg.caches, reg.loaded.tokenizer
         try:
-            if cmd.prompt is not None:  # raw text: no template, no system prompt to share
-                text, prefix = turns.raw_prompt(tokenizer, cmd.prompt), None
+            if ask.prompt is not None:  # raw text: no template, no system prompt to share
+                text, prefix = turns.raw_prompt(tokenizer, ask.prompt), None
             else:
                 messages = [m.as_dict() for m in cmd.messages]
-                text = turns.render(tokenizer, messages, cmd.tools)
+                text = turns.render(tokenizer, messages, ask.tools)
                 prefix = turns.system_prefix(tokenizer, messages, text)
-            turn = turns.begin(caches, tokenizer, cmd.agent_id, text, prefix, use_cache=cmd.use_cache,
+            turn = turns.begin(caches, tokenizer, cmd.agent_id, text, prefix, use_cache=ask.use_cache,
                                context_length=reg.context_length)
         except (ContextTooLong, OutOfMemory) as e:
             return False if crowded and isinstance(e, OutOfMemory) else self.fail(t, e)
@@ -152,11 +152,11 @@ class Admission:
             return self.fail(t, TurnError(f"the turn could not start: {e!r}"))
         limit, n = reg.context_length, len(turn.prompt)
         # A reply that would run past the context stops at its end (reason "length").
-        sampling = cmd.sampling if n + cmd.sampling.max_tokens <= limit else replace(cmd.sampling, max_tokens=limit - n)
+        sampling = ask.sampling if n + ask.sampling.max_tokens <= limit else replace(ask.sampling, max_tokens=limit - n)
         try:
             t.seq_id = reg.engine.add(turn.prompt, sampling, turn.cache, turn.plan.keep,
-                                      continues=cmd.prompt is not None)  # raw text: the reply goes on from it
-            t.seq_ids = [t.seq_id, *(reg.engine.add_choices(t.seq_id, cmd.choices - 1) if cmd.choices > 1 else ())]
+                                      continues=ask.prompt is not None)  # raw text: the reply goes on from it
+            t.seq_ids = [t.seq_id, *(reg.engine.add_choices(t.seq_id, ask.choices - 1) if ask.choices > 1 else ())]
         except Exception as e:
             caches.abandon(cmd.agent_id)
             return self.fail(t, TurnError(f"the turn could not start: {e!r}"))
@@ -205,7 +205,7 @@ class Admission:
         with ``cancel_started``, one that started (preempted) ends cancelled
         instead, its cache kept."""
         for t in list(self.waiting):
-            if model is not None and t.cmd.model != model:
+            if model is not None and t.cmd.request.model != model:
                 continue
             self.waiting.remove(t)
             self.reads.forget(t.cmd.agent_id)

@@ -163,7 +163,9 @@ class ChatCore:
         else:
             agent_id = agent_id or self.index.match(prepared.messages, req.hint) or new_conversation_id(req.hint)
         with self._claimed(agent_id) as release:  # before any await: no other request takes it meanwhile
-            agent = await (self._fork(fork_from, agent_id) if fork_from is not None else self._open(agent_id))
+            # (the history is read first only when its calls stand in for the client's)
+            agent = await (self._fork(fork_from, agent_id) if fork_from is not None
+                           else self._open(agent_id, read=prepared.calls_as_text))
             messages = prepared.messages
             if prepared.calls_as_text:  # its calls as it wrote them: their text is what its cache holds
                 messages = as_generated(messages, agent.history, self.index.fmt)
@@ -275,14 +277,16 @@ class ChatCore:
         opened = self._opens_thinking[model]
         return None if opened is None else ThinkTags(opened)
 
-    async def _open(self, agent_id: str) -> Agent:
+    async def _open(self, agent_id: str, read: bool = False) -> Agent:
+        """A handle on ``agent_id``; with ``read``, once its actor has its history
+        (a round trip), else at once: the turn's one message creates the agent."""
         try:
-            return await self.rt.agent(agent_id)
+            return await (self.rt.agent(agent_id) if read else self.rt.handle(agent_id))
         except SemanticError as e:
             raise turn_error(e) from None
 
     async def _fork(self, source_id: str, target_id: str) -> Agent:
-        source = await self._open(source_id)
+        source = await self._open(source_id, read=True)
         try:
             return await source.fork(target_id)
         except SemanticError as e:
@@ -318,7 +322,8 @@ class ChatCore:
                 async for item in items:
                     yield item
         finally:
-            self.index.record(agent.id, agent.history)
+            if reply is not None and reply.result is not None:  # else its history is as the index has it
+                self.index.record(agent.id, agent.history)
             if reply is not None:
                 self.metrics.turn(reply.result, tier)
                 self.observer.turn_ended(agent.id, route, reply.turn_id, reply.result, tier)
