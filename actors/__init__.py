@@ -48,7 +48,7 @@ from semantic.runtime.cache_records import AGENT_CHARS, InvalidAgentId, validate
 from semantic.runtime.disk import NoRoom
 from semantic.runtime.errors import ModelError, SemanticError
 from semantic.runtime.grammar import GrammarError
-from semantic.runtime.outcome import TurnResult  # what Reply.result holds
+from semantic.runtime.outcome import FinishReason, TurnResult  # what Reply.result holds, and why it ended
 from semantic.runtime.sampling import MAX_LOGPROBS, TokenLogprob
 
 from .archive import ArchiveError
@@ -79,6 +79,7 @@ __all__ = [
     "BatchSnapshot",
     "ContextTooLong",
     "Delta",
+    "FinishReason",
     "GrammarError",
     "InvalidAgentId",
     "MAX_CHOICES",

@@ -48,7 +48,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from semantic.runtime.errors import SemanticError
-from semantic.runtime.outcome import TurnResult
+from semantic.runtime.outcome import FinishReason, TurnResult
 
 from .errors import AgentExists, AgentGone, RuntimeClosed, TurnError
 from .history import encode_history
@@ -233,7 +233,7 @@ class AgentActor:
                 end = TurnFailed(ask.turn_id, gpu.error or RuntimeClosed("the runtime shut down during this turn"))
         if isinstance(end, TurnEnded):
             self.slot.last_result = _kept(end.result)
-            if end.result.reason != "cancelled":
+            if end.result.reason != FinishReason.CANCELLED:
                 self._set_history((*messages, Message("assistant", end.result.text)))
             self.ctx.turn_ended(self.agent_id, ask.turn_id, end.result)
         _final(consumer, end)

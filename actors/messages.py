@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
-from semantic.runtime.engine import SamplingParams, TokenLogprob
+from semantic.runtime.engine import Delta, SamplingParams  # Delta re-exported: a turn's deltas, engine to protocols
 from semantic.runtime.errors import SemanticError
 from semantic.runtime.outcome import TurnResult  # re-exported: a turn's reply stream ends with it
 
@@ -82,19 +82,26 @@ class Message:
 
 
 @dataclass(frozen=True)
-class Delta:
-    """New text of a reply as it streams (whole characters), its token ids,
-    their log-probabilities when the turn asked for them, and which of the
-    turn's replies it extends (``choice``: 0 unless it asked for several).
-    A choice's first delta carries the prompt's log-probabilities when the
-    turn asked for them (``prompt_logprobs``; a turn that ends with no
-    delta has them in its result only)."""
+class TurnRequest:
+    """What a turn asks for, as ``Agent.send`` (``respond``, ``complete``) builds
+    it: carried to the agent actor (``Send``) and on to the GPU actor
+    (``BeginTurn``) as it is.
 
-    text: str
-    tokens: tuple[int, ...] = ()
-    logprobs: tuple[TokenLogprob, ...] = ()
-    choice: int = 0
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    ``text`` is the new user message, appended to the history; or, when
+    ``messages`` is given, the turn's whole conversation, which replaces the
+    history (stateless clients send everything each time). With ``prompt``,
+    the model continues that raw text instead of the rendered conversation
+    (``messages`` then holds it as the user's message)."""
+
+    turn_id: int
+    sampling: SamplingParams
+    text: str = ""
+    messages: tuple[Message, ...] | None = None
+    use_cache: bool = True  # False: prefill the whole prompt, reuse nothing (for comparisons)
+    tools: tuple[dict, ...] | None = None  # tool definitions for the chat template
+    model: str | None = None  # the catalogue's model to run on (None: the one loaded)
+    choices: int = 1  # replies to the prompt, prefilled once; choice 0's is the agent's
+    prompt: str | None = None  # raw text to continue as it is (no chat template: ``Agent.complete``)
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,10 @@ from semantic.runtime import turns
 from semantic.runtime.agent_cache import OutOfMemory
 from semantic.runtime.errors import SemanticError
 from semantic.runtime.outcome import TurnResult
-from semantic.runtime.sequence import LENGTH, Finished
-from semantic.runtime.sequence import Delta as EngineDelta
+from semantic.runtime.sequence import CANCELLED, LENGTH, Delta, Finished, FinishReason
 
 from .errors import ContextTooLong, TurnError
-from .messages import BeginTurn, CacheRead, CancelTurn, Delta, ReadCache, TurnEnded, TurnFailed
+from .messages import BeginTurn, CacheRead, CancelTurn, ReadCache, TurnEnded, TurnFailed
 
 __all__ = ["Admission", "GpuTurn", "ReadAhead", "Scheduler"]
 
@@ -54,11 +53,11 @@ class GpuTurn:
     generated: int = 0  # output tokens so far
     preempted: Finished | None = None  # out of the engine to free memory (its cache dropped here)
 
-    def result(self, f: Finished | None, reason: str) -> TurnResult:
+    def result(self, f: Finished | None, reason: FinishReason) -> TurnResult:
         """Its result (choice 0's), with the other choices' when it asked for several."""
         now = time.perf_counter()
 
-        def measured(f: Finished | None, reason: str) -> TurnResult:
+        def measured(f: Finished | None, reason: FinishReason) -> TurnResult:
             return TurnResult.measured(f, reason, arrived=self.received, admitted=self.admitted or now,
                                        first_token=self.first_token, ended=now, cancel_lag_steps=self.cancel_lag)
 
@@ -196,7 +195,7 @@ class Admission:
                 self.waiting.remove(t)
                 self.reads.forget(t.cmd.agent_id)
                 self.discard(t)
-                self.post(t.cmd.end, TurnEnded(turn_id, t.result(t.preempted, "cancelled")), True)
+                self.post(t.cmd.end, TurnEnded(turn_id, t.result(t.preempted, CANCELLED)), True)
                 return True
         return False
 
@@ -210,7 +209,7 @@ class Admission:
             self.waiting.remove(t)
             self.reads.forget(t.cmd.agent_id)
             if cancel_started and t.preempted is not None:
-                self.post(t.cmd.end, TurnEnded(t.cmd.turn_id, t.result(t.preempted, "cancelled")), True)
+                self.post(t.cmd.end, TurnEnded(t.cmd.turn_id, t.result(t.preempted, CANCELLED)), True)
             else:
                 self.fail(t, error)
 
@@ -317,16 +316,16 @@ class Scheduler:
             assert delta is not None, "an admitted turn is unknown to the engine"
             self.route([delta])
 
-    def route(self, deltas: list[EngineDelta]) -> None:
+    def route(self, deltas: list[Delta]) -> None:
         for d in deltas:
             t = self.by_seq[d.seq_id]
-            choice = t.seq_ids.index(d.seq_id)
+            choice = d.choice
             t.generated += len(d.tokens)
             self.generated += len(d.tokens)
             if d.text or d.tokens:
                 if t.first_token is None:
                     t.first_token = time.perf_counter()
-                self.post(t.cmd.reply, Delta(d.text, d.tokens, d.logprobs, choice, d.prompt_logprobs))
+                self.post(t.cmd.reply, d if d.finished is None else replace(d, finished=None))  # (it holds the cache)
             if d.finished is not None:
                 del self.by_seq[d.seq_id]
                 t.ended[d.seq_id] = d.finished

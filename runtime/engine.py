@@ -253,13 +253,13 @@ class Engine:
             raise ValueError(f"sequence {seq_id} is not prefilling: choices start with its prompt")
         p = seq.sampling
         choices = [self._sequence(seq.prompt, p if p.seed is None else replace(p, seed=p.seed + i),
-                                  SequenceCache(), 0, seq.continues)
+                                  SequenceCache(), 0, seq.continues, choice=i)
                    for i in range(1, count + 1)]
         self._choices.setdefault(seq_id, []).extend(choices)
         return [c.id for c in choices]
 
     def _sequence(self, prompt: list[int], sampling: SamplingParams, cache: SequenceCache,
-                  cached_tokens: int, continues: bool = False) -> Sequence:
+                  cached_tokens: int, continues: bool = False, choice: int = 0) -> Sequence:
         return Sequence(
             id=next(self._ids),
             prompt=prompt,
@@ -274,6 +274,7 @@ class Engine:
             reused=cached_tokens,
             prompt_tokens=len(prompt),
             drafter=Drafter(prompt, self._indents) if self.speculation else None,
+            choice=choice,
         )
 
     def _fork_choices(self, seq: Sequence) -> list[Sequence]:
@@ -367,7 +368,9 @@ class Engine:
         (the prompt so far, plus the tokens fed back while decoding).
         """
         seq = self._take(seq_id)
-        return None if seq is None else Delta(seq.id, (), "", self._finished(seq, reason))
+        if seq is None:
+            return None
+        return Delta("", choice=seq.choice, seq_id=seq.id, finished=self._finished(seq, reason))
 
     @_settled
     def preempt(self, seq_id: int) -> Finished | None:
@@ -465,11 +468,11 @@ class Engine:
         text, hit = seq.reply.release(final=reason is not None)
         return new, text, STOP if hit else reason
 
-    def _delta(self, seq: Sequence, new: tuple[int, ...], text: str, reason: str | None) -> Delta:
+    def _delta(self, seq: Sequence, new: tuple[int, ...], text: str, reason: FinishReason | None) -> Delta:
         first, seq.delivered = not seq.delivered, True
-        return Delta(seq.id, new, text, None if reason is None else self._finished(seq, reason),
-                     tuple(seq.logprobs[-len(new):]) if new and seq.logprobs else (),
-                     tuple(seq.prompt_logprobs) if first else ())
+        return Delta(text, new, tuple(seq.logprobs[-len(new):]) if new and seq.logprobs else (), seq.choice,
+                     tuple(seq.prompt_logprobs) if first else (), seq.id,
+                     None if reason is None else self._finished(seq, reason))
 
     def _finished(self, seq: Sequence, reason: FinishReason) -> Finished:
         mx.eval(seq.cache.arrays())

@@ -31,12 +31,12 @@ from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from semantic.actors import MAX_LOGPROBS, AgentInfo, TurnResult
+from semantic.actors import MAX_LOGPROBS, AgentInfo, Delta, TurnResult
 
 from . import _validate as v
 from ._aio import closing
 from .protocols import ProtocolSpec
-from .schema import (ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem, TextDelta,
+from .schema import (ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem,
                      load_json, logprob_json)
 from .sse import KEEP_ALIVE, encode
 
@@ -162,9 +162,9 @@ async def turn_events(agent_id: str, model: str, items: AsyncIterable[StreamItem
                     yield KEEP_ALIVE
                 elif isinstance(item, LogprobsDelta):
                     continue  # they come with ``done``
-                elif isinstance(item, (TextDelta, ReasoningDelta)):
+                elif isinstance(item, (Delta, ReasoningDelta)):
                     sent = True
-                    yield encode({"text": item.text}, "delta" if isinstance(item, TextDelta) else "reasoning")
+                    yield encode({"text": item.text}, "delta" if isinstance(item, Delta) else "reasoning")
                 else:
                     body = turn_json(agent_id, model, item)
                     sent = True

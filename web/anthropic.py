@@ -55,12 +55,13 @@ import secrets
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import TYPE_CHECKING
 
+from semantic.actors import Delta
 from semantic.runtime.json_reader import JSONError, read_json
 
 from . import _validate as v
 from ._aio import closing
 from .protocols import ProtocolSpec
-from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, TextDelta, Usage,
+from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, Usage,
                      cancelled, load_json, stream_text)
 from .sse import encode
 
@@ -437,7 +438,7 @@ async def message_events(items: AsyncIterable[StreamItem], *, model: str,
                         yield event
                     yield _event({"type": "content_block_delta", "index": index,
                                   "delta": {"type": "thinking_delta", "thinking": piece.text}})
-                elif isinstance(piece, TextDelta):
+                elif isinstance(piece, Delta):
                     for event in switch("text", {"type": "text", "text": ""}) if block != "text" else ():
                         yield event
                     yield _event({"type": "content_block_delta", "index": index,

@@ -23,9 +23,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
-from semantic.actors import (Agent, AgentExists, AgentGone, ContextTooLong, InvalidAgentId, Message, ModelError,
-                             OutOfMemory, Reply, Runtime, RuntimeClosed, RuntimeUnhealthy, SemanticError, TurnCancelled,
-                             TurnResult, UnknownModel, validate_agent_id)
+from semantic.actors import (Agent, AgentExists, AgentGone, ContextTooLong, Delta, FinishReason, InvalidAgentId,
+                             Message, ModelError, OutOfMemory, Reply, Runtime, RuntimeClosed, RuntimeUnhealthy,
+                             SemanticError, TurnCancelled, TurnResult, UnknownModel, validate_agent_id)
 
 from ._aio import closing
 from .harmony import Harmony, speaks_harmony
@@ -34,7 +34,7 @@ from .metrics import Metrics
 from .prepare import Prepared, prepare
 from .reasoning import CLOSE, OPEN, ThinkTags
 from .schema import (ChatRequest, ChatResult, CompletionRequest, Heartbeat, LogprobsDelta, PromptLogprobs,
-                     ReasoningDelta, RequestError, StreamItem, TextDelta, Usage)
+                     ReasoningDelta, RequestError, StreamItem, Usage)
 from .tools import ToolCallFilter, added_tokens, finish_result, library_format, reply_format
 
 __all__ = ["Answers", "ChatCore", "ChatProtocol", "ChatTurn", "chat_result", "checked_agent_id", "sampling",
@@ -45,7 +45,7 @@ HEARTBEAT_S = 2.0  # a stream with nothing new for this long sends its keep-aliv
 
 @dataclass(frozen=True)
 class ChatTurn:
-    """A turn under way, for a protocol to answer: its items are ``TextDelta``
+    """A turn under way, for a protocol to answer: its items are ``Delta``
     and ``Heartbeat`` items and then one ``ChatResult``."""
 
     agent_id: str
@@ -89,9 +89,10 @@ def chat_result(result: TurnResult) -> ChatResult:
     usage = Usage(result.prefilled_tokens, result.reused_tokens, result.output_tokens,
                   result.drafted_tokens, result.accepted_tokens)
     stop = getattr(result, "stop_sequence", None)
-    if result.reason == "stop":
+    if result.reason == FinishReason.STOP:
         return ChatResult(result.text, "stop_sequence" if stop else "stop", usage, stop or None, turn=result)
-    return ChatResult(result.text, "length" if result.reason == "length" else "cancelled", usage, turn=result)
+    reason = "length" if result.reason == FinishReason.LENGTH else "cancelled"
+    return ChatResult(result.text, reason, usage, turn=result)
 
 
 def turn_error(e: Exception) -> RequestError:
@@ -365,7 +366,7 @@ class _Releasing:
 async def _run_turn(reply: Reply, prepared: Prepared, reasoning: ThinkTags | Harmony | None, choices: int,
                     heartbeat_s: float) -> AsyncIterator[StreamItem]:
     """The items of one turn: ``ReasoningDelta`` items (when the model reasons:
-    ``reasoning`` reads it apart, and a harmony reply's calls) and ``TextDelta`` items
+    ``reasoning`` reads it apart, and a harmony reply's calls) and ``Delta`` items
     (tool-call markup held back), each delta's ``LogprobsDelta`` after its
     text and a choice's ``PromptLogprobs`` before its first (when the turn
     asked), each item of the reply ``choice`` it extends,
@@ -384,7 +385,7 @@ async def _run_turn(reply: Reply, prepared: Prepared, reasoning: ThinkTags | Har
             if kind == "thinking":
                 yield ReasoningDelta(text, choice)
             elif text := holds[choice].feed(text) if holds[choice] else text:
-                yield TextDelta(text, choice)
+                yield Delta(text, choice=choice)
 
     try:
         while True:

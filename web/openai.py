@@ -57,13 +57,13 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import TYPE_CHECKING
 
-from semantic.actors import MAX_CHOICES, MAX_LOGPROBS
+from semantic.actors import MAX_CHOICES, MAX_LOGPROBS, Delta
 from semantic.runtime.json_reader import JSONError, read_json
 
 from . import _validate as v
 from ._aio import closing
 from .protocols import ProtocolSpec
-from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, TextDelta, Usage,
+from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, Usage,
                      cancelled, load_json, logprob_json, stream_text)
 from .sse import KEEP_ALIVE, encode
 
@@ -406,7 +406,7 @@ async def completion_chunks(items: AsyncIterable[StreamItem], *, model: str, inc
                     yield chunk({"role": "assistant", "content": ""}, index=piece.choice)
                 if isinstance(piece, ReasoningDelta):
                     yield chunk({"reasoning_content": piece.text}, index=piece.choice)
-                elif isinstance(piece, TextDelta):
+                elif isinstance(piece, Delta):
                     yield chunk({"content": piece.text}, index=piece.choice)
                 else:  # log-probabilities: their tokens' text came before them, or is held back
                     yield chunk({}, logprobs=_logprobs(piece.logprobs), index=piece.choice)

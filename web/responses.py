@@ -54,7 +54,7 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import TYPE_CHECKING
 
-from semantic.actors import Message
+from semantic.actors import Delta, Message
 
 from ._aio import closing
 from .harmony import HARMONY, read_harmony
@@ -63,7 +63,7 @@ from .reasoning import CLOSE, OPEN, split_reasoning
 from .response_ids import ResponseState, not_found, parse_response_id, response_id
 from .responses_request import ResponsesRequest, continued, parse_request
 from .protocols import ProtocolSpec
-from .schema import (ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem, TextDelta, Usage,
+from .schema import (ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem, Usage,
                      cancelled, logprob_json, stream_text)
 from .sse import KEEP_ALIVE, encode
 from .tools import ToolFormat, parse_tool_calls
@@ -274,7 +274,7 @@ async def response_events(items: AsyncIterable[StreamItem], *, rid: str, model: 
                     thought.append(piece.text)
                     yield event("response.reasoning_text.delta", item_id=reasoning_id, output_index=index,
                                 content_index=0, delta=piece.text)
-                elif isinstance(piece, TextDelta):
+                elif isinstance(piece, Delta):
                     unsent.append(piece.text)
                     if not with_logprobs:
                         for chunk in send_text():

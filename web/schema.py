@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from semantic.runtime.json_reader import JSONError, read_json
-from semantic.actors import TokenLogprob
+from semantic.actors import Delta, TokenLogprob
 
 from ._aio import closing
 
@@ -43,7 +43,6 @@ __all__ = [
     "ROLES",
     "StopReason",
     "StreamItem",
-    "TextDelta",
     "ToolCall",
     "Usage",
     "cancelled",
@@ -244,12 +243,6 @@ class ChatResult:
 
 
 @dataclass(frozen=True)
-class TextDelta:
-    text: str  # new text, safe to show
-    choice: int = 0  # which reply it extends (``ChatRequest.choices``)
-
-
-@dataclass(frozen=True)
 class ReasoningDelta:
     text: str  # more of what the model thinks before it answers
     choice: int = 0
@@ -285,12 +278,13 @@ class Heartbeat:
     """Nothing new for a while (a long prompt prefilling): a stream sends its keep-alive."""
 
 
-# What a streaming route consumes: ReasoningDelta, TextDelta and Heartbeat items
+# What a streaming route consumes: ReasoningDelta, Delta (the reply's text, as the runtime's deltas
+# carry it: one type from the engine to here) and Heartbeat items
 # (and LogprobsDelta and PromptLogprobs, when asked for), then exactly one
 # ChatResult. The text deltas joined are a prefix of the result's text; the
 # stream builders send the rest (text held back while a tool call might have
 # been starting).
-StreamItem = ReasoningDelta | TextDelta | LogprobsDelta | PromptLogprobs | Heartbeat | ChatResult
+StreamItem = ReasoningDelta | Delta | LogprobsDelta | PromptLogprobs | Heartbeat | ChatResult
 
 
 def cancelled() -> RequestError:
@@ -299,7 +293,7 @@ def cancelled() -> RequestError:
 
 
 async def stream_text(items: AsyncIterable[StreamItem], logprobs: bool = False) -> AsyncIterator[StreamItem]:
-    """A turn's text as it streams (non-empty ``TextDelta`` pieces, then what each
+    """A turn's text as it streams (non-empty ``Delta`` pieces, then what each
     reply's result holds beyond them; heartbeats and reasoning as they come, and
     log-probabilities with ``logprobs``), then its ``ChatResult``.  ``items`` is
     closed before the rest of the text comes; a cancelled result raises ``cancelled()``."""
@@ -312,7 +306,7 @@ async def stream_text(items: AsyncIterable[StreamItem], logprobs: bool = False) 
                 continue
             if isinstance(item, (LogprobsDelta, PromptLogprobs)):
                 continue
-            if isinstance(item, TextDelta):
+            if isinstance(item, Delta):
                 if item.text:
                     parts.setdefault(item.choice, []).append(item.text)
                     yield item
@@ -327,5 +321,5 @@ async def stream_text(items: AsyncIterable[StreamItem], logprobs: bool = False) 
         sent = "".join(parts.get(choice, ()))
         assert reply.text.startswith(sent), "streamed text must be a prefix of the result's text"
         if rest := reply.text[len(sent):]:
-            yield TextDelta(rest, choice)
+            yield Delta(rest, choice=choice)
     yield result
