@@ -96,11 +96,11 @@ class Engine:
     ``row_counts``: the token slots a decode forward may have (``calibrate``
     measures them; more sequences than the largest take more forwards);
     without it every forward has exactly ``decode_rows``, the most
-    ``calibrate`` tries.  ``max_chunk``: the most prompt tokens of one
+    ``calibrate`` tries.  ``prefill_chunk``: the most prompt tokens of one
     sequence a prefill forward takes (fewer when its attention would pass
     ``attention_budget``, not below ``min_chunk``; more by a rest shorter than
     ``min_chunk``, which would cost a forward of its own); ``prefill_rows``
-    (default twice ``max_chunk``): the most of several sequences' chunks
+    (default twice ``prefill_chunk``): the most of several sequences' chunks
     together, where ``row_counts`` lets them share a forward and
     ``batch_prefill``.  ``model`` is made ``rowwise`` and ``lean`` in place.  ``shared_tokens``:
     a model sharded over ranks maps the tokens this rank sampled to those every
@@ -119,7 +119,7 @@ class Engine:
         *,
         kv_bits: int = 4,
         kv_group_size: int = 64,
-        max_chunk: int = 512,
+        prefill_chunk: int = 512,
         prefill_rows: int | None = None,
         batch_prefill: bool = True,
         min_chunk: int = 32,
@@ -143,8 +143,8 @@ class Engine:
         self._eos = set(tokenizer.eos_token_ids)
         self._grammars = Grammars(tokenizer, self._eos)
         self._ids = itertools.count()
-        self._prefiller = Prefiller(self.model, self._grammars.token_bytes, max_chunk=max_chunk,
-                                    prefill_rows=prefill_rows or 2 * max_chunk, batch_prefill=batch_prefill,
+        self._prefiller = Prefiller(self.model, self._grammars.token_bytes, prefill_chunk=prefill_chunk,
+                                    prefill_rows=prefill_rows or 2 * prefill_chunk, batch_prefill=batch_prefill,
                                     min_chunk=min_chunk, attention_budget=attention_budget)
         # BLAS picks kernels by shape, and kernels sum differently: decode forwards have only
         # token slot counts whose rows agree (``calibrate``), or one count.
@@ -161,8 +161,8 @@ class Engine:
     # -- queries ---------------------------------------------------------
 
     @property
-    def max_chunk(self) -> int:
-        return self._prefiller.max_chunk
+    def prefill_chunk(self) -> int:
+        return self._prefiller.prefill_chunk
 
     @property
     def prefill_rows(self) -> int:
