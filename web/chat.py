@@ -34,7 +34,7 @@ from .metrics import Metrics
 from .prepare import Prepared, prepare
 from .reasoning import CLOSE, OPEN, ThinkTags
 from .schema import (ChatRequest, ChatResult, CompletionRequest, Heartbeat, LogprobsDelta, PromptLogprobs,
-                     ReasoningDelta, RequestError, StreamItem, Usage)
+                     ReasoningDelta, RequestError, StopReason, StreamItem, Usage)
 from .tools import ToolCallFilter, added_tokens, finish_result, library_format, reply_format
 
 __all__ = ["Answers", "ChatCore", "ChatProtocol", "ChatTurn", "chat_result", "checked_agent_id", "sampling",
@@ -90,8 +90,9 @@ def chat_result(result: TurnResult) -> ChatResult:
                   result.drafted_tokens, result.accepted_tokens)
     stop = getattr(result, "stop_sequence", None)
     if result.reason == FinishReason.STOP:
-        return ChatResult(result.text, "stop_sequence" if stop else "stop", usage, stop or None, turn=result)
-    reason = "length" if result.reason == FinishReason.LENGTH else "cancelled"
+        reason = StopReason.STOP_SEQUENCE if stop else StopReason.STOP
+        return ChatResult(result.text, reason, usage, stop or None, turn=result)
+    reason = StopReason.LENGTH if result.reason == FinishReason.LENGTH else StopReason.CANCELLED
     return ChatResult(result.text, reason, usage, turn=result)
 
 
@@ -416,8 +417,9 @@ async def _run_turn(reply: Reply, prepared: Prepared, reasoning: ThinkTags | Har
                 yield item
             thought, text, calls = reasoning.read(turn.text)
             result = replace(result, text=text, reasoning=thought)
-            if calls and (result.stop_reason == "stop" or prepared.holds_calls and result.stop_reason == "length"):
-                result = replace(result, stop_reason="tool_use" if result.stop_reason == "stop" else "length",
+            stopped, cut = result.stop_reason == StopReason.STOP, result.stop_reason == StopReason.LENGTH
+            if calls and (stopped or prepared.holds_calls and cut):
+                result = replace(result, stop_reason=StopReason.TOOL_USE if stopped else StopReason.LENGTH,
                                  tool_calls=tuple(calls))
         results.append(finish_result(result, prepared.fmt, prepared.tool_names, prepared.tools, prepared.holds_calls))
     yield replace(results[0], choices=tuple(results[1:]))

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from enum import StrEnum
+from typing import Literal
 
 from semantic.runtime.json_reader import JSONError, read_json
 from semantic.actors import Delta, TokenLogprob
@@ -53,8 +54,18 @@ __all__ = [
 
 ROLES = ("system", "user", "assistant", "tool")
 
-StopReason = Literal["stop", "length", "stop_sequence", "tool_use", "cancelled"]
-_STOP_REASONS = get_args(StopReason)
+class StopReason(StrEnum):
+    """How a reply ended, as the protocols tell it: the runtime's ``FinishReason``
+    with a stop string's stop told apart and the calls read out of a reply."""
+
+    STOP = "stop"  # the model ended its turn
+    LENGTH = "length"  # max_tokens, or the context, ran out
+    STOP_SEQUENCE = "stop_sequence"  # a stop string ended it (``ChatResult.stop_sequence``)
+    TOOL_USE = "tool_use"  # it ended with tool calls (``ChatResult.tool_calls``)
+    CANCELLED = "cancelled"  # the server cancelled it (shutting down)
+
+
+_STOP_REASONS = tuple(r.value for r in StopReason)
 
 
 class RequestError(Exception):
@@ -220,11 +231,12 @@ class ChatResult:
     def __post_init__(self):
         if self.stop_reason not in _STOP_REASONS:
             raise ValueError(f"stop_reason must be one of {_STOP_REASONS}, not {self.stop_reason!r}")
-        if (self.stop_sequence is not None) != (self.stop_reason == "stop_sequence"):
+        object.__setattr__(self, "stop_reason", StopReason(self.stop_reason))
+        if (self.stop_sequence is not None) != (self.stop_reason == StopReason.STOP_SEQUENCE):
             raise ValueError("stop_sequence is given exactly when stop_reason is 'stop_sequence'")
-        if self.stop_reason == "tool_use" and not self.tool_calls:
+        if self.stop_reason == StopReason.TOOL_USE and not self.tool_calls:
             raise ValueError("stop_reason 'tool_use' needs tool_calls")
-        if self.tool_calls and self.stop_reason not in ("tool_use", "length"):
+        if self.tool_calls and self.stop_reason not in (StopReason.TOOL_USE, StopReason.LENGTH):
             raise ValueError("tool_calls are given only when stop_reason is 'tool_use' or 'length'")
         object.__setattr__(self, "tool_calls", tuple(self.tool_calls))
 
@@ -315,7 +327,7 @@ async def stream_text(items: AsyncIterable[StreamItem], logprobs: bool = False) 
             break
         else:
             raise AssertionError("the item stream ended without a ChatResult")
-    if result.stop_reason == "cancelled":
+    if result.stop_reason == StopReason.CANCELLED:
         raise cancelled()
     for choice, reply in enumerate(result.every):
         sent = "".join(parts.get(choice, ()))
