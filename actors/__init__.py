@@ -46,9 +46,10 @@ from semantic.runtime import grammar  # Agent.send's grammar=: grammar.json_sche
 from semantic.runtime.agent_cache import OutOfMemory
 from semantic.runtime.cache_records import AGENT_CHARS, InvalidAgentId, validate_agent_id
 from semantic.runtime.disk import NoRoom
+from semantic.runtime.engine_options import EngineOptions  # Runtime.open(engine=...)
 from semantic.runtime.errors import ModelError, SemanticError
 from semantic.runtime.grammar import GrammarError
-from semantic.runtime.outcome import TurnResult  # what Reply.result holds
+from semantic.runtime.outcome import FinishReason, TurnResult  # what Reply.result holds, and why it ended
 from semantic.runtime.sampling import MAX_LOGPROBS, TokenLogprob
 
 from .archive import ArchiveError
@@ -79,6 +80,8 @@ __all__ = [
     "BatchSnapshot",
     "ContextTooLong",
     "Delta",
+    "EngineOptions",
+    "FinishReason",
     "GrammarError",
     "InvalidAgentId",
     "MAX_CHOICES",

@@ -7,10 +7,11 @@ GPU actor -- the second of two sends sees the first's reply in its prompt.
 Different agents' actors run side by side; the GPU actor batches their turns.
 
 A turn: the actor sends ``BeginTurn`` (the history plus the new user message)
-to the GPU actor with a reply stream, forwards each ``Delta`` to the
-consumer's stream, and on ``TurnEnded`` appends the user message and the reply
-to the history, hands the history file to the persistence actor, and only
-then forwards the end -- so a consumer that saw the end sees the new history.
+to the GPU actor with the consumer's stream, where the GPU actor posts each
+``Delta`` straight, and a stream of its own for the end: on ``TurnEnded`` it
+appends the user message and the reply to the history, hands the history
+file to the persistence actor, and only then forwards the end -- so a
+consumer that saw the end sees the new history.
 A turn that brings its whole conversation (``Agent.respond``, for stateless
 HTTP clients) replaces the history with that conversation plus the reply.
 
@@ -47,7 +48,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from semantic.runtime.errors import SemanticError
-from semantic.runtime.outcome import TurnResult
+from semantic.runtime.outcome import FinishReason, TurnResult
 
 from .errors import AgentExists, AgentGone, RuntimeClosed, TurnError
 from .history import encode_history
@@ -55,7 +56,6 @@ from .messages import (
     AgentCommand,
     BeginTurn,
     Delete,
-    Delta,
     Done,
     DropCache,
     Failed,
@@ -67,8 +67,8 @@ from .messages import (
     Open,
     ReadHistory,
     Send,
+    TurnEnd,
     TurnEnded,
-    TurnEvent,
     TurnFailed,
 )
 
@@ -209,41 +209,33 @@ class AgentActor:
         _final(message.reply, Done())
 
     async def _turn(self, message: Send) -> None:
-        consumer = message.reply
+        consumer, ask, slot = message.reply, message.request, self.slot
+        if not slot.exists:  # a turn creates its agent, as ``Open`` with no system prompt does
+            slot.exists = True
+            self._set_history(slot.history)
         if consumer.statistics().open_receive_streams == 0:
             return  # the consumer stopped before the turn started: nothing to run
         if self.ctx.closing():
-            _final(consumer, TurnFailed(message.turn_id, RuntimeClosed("the runtime is shutting down")))
+            _final(consumer, TurnFailed(ask.turn_id, RuntimeClosed("the runtime is shutting down")))
             return
-        if message.messages is not None:  # the whole conversation: it replaces the history
-            messages = message.messages
+        if ask.messages is not None:  # the whole conversation: it replaces the history
+            messages = ask.messages
         else:
-            messages = (*self.slot.history, Message("user", message.text))
-        send, events = anyio.create_memory_object_stream[TurnEvent](math.inf)
+            messages = (*slot.history, Message("user", ask.text))
+        send, ends = anyio.create_memory_object_stream[TurnEnd](math.inf)
         gpu = self.ctx.gpu
-        gpu.submit(BeginTurn(message.turn_id, self.agent_id, messages, message.sampling, send, message.use_cache,
-                             message.tools, message.model, message.choices, message.prompt))
-        end: TurnEnded | TurnFailed | None = None
-        consumer_gone = False
-        async with events:
-            async for event in events:
-                if isinstance(event, Delta):
-                    if not consumer_gone:
-                        try:
-                            consumer.send_nowait(event)
-                        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                            consumer_gone = True
-                            gpu.cancel(message.turn_id)  # the consumer stopped reading
-                    continue
-                end = event
-                break
-        if end is None:  # the GPU actor ended without answering
-            end = TurnFailed(message.turn_id, gpu.error or RuntimeClosed("the runtime shut down during this turn"))
+        # The deltas go from the GPU actor to the consumer straight; only the end comes here.
+        gpu.submit(BeginTurn(ask, self.agent_id, messages, consumer, send))
+        async with ends:
+            try:
+                end = await ends.receive()
+            except anyio.EndOfStream:  # the GPU actor ended without answering
+                end = TurnFailed(ask.turn_id, gpu.error or RuntimeClosed("the runtime shut down during this turn"))
         if isinstance(end, TurnEnded):
             self.slot.last_result = _kept(end.result)
-            if end.result.reason != "cancelled":
+            if end.result.reason != FinishReason.CANCELLED:
                 self._set_history((*messages, Message("assistant", end.result.text)))
-            self.ctx.turn_ended(self.agent_id, message.turn_id, end.result)
+            self.ctx.turn_ended(self.agent_id, ask.turn_id, end.result)
         _final(consumer, end)
 
     async def _fork(self, message: Fork) -> None:

@@ -38,6 +38,7 @@ import mlx.core as mx
 import sniffio
 
 from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.engine_options import EngineOptions
 from semantic.runtime.errors import SemanticError
 from semantic.runtime.models import LoadedModel
 
@@ -67,7 +68,7 @@ class GpuActor:
         persistence,  # MemoryObjectSendStream[PersistCommand]
         eviction=None,  # MemoryObjectSendStream[EvictCommand] | None
         *,
-        engine_options: dict | None = None,
+        options: EngineOptions = EngineOptions(),
         model_idle_s: float | None = None,
         catalogue: dict[str, str | LoadedModel] | None = None,
         group: mx.distributed.Group | None = None,
@@ -82,7 +83,7 @@ class GpuActor:
         self.error: SemanticError | None = None  # set when the GPU actor failed
         self.rank_timeout_s = rank_timeout_s  # sharded: how long one GPU input may wait for the other ranks
         self._thread = GpuThread(
-            self, model, ModelRegistry(store, budget_bytes, engine_options or {}, catalogue, group, row_counts),
+            self, model, ModelRegistry(store, budget_bytes, options, catalogue, group, row_counts),
             persistence, eviction, model_idle_s, lockstep=None if group is None else Lockstep(group),
         )
 
@@ -249,7 +250,7 @@ class GpuActor:
     def _refuse(self, command) -> None:
         error = self.error or RuntimeClosed("the runtime is closed")
         if isinstance(command, BeginTurn):
-            _send_final(command.reply, TurnFailed(command.turn_id, error))
+            _send_final(command.end, TurnFailed(command.turn_id, error))
         elif isinstance(command, (ForkCache, DropCache, FlushCaches, SwapModel)):
             _send_final(command.reply, Failed(error))
 
@@ -297,9 +298,9 @@ class _Follower:
 
 
 def follow(group: mx.distributed.Group, model, catalogue: dict, store: CacheStore, budget_bytes: int | None,
-           engine_options: dict) -> None:
+           options: EngineOptions) -> None:
     """(Ranks other than 0) Serve rank 0's GPU inputs until it stops; raises when
     this rank cannot keep up with rank 0 (its process should then end)."""
-    registry = ModelRegistry(store, budget_bytes, engine_options, catalogue, group=group)
+    registry = ModelRegistry(store, budget_bytes, options, catalogue, group=group)
     GpuThread(_Follower(store), model, registry, persistence=None, eviction=None, model_idle_s=None,
               lockstep=Lockstep(group)).follow()

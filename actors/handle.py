@@ -16,7 +16,7 @@ from semantic.runtime.engine import SamplingParams
 from semantic.runtime.outcome import TurnResult
 
 from .agent import AgentSlot, raise_failed, request
-from .messages import AgentCommand, Delete, Message, Send, TurnEvent
+from .messages import AgentCommand, Delete, Message, Send, TurnEvent, TurnRequest
 from .reply import Reply
 
 __all__ = ["MAX_CHOICES", "Agent", "AgentHost"]
@@ -138,7 +138,7 @@ class Agent:
             self._rt.check_model(model)
         self._rt.check_open()
         return self._rt.queue_turn(self._slot, lambda turn_id, reply: Send(
-            turn_id, text, params, reply, use_cache, messages, tools, model, choices, prompt))
+            TurnRequest(turn_id, params, text, messages, use_cache, tools, model, choices, prompt), reply))
 
     async def reply(self, text: str, *, use_cache: bool = True, **sampling) -> str:
         """Run a turn and return the whole reply text (``send`` without streaming).

@@ -75,8 +75,9 @@ class Lockstep:
 
     def send(self, event):
         """(Rank 0) Broadcast an input; return it as every rank will act on it."""
-        if isinstance(event, BeginTurn) and event.sampling.seed is None:
-            event = replace(event, sampling=replace(event.sampling, seed=random.getrandbits(32)))
+        if isinstance(event, BeginTurn) and event.request.sampling.seed is None:
+            sampling = replace(event.request.sampling, seed=random.getrandbits(32))
+            event = replace(event, request=replace(event.request, sampling=sampling))
         self._broadcast(_dumps(event))
         if isinstance(event, CacheRead) and event.cache is not None and not self.agree(True):
             log.warning("a rank lacks its shard of %s's cache: the agent starts cold", event.agent_id)

@@ -10,6 +10,7 @@ until a final event).  Who reads what:
     persistence actor mailbox   memory object stream             PersistCommand
     eviction actor mailbox      memory object stream             EvictCommand
     a turn's reply stream       memory object stream             TurnEvent
+    a turn's end (agent actor)  memory object stream             TurnEnd
 
 No MLX array ever travels in a message: the GPU actor turns caches into bytes
 (``CacheBlocks``) before they leave its thread.
@@ -20,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
-from semantic.runtime.engine import SamplingParams, TokenLogprob
+from semantic.runtime.engine import Delta, SamplingParams  # Delta re-exported: a turn's deltas, engine to protocols
 from semantic.runtime.errors import SemanticError
 from semantic.runtime.outcome import TurnResult  # re-exported: a turn's reply stream ends with it
 
@@ -38,8 +39,8 @@ __all__ = [
     "AgentCommand", "BeginTurn", "CacheBlocks", "CacheRead", "CacheWritten", "CancelTurn", "Delta", "Demote",
     "DropCache", "Done", "EvictCommand", "Failed", "FlushCaches", "ForkCache", "Forget", "Fork",
     "Flush", "GpuCommand", "GpuDown", "HistoryBytes", "HotAgent", "HotSet", "ImportArchive", "Message", "Open",
-    "PersistCommand", "ReadCache", "ReadHistory", "Send", "StopGpu", "Stop", "SwapModel", "TurnEnded", "TurnEvent",
-    "TurnFailed", "TurnResult", "Delete",
+    "PersistCommand", "ReadCache", "ReadHistory", "Send", "StopGpu", "Stop", "SwapModel", "TurnEnd", "TurnEnded",
+    "TurnEvent", "TurnFailed", "TurnRequest", "TurnResult", "Delete",
 ]
 
 
@@ -81,19 +82,49 @@ class Message:
 
 
 @dataclass(frozen=True)
-class Delta:
-    """New text of a reply as it streams (whole characters), its token ids,
-    their log-probabilities when the turn asked for them, and which of the
-    turn's replies it extends (``choice``: 0 unless it asked for several).
-    A choice's first delta carries the prompt's log-probabilities when the
-    turn asked for them (``prompt_logprobs``; a turn that ends with no
-    delta has them in its result only)."""
+class TurnRequest:
+    """What a turn asks for, as ``Agent.send`` (``respond``, ``complete``) builds
+    it: carried to the agent actor (``Send``) and on to the GPU actor
+    (``BeginTurn``) as it is.
 
-    text: str
-    tokens: tuple[int, ...] = ()
-    logprobs: tuple[TokenLogprob, ...] = ()
-    choice: int = 0
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    ``text`` is the new user message, appended to the history; or, when
+    ``messages`` is given, the turn's whole conversation, which replaces the
+    history (stateless clients send everything each time). With ``prompt``,
+    the model continues that raw text instead of the rendered conversation
+    (``messages`` then holds it as the user's message)."""
+
+    turn_id: int
+    sampling: SamplingParams
+    text: str = ""
+    messages: tuple[Message, ...] | None = None
+    use_cache: bool = True  # False: prefill the whole prompt, reuse nothing (for comparisons)
+    tools: tuple[dict, ...] | None = None  # tool definitions for the chat template
+    model: str | None = None  # the catalogue's model to run on (None: the one loaded)
+    choices: int = 1  # replies to the prompt, prefilled once; choice 0's is the agent's
+    prompt: str | None = None  # raw text to continue as it is (no chat template: ``Agent.complete``)
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """What a turn asks for, as ``Agent.send`` (``respond``, ``complete``) builds
+    it: carried to the agent actor (``Send``) and on to the GPU actor
+    (``BeginTurn``) as it is.
+
+    ``text`` is the new user message, appended to the history; or, when
+    ``messages`` is given, the turn's whole conversation, which replaces the
+    history (stateless clients send everything each time). With ``prompt``,
+    the model continues that raw text instead of the rendered conversation
+    (``messages`` then holds it as the user's message)."""
+
+    turn_id: int
+    sampling: SamplingParams
+    text: str = ""
+    messages: tuple[Message, ...] | None = None
+    use_cache: bool = True  # False: prefill the whole prompt, reuse nothing (for comparisons)
+    tools: tuple[dict, ...] | None = None  # tool definitions for the chat template
+    model: str | None = None  # the catalogue's model to run on (None: the one loaded)
+    choices: int = 1  # replies to the prompt, prefilled once; choice 0's is the agent's
+    prompt: str | None = None  # raw text to continue as it is (no chat template: ``Agent.complete``)
 
 
 # -- generic replies ---------------------------------------------------------
@@ -113,7 +144,7 @@ class Failed:
     error: SemanticError
 
 
-# -- a turn's reply stream: GPU actor -> agent actor -> consumer --------------
+# -- a turn's reply stream: deltas GPU actor -> consumer; the end GPU actor -> agent actor -> consumer
 
 
 @dataclass(frozen=True)
@@ -128,6 +159,7 @@ class TurnFailed:
     error: SemanticError
 
 
+TurnEnd = Union[TurnEnded, TurnFailed]  # how a turn ended
 TurnEvent = Union[Delta, TurnEnded, TurnFailed]  # Delta*, then exactly one of the others
 
 
@@ -136,16 +168,17 @@ TurnEvent = Union[Delta, TurnEnded, TurnFailed]  # Delta*, then exactly one of t
 
 @dataclass(frozen=True)
 class BeginTurn:
-    turn_id: int
+    """A turn for the GPU actor: its request, and what the agent actor adds."""
+
+    request: TurnRequest
     agent_id: str
     messages: tuple[Message, ...]  # the whole conversation, ending with the new user message
-    sampling: SamplingParams
-    reply: Sink[TurnEvent]
-    use_cache: bool = True  # False: prefill the whole prompt, reuse nothing (for comparisons)
-    tools: tuple[dict, ...] | None = None  # tool definitions for the chat template
-    model: str | None = None  # the catalogue's model to run on (None: the one loaded)
-    choices: int = 1  # replies to the prompt, prefilled once; choice 0's is the agent's
-    prompt: str | None = None  # raw text to continue as it is (no chat template: ``Agent.complete``)
+    reply: Sink[TurnEvent]  # the consumer's: the GPU actor posts the deltas here, straight
+    end: Sink[TurnEnd]  # the agent actor's: the turn's end, which it forwards once the history is updated
+
+    @property
+    def turn_id(self) -> int:
+        return self.request.turn_id
 
 
 @dataclass(frozen=True)
@@ -239,7 +272,8 @@ class GpuDown:
 
 @dataclass(frozen=True)
 class Open:
-    """Create the agent (with ``system`` as its first message) or check it matches."""
+    """Create the agent (with ``system`` as its first message) or check it matches
+    (``Runtime.agent``; a turn needs none: its ``Send`` creates the agent if new)."""
 
     system: str | None
     reply: Sink[Done | Failed]
@@ -247,22 +281,16 @@ class Open:
 
 @dataclass(frozen=True)
 class Send:
-    """A turn: ``text`` is the new user message, appended to the history; or,
-    when ``messages`` is given, the turn's whole conversation, which replaces
-    the history (stateless clients send everything each time). With
-    ``prompt``, the model continues that raw text instead of the rendered
-    conversation (``messages`` then holds it as the user's message)."""
+    """A turn (the one message that starts it): the agent is created if new (as
+    ``Open`` with no system prompt), then the turn runs after the agent's
+    earlier ones."""
 
-    turn_id: int
-    text: str
-    sampling: SamplingParams
+    request: TurnRequest
     reply: Sink[TurnEvent]
-    use_cache: bool = True
-    messages: tuple[Message, ...] | None = None
-    tools: tuple[dict, ...] | None = None
-    model: str | None = None
-    choices: int = 1
-    prompt: str | None = None
+
+    @property
+    def turn_id(self) -> int:
+        return self.request.turn_id
 
 
 @dataclass(frozen=True)

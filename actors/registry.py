@@ -19,6 +19,7 @@ import mlx.core as mx
 from semantic.runtime.agent_cache import AgentCaches, CacheDisk
 from semantic.runtime.cache_file import CacheStore
 from semantic.runtime.engine import Engine
+from semantic.runtime.engine_options import EngineOptions
 from semantic.runtime.model_caches import open_caches
 from semantic.runtime.models import LoadedModel, load
 from semantic.runtime.row_counts import RowCounts, key
@@ -33,14 +34,14 @@ log = logging.getLogger("semantic.actors")
 class ModelRegistry:
     """The loaded model, its ``Engine`` and its agents' caches (GPU thread only)."""
 
-    def __init__(self, store: CacheStore, budget_bytes: int | None, engine_options: dict,
+    def __init__(self, store: CacheStore, budget_bytes: int | None, options: EngineOptions,
                  catalogue: dict[str, str | LoadedModel] | None = None, group: mx.distributed.Group | None = None,
                  row_counts: dict[str, RowCounts] | None = None):
         self.group = group  # load this rank's shard of every model (``actors.lockstep``)
         self.catalogue = catalogue or {}  # models turns may name (``runtime.models.catalogue``)
         self.store = store
         self.budget_bytes = budget_bytes
-        self.engine_options = engine_options
+        self.options = options  # what each model's engine is built with
         self.loaded: LoadedModel | None = None
         self.engine: Engine | None = None
         self.caches: AgentCaches | None = None
@@ -58,8 +59,11 @@ class ModelRegistry:
         loaded = source if isinstance(source, LoadedModel) else load(source, progress=False, group=self.group)
         if isinstance(model, str):
             loaded = dataclasses.replace(loaded, name=model)  # the name turns ask for it by (a shared one unchanged)
-        shared = {} if self.group is None else {"shared_tokens": Lockstep(self.group).rank0_tokens}
-        engine = Engine(loaded.model, loaded.tokenizer, **self.engine_options, **shared)
+        shared = None if self.group is None else Lockstep(self.group).rank0_tokens
+        o = self.options
+        engine = Engine(loaded.model, loaded.tokenizer, prefill_chunk=o.prefill_chunk, kv_bits=o.kv_bits,
+                        decode_rows=o.decode_rows, batch_prefill=o.batch_prefill, speculation=o.speculation,
+                        shared_tokens=shared)
         if self.group is None:  # ranks must run the same forwards: a sharded model keeps one count
             k = key(engine)
             if k not in self.row_counts:

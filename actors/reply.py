@@ -8,7 +8,7 @@ import threading
 
 import anyio
 
-from semantic.runtime.outcome import TurnResult
+from semantic.runtime.outcome import FinishReason, TurnResult
 
 from .errors import RuntimeClosed, TurnCancelled
 from .gpu import GpuActor
@@ -68,7 +68,7 @@ class Reply:
         self._finish()
         if isinstance(event, TurnEnded):
             self.result = event.result
-            if event.result.reason == "cancelled":
+            if event.result.reason == FinishReason.CANCELLED:
                 raise TurnCancelled("the turn was cancelled: the runtime shut down")
             raise StopAsyncIteration
         raise event.error

@@ -46,7 +46,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from semantic.runtime import row_counts
 from semantic.runtime.cache_file import CacheStore
 from semantic.runtime.cache_records import validate_agent_id
-from semantic.runtime.engine import DECODE_ROWS
+from semantic.runtime.engine_options import EngineOptions
 from semantic.runtime.models import LoadedModel
 from semantic.runtime.models import catalogue as models_catalogue
 from semantic.runtime.outcome import TurnResult
@@ -132,11 +132,7 @@ class Runtime(RuntimeStatus):
         models: Iterable[str | LoadedModel] = (),
         agent_idle_s: float = 60.0,
         model_idle_s: float | None = None,
-        prefill_chunk: int = 256,
-        kv_bits: int = 4,
-        decode_rows: int = DECODE_ROWS,
-        batch_prefill: bool = True,
-        speculation: bool = True,
+        engine: EngineOptions = EngineOptions(),
         eviction_watermarks: tuple[float, float] = (0.9, 0.75),
         disk_budget: int | None = None,
         conversation_ttl_s: float | None = None,
@@ -155,20 +151,20 @@ class Runtime(RuntimeStatus):
         ``~/.cache/semantic/agents``).  ``budget``: bytes of hot KV cache (default:
         device memory less the weights less headroom).  ``agent_idle_s``: an idle
         agent actor retires after this long.  ``model_idle_s``: unload the model
-        after this long without turns (None: never).  ``prefill_chunk``: most
-        prompt tokens one prefill step runs, which bounds how long decoding
-        streams wait for another agent's prefill.  ``kv_bits``: the agents' KV
-        caches are quantized to 4 (default) or 8 bits, or kept in float (16); each
-        setting keeps its own cache files.
-        ``decode_rows``: the most token slots of a decode forward; more decoding
-        agents take more forwards.  Which counts up to it give a sequence the
-        same logits is measured when a model loads (``row_counts``), and
-        forwards use only those.  ``batch_prefill``: several agents' prompt
-        chunks share a forward (up to twice ``prefill_chunk`` tokens) where
-        that measurement found it leaves every chunk as alone.  ``speculation``:
-        decoding agents verify drafts from their own history in the same
-        forwards (``runtime.speculation``: no reply changes; not when
-        sharded).  ``eviction_watermarks``:
+        after this long without turns (None: never).  ``engine``: the engine's
+        settings (``EngineOptions``): ``prefill_chunk``, the most prompt tokens
+        one prefill step runs, which bounds how long decoding streams wait for
+        another agent's prefill; ``kv_bits``, the agents' KV caches quantized
+        to 4 (default) or 8 bits, or kept in float (16), each setting with its
+        own cache files; ``decode_rows``, the most token slots of a decode
+        forward (more decoding agents take more forwards; which counts up to
+        it give a sequence the same logits is measured when a model loads,
+        ``row_counts``, and forwards use only those); ``batch_prefill``,
+        several agents' prompt chunks share a forward (up to twice
+        ``prefill_chunk`` tokens) where that measurement found it leaves every
+        chunk as alone; ``speculation``, decoding agents verify drafts from
+        their own history in the same forwards (``runtime.speculation``: no
+        reply changes; not when sharded).  ``eviction_watermarks``:
         (high, low) fractions of the budget for the eviction actor.
         ``disk_budget``: bytes the cache directory may hold; the least recently
         written cache files are removed to stay within it (None: no cap).
@@ -185,8 +181,6 @@ class Runtime(RuntimeStatus):
         Raises ``ModelError`` when the model cannot be loaded, ``ValueError`` for
         bad settings.
         """
-        if kv_bits not in (4, 8, 16):
-            raise ValueError(f"kv_bits must be 4, 8 or 16, not {kv_bits!r}")
         if disk_budget is not None and disk_budget <= 0:
             raise ValueError(f"disk_budget must be > 0 bytes (None: no cap), not {disk_budget}")
         if conversation_ttl_s is not None and conversation_ttl_s <= 0:
@@ -196,7 +190,7 @@ class Runtime(RuntimeStatus):
         store = await anyio.to_thread.run_sync(CacheStore, root)  # creates it; clears dead writers' temp files
         measured = await anyio.to_thread.run_sync(row_counts.kept)  # the GPU thread reads no file
         gpu = dict(model=next(iter(catalogue)), budget_bytes=budget, model_idle_s=model_idle_s, catalogue=catalogue,
-                   engine_options=_engine_options(prefill_chunk, kv_bits, decode_rows, batch_prefill, speculation),
+                   options=engine,
                    group=group, rank_timeout_s=rank_timeout_s, row_counts=measured)
         persistence = dict(disk_budget=disk_budget, conversation_ttl_s=conversation_ttl_s,
                            prune_interval_s=prune_interval_s)
@@ -229,9 +223,7 @@ class Runtime(RuntimeStatus):
         budget: int | None = None,
         *,
         models: Iterable[str] = (),
-        prefill_chunk: int = 256,
-        kv_bits: int = 4,
-        decode_rows: int = DECODE_ROWS,
+        engine: EngineOptions = EngineOptions(),
     ) -> None:
         """Serve as a rank other than 0 of a sharded model, until rank 0's runtime
         closes: this rank's shard of the weights, and its shard of every agent's
@@ -240,8 +232,7 @@ class Runtime(RuntimeStatus):
         cannot follow rank 0."""
         catalogue = models_catalogue([model, *models])
         root = Path(cache_dir) if cache_dir is not None else agents_dir()
-        follow(group, next(iter(catalogue)), catalogue, CacheStore(root), budget,
-               _engine_options(prefill_chunk, kv_bits, decode_rows))
+        follow(group, next(iter(catalogue)), catalogue, CacheStore(root), budget, engine)
 
     # -- the API -------------------------------------------------------------------
 
@@ -281,6 +272,16 @@ class Runtime(RuntimeStatus):
         slot = await self._slot(agent_id)
         raise_failed(await request(lambda r: self.deliver(slot, Open(system, r))))
         return Agent(self, slot)
+
+    async def handle(self, agent_id: str) -> Agent:
+        """A handle on ``agent_id`` without a message to its actor: its first turn
+        creates the agent if it is new (as ``agent`` with no system prompt does),
+        so a turn takes one message.  Its ``history`` is what the agent's actor
+        last loaded or wrote (empty before); open the agent with ``agent`` to
+        read it first.  Raises ``InvalidAgentId``, ``RuntimeClosed``."""
+        validate_agent_id(agent_id)
+        self.check_open()
+        return Agent(self, await self._slot(agent_id))
 
     async def swap_model(self, model: str | LoadedModel) -> str:
         """Swap the model: turns in flight finish, new ones wait; every dirty cache
@@ -462,9 +463,3 @@ async def _shielded(run, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
 async def _shielded_agent(actor: AgentActor) -> None:
     with anyio.CancelScope(shield=True):
         await actor.run()
-
-
-def _engine_options(prefill_chunk: int, kv_bits: int, decode_rows: int, batch_prefill: bool = True,
-                    speculation: bool = True) -> dict:
-    return {"max_chunk": prefill_chunk, "kv_bits": kv_bits, "decode_rows": decode_rows, "batch_prefill": batch_prefill,
-            "speculation": speculation}

@@ -4,10 +4,10 @@
   (``ReadCache``) while the batch goes on; the bytes come back (``CacheRead``).
 * ``Admission``: waiting turns enter the engine first come, first served, once
   their cache is in memory and their prompt fits the budget.
-* ``Scheduler``: routes each engine delta to its turn's reply stream, stores a
-  finished turn's cache and hands it to persistence, cancels, and reserves
-  each decoding turn's next token -- preempting the newest turn when the
-  budget runs out.
+* ``Scheduler``: routes each engine delta straight to its turn's consumer
+  and the turn's end to its agent actor, stores a finished turn's cache and
+  hands it to persistence, cancels, and reserves each decoding turn's next
+  token -- preempting the newest turn when the budget runs out.
 
 None of them waits, touches a file or knows the thread: they call the
 engine, the agents' caches and ``post`` (which queues a message for the event
@@ -25,11 +25,10 @@ from semantic.runtime import turns
 from semantic.runtime.agent_cache import OutOfMemory
 from semantic.runtime.errors import SemanticError
 from semantic.runtime.outcome import TurnResult
-from semantic.runtime.sequence import LENGTH, Finished
-from semantic.runtime.sequence import Delta as EngineDelta
+from semantic.runtime.sequence import CANCELLED, LENGTH, Delta, Finished, FinishReason
 
 from .errors import ContextTooLong, TurnError
-from .messages import BeginTurn, CacheRead, CancelTurn, Delta, ReadCache, TurnEnded, TurnFailed
+from .messages import BeginTurn, CacheRead, CancelTurn, ReadCache, TurnEnded, TurnFailed
 
 __all__ = ["Admission", "GpuTurn", "ReadAhead", "Scheduler"]
 
@@ -46,7 +45,7 @@ class GpuTurn:
     received: float = field(default_factory=time.perf_counter)
     turn: turns.Turn | None = None
     seq_id: int | None = None  # choice 0's: the reply the agent keeps
-    seq_ids: list[int] = field(default_factory=list)  # every choice's, in order (``BeginTurn.choices``)
+    seq_ids: list[int] = field(default_factory=list)  # every choice's, in order (``TurnRequest.choices``)
     ended: dict[int, Finished] = field(default_factory=dict)  # choices that ended, until all have
     admitted: float | None = None
     first_token: float | None = None
@@ -54,11 +53,11 @@ class GpuTurn:
     generated: int = 0  # output tokens so far
     preempted: Finished | None = None  # out of the engine to free memory (its cache dropped here)
 
-    def result(self, f: Finished | None, reason: str) -> TurnResult:
+    def result(self, f: Finished | None, reason: FinishReason) -> TurnResult:
         """Its result (choice 0's), with the other choices' when it asked for several."""
         now = time.perf_counter()
 
-        def measured(f: Finished | None, reason: str) -> TurnResult:
+        def measured(f: Finished | None, reason: FinishReason) -> TurnResult:
             return TurnResult.measured(f, reason, arrived=self.received, admitted=self.admitted or now,
                                        first_token=self.first_token, ended=now, cancel_lag_steps=self.cancel_lag)
 
@@ -103,12 +102,12 @@ class Admission:
 
     def runs_here(self, t: GpuTurn) -> bool:
         """The turn runs on the loaded model (it named none, or that one)."""
-        return t.preempted is not None or t.cmd.model in (None, self.registry.name)
+        return t.preempted is not None or t.cmd.request.model in (None, self.registry.name)
 
     def wanted_model(self) -> str | None:
         """The model the oldest waiting turn names, when another is loaded (or none)."""
         t = next((t for t in self.waiting if t.preempted is None), None)
-        return None if t is None or self.runs_here(t) else t.cmd.model
+        return None if t is None or self.runs_here(t) else t.cmd.request.model
 
     def next(self, crowded: bool, preempted_only: bool = False) -> GpuTurn | None:
         """Admit waiting turns in order until one is admitted (returned) or one must
@@ -116,7 +115,7 @@ class Admission:
         room.  Turns for another model are passed over: they wait for a swap."""
         here = [t for t in self.waiting if self.runs_here(t)]
         for t in here[:READ_AHEAD]:
-            if t.cmd.use_cache or t.preempted is not None:
+            if t.cmd.request.use_cache or t.preempted is not None:
                 self.reads.want(t.cmd.agent_id)
         for t in here:
             if preempted_only and t.preempted is None:
@@ -134,16 +133,16 @@ class Admission:
 
     def _start(self, t: GpuTurn, crowded: bool) -> bool | None:
         """True: in the engine; False: no room while others run; None: failed (replied)."""
-        cmd, reg = t.cmd, self.registry
+        cmd, ask, reg = t.cmd, t.cmd.request, self.registry
         caches, tokenizer = reg.caches, reg.loaded.tokenizer
         try:
-            if cmd.prompt is not None:  # raw text: no template, no system prompt to share
-                text, prefix = turns.raw_prompt(tokenizer, cmd.prompt), None
+            if ask.prompt is not None:  # raw text: no template, no system prompt to share
+                text, prefix = turns.raw_prompt(tokenizer, ask.prompt), None
             else:
                 messages = [m.as_dict() for m in cmd.messages]
-                text = turns.render(tokenizer, messages, cmd.tools)
+                text = turns.render(tokenizer, messages, ask.tools)
                 prefix = turns.system_prefix(tokenizer, messages, text)
-            turn = turns.begin(caches, tokenizer, cmd.agent_id, text, prefix, use_cache=cmd.use_cache,
+            turn = turns.begin(caches, tokenizer, cmd.agent_id, text, prefix, use_cache=ask.use_cache,
                                context_length=reg.context_length)
         except (ContextTooLong, OutOfMemory) as e:
             return False if crowded and isinstance(e, OutOfMemory) else self.fail(t, e)
@@ -152,11 +151,11 @@ class Admission:
             return self.fail(t, TurnError(f"the turn could not start: {e!r}"))
         limit, n = reg.context_length, len(turn.prompt)
         # A reply that would run past the context stops at its end (reason "length").
-        sampling = cmd.sampling if n + cmd.sampling.max_tokens <= limit else replace(cmd.sampling, max_tokens=limit - n)
+        sampling = ask.sampling if n + ask.sampling.max_tokens <= limit else replace(ask.sampling, max_tokens=limit - n)
         try:
             t.seq_id = reg.engine.add(turn.prompt, sampling, turn.cache, turn.plan.keep,
-                                      continues=cmd.prompt is not None)  # raw text: the reply goes on from it
-            t.seq_ids = [t.seq_id, *(reg.engine.add_choices(t.seq_id, cmd.choices - 1) if cmd.choices > 1 else ())]
+                                      continues=ask.prompt is not None)  # raw text: the reply goes on from it
+            t.seq_ids = [t.seq_id, *(reg.engine.add_choices(t.seq_id, ask.choices - 1) if ask.choices > 1 else ())]
         except Exception as e:
             caches.abandon(cmd.agent_id)
             return self.fail(t, TurnError(f"the turn could not start: {e!r}"))
@@ -196,7 +195,7 @@ class Admission:
                 self.waiting.remove(t)
                 self.reads.forget(t.cmd.agent_id)
                 self.discard(t)
-                self.post(t.cmd.reply, TurnEnded(turn_id, t.result(t.preempted, "cancelled")), True)
+                self.post(t.cmd.end, TurnEnded(turn_id, t.result(t.preempted, CANCELLED)), True)
                 return True
         return False
 
@@ -205,12 +204,12 @@ class Admission:
         with ``cancel_started``, one that started (preempted) ends cancelled
         instead, its cache kept."""
         for t in list(self.waiting):
-            if model is not None and t.cmd.model != model:
+            if model is not None and t.cmd.request.model != model:
                 continue
             self.waiting.remove(t)
             self.reads.forget(t.cmd.agent_id)
             if cancel_started and t.preempted is not None:
-                self.post(t.cmd.reply, TurnEnded(t.cmd.turn_id, t.result(t.preempted, "cancelled")), True)
+                self.post(t.cmd.end, TurnEnded(t.cmd.turn_id, t.result(t.preempted, CANCELLED)), True)
             else:
                 self.fail(t, error)
 
@@ -220,7 +219,7 @@ class Admission:
             self.registry.engine.discard(t.seq_id)
 
     def fail(self, t: GpuTurn, error: SemanticError) -> None:
-        self.post(t.cmd.reply, TurnFailed(t.cmd.turn_id, error), True)
+        self.post(t.cmd.end, TurnFailed(t.cmd.turn_id, error), True)
 
 
 class Scheduler:
@@ -317,16 +316,16 @@ class Scheduler:
             assert delta is not None, "an admitted turn is unknown to the engine"
             self.route([delta])
 
-    def route(self, deltas: list[EngineDelta]) -> None:
+    def route(self, deltas: list[Delta]) -> None:
         for d in deltas:
             t = self.by_seq[d.seq_id]
-            choice = t.seq_ids.index(d.seq_id)
+            choice = d.choice
             t.generated += len(d.tokens)
             self.generated += len(d.tokens)
             if d.text or d.tokens:
                 if t.first_token is None:
                     t.first_token = time.perf_counter()
-                self.post(t.cmd.reply, Delta(d.text, d.tokens, d.logprobs, choice, d.prompt_logprobs))
+                self.post(t.cmd.reply, d if d.finished is None else replace(d, finished=None))  # (it holds the cache)
             if d.finished is not None:
                 del self.by_seq[d.seq_id]
                 t.ended[d.seq_id] = d.finished
@@ -348,7 +347,9 @@ class Scheduler:
             return
         reg.caches.hand_over(memory.agent_id)
         self.on_hot_changed()  # first: whoever sees the turn end sees its cache hot
-        self.post(t.cmd.reply, TurnEnded(t.cmd.turn_id, t.result(finished, finished.reason)), True)
+        # To the agent actor, which updates the history and then tells the consumer: posted after the
+        # deltas, so the consumer has every delta before the end.
+        self.post(t.cmd.end, TurnEnded(t.cmd.turn_id, t.result(finished, finished.reason)), True)
 
     def cancel_all(self) -> None:
         """Cancel every turn in the engine (their caches are kept)."""

@@ -170,7 +170,7 @@ def prefill_peak(loaded, tokens: int, chunks=(128, 512, None)) -> dict:
     prompt = contexts(loaded.tokenizer, 1, tokens)[0]
     out = {}
     for chunk in chunks:
-        engine = Engine(loaded.model, loaded.tokenizer, max_chunk=chunk or tokens, attention_budget=1 << 40)
+        engine = Engine(loaded.model, loaded.tokenizer, prefill_chunk=chunk or tokens, attention_budget=1 << 40)
         mx.clear_cache()
         base = mx.get_active_memory()
         mx.reset_peak_memory()

@@ -11,7 +11,7 @@
   starts when A's ends; timed from the same moment B arrived).
 * **together** -- 4 fresh agents send at once, on a runtime that prefills
   their prompts one chunk a forward and on one that batches chunks
-  (``Runtime.open(batch_prefill=...)``): median and last TTFT, system tok/s.
+  (``Runtime.open(engine=EngineOptions(batch_prefill=...))``): median and last TTFT, system tok/s.
 * **loop lateness** -- while the 8 agents run, a task on the event loop sleeps
   5 ms at a time and records how late it wakes (p50 / p99 / max, ms): the loop
   never waits on MLX.
@@ -135,7 +135,7 @@ async def staggered_round(rt, tokenizer, context: int, tokens: int, tag: str, de
 
 
 async def measure(model, sizes, context: int, tokens: int, repeats: int, delay: float, log) -> dict:
-    from semantic.actors import Runtime
+    from semantic.actors import EngineOptions, Runtime
 
     scaling = {n: [] for n in sizes}
     staggered, sequential, late = [], [], []
@@ -161,7 +161,7 @@ async def measure(model, sizes, context: int, tokens: int, repeats: int, delay: 
         together = {}
         for batched in (False, True):  # 4 agents arriving together: their prompt chunks one by one, then batched
             async with Runtime.open(model, cache_dir=Path(root) / f"together-{batched}", budget=2 << 30,
-                                    batch_prefill=batched) as rt:
+                                    engine=EngineOptions(batch_prefill=batched)) as rt:
                 await (await rt.agent("warm-up", system=SYSTEM)).reply("Say hello.", max_tokens=4)
                 rows = [await scaling_round(rt, model.tokenizer, TOGETHER, context, tokens, f"t{r}", None)
                         for r in range(repeats)]

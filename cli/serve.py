@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         models = catalogue([first, *more])
         config = ServerConfig(model=first, models=tuple(more), model_idle_s=args.model_idle, cache_dir=cache_dir,
-                              budget=args.budget, kv_bits=args.kv_bits, api_key=args.api_key,
+                              budget=args.budget, engine=_engine_options(args), api_key=args.api_key,
                               max_tokens_cap=args.max_tokens_cap or _default_cap(models),
                               max_body_bytes=args.max_body_bytes,
                               disk_budget=disk_budget, conversation_ttl_s=args.conversation_ttl,
@@ -143,14 +143,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_settings(args: argparse.Namespace) -> dict:
-    return {} if args.decode_rows is None else {"decode_rows": args.decode_rows}
+def _engine_options(args: argparse.Namespace):
+    """The engine's settings the flags choose (the runtime's defaults for the rest)."""
+    from semantic.runtime.engine import DECODE_ROWS
+    from semantic.runtime.engine_options import EngineOptions
+
+    return EngineOptions(kv_bits=args.kv_bits, decode_rows=args.decode_rows or DECODE_ROWS,
+                         speculation=args.speculation == "on")
 
 
 def _runtime_options(args: argparse.Namespace, group) -> dict:
-    """More ``Runtime.open`` keywords: the engine's settings, and the group this is rank 0 of."""
-    group_options = {} if group is None else {"group": group, "rank_timeout_s": args.rank_timeout}
-    return _engine_settings(args) | {"speculation": args.speculation == "on"} | group_options
+    """More ``Runtime.open`` keywords: the group this is rank 0 of."""
+    return {} if group is None else {"group": group, "rank_timeout_s": args.rank_timeout}
 
 
 def _other_layouts(cache_dir, model: str, kv_bits: int, ranks: int) -> None:
@@ -188,8 +192,7 @@ def _follow(args: argparse.Namespace, group, cache_dir, first: str, more: list[s
     # Ctrl-C reaches every rank of mlx.launch: rank 0 stops the group, in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     say(f"rank {group.rank()} of {group.size()}: following rank 0")
-    Runtime.follow(group, first, cache_dir, args.budget, models=more, kv_bits=args.kv_bits,
-                   **_engine_settings(args))
+    Runtime.follow(group, first, cache_dir, args.budget, models=more, engine=_engine_options(args))
     say(f"rank {group.rank()} stopped; its caches are on disk")
     return 0
 

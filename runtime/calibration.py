@@ -122,7 +122,7 @@ def _prefill_from(engine, rng: random.Random) -> int | None:
     def view(cache: SequenceCache) -> SequenceCache:  # a copy, as attention sees it
         return cache.clone().view(engine.float_head)
 
-    ladder = list(itertools.takewhile(lambda n: 2 * n <= engine.max_chunk,
+    ladder = list(itertools.takewhile(lambda n: 2 * n <= engine.prefill_chunk,
                                       (engine.decode_rows + 1 << i for i in itertools.count())))
     agree = {}
     for n in ladder:

@@ -96,11 +96,11 @@ class Engine:
     ``row_counts``: the token slots a decode forward may have (``calibrate``
     measures them; more sequences than the largest take more forwards);
     without it every forward has exactly ``decode_rows``, the most
-    ``calibrate`` tries.  ``max_chunk``: the most prompt tokens of one
+    ``calibrate`` tries.  ``prefill_chunk``: the most prompt tokens of one
     sequence a prefill forward takes (fewer when its attention would pass
     ``attention_budget``, not below ``min_chunk``; more by a rest shorter than
     ``min_chunk``, which would cost a forward of its own); ``prefill_rows``
-    (default twice ``max_chunk``): the most of several sequences' chunks
+    (default twice ``prefill_chunk``): the most of several sequences' chunks
     together, where ``row_counts`` lets them share a forward and
     ``batch_prefill``.  ``model`` is made ``rowwise`` and ``lean`` in place.  ``shared_tokens``:
     a model sharded over ranks maps the tokens this rank sampled to those every
@@ -119,7 +119,7 @@ class Engine:
         *,
         kv_bits: int = 4,
         kv_group_size: int = 64,
-        max_chunk: int = 512,
+        prefill_chunk: int = 512,
         prefill_rows: int | None = None,
         batch_prefill: bool = True,
         min_chunk: int = 32,
@@ -143,8 +143,8 @@ class Engine:
         self._eos = set(tokenizer.eos_token_ids)
         self._grammars = Grammars(tokenizer, self._eos)
         self._ids = itertools.count()
-        self._prefiller = Prefiller(self.model, self._grammars.token_bytes, max_chunk=max_chunk,
-                                    prefill_rows=prefill_rows or 2 * max_chunk, batch_prefill=batch_prefill,
+        self._prefiller = Prefiller(self.model, self._grammars.token_bytes, prefill_chunk=prefill_chunk,
+                                    prefill_rows=prefill_rows or 2 * prefill_chunk, batch_prefill=batch_prefill,
                                     min_chunk=min_chunk, attention_budget=attention_budget)
         # BLAS picks kernels by shape, and kernels sum differently: decode forwards have only
         # token slot counts whose rows agree (``calibrate``), or one count.
@@ -161,8 +161,8 @@ class Engine:
     # -- queries ---------------------------------------------------------
 
     @property
-    def max_chunk(self) -> int:
-        return self._prefiller.max_chunk
+    def prefill_chunk(self) -> int:
+        return self._prefiller.prefill_chunk
 
     @property
     def prefill_rows(self) -> int:
@@ -253,13 +253,13 @@ class Engine:
             raise ValueError(f"sequence {seq_id} is not prefilling: choices start with its prompt")
         p = seq.sampling
         choices = [self._sequence(seq.prompt, p if p.seed is None else replace(p, seed=p.seed + i),
-                                  SequenceCache(), 0, seq.continues)
+                                  SequenceCache(), 0, seq.continues, choice=i)
                    for i in range(1, count + 1)]
         self._choices.setdefault(seq_id, []).extend(choices)
         return [c.id for c in choices]
 
     def _sequence(self, prompt: list[int], sampling: SamplingParams, cache: SequenceCache,
-                  cached_tokens: int, continues: bool = False) -> Sequence:
+                  cached_tokens: int, continues: bool = False, choice: int = 0) -> Sequence:
         return Sequence(
             id=next(self._ids),
             prompt=prompt,
@@ -274,6 +274,7 @@ class Engine:
             reused=cached_tokens,
             prompt_tokens=len(prompt),
             drafter=Drafter(prompt, self._indents) if self.speculation else None,
+            choice=choice,
         )
 
     def _fork_choices(self, seq: Sequence) -> list[Sequence]:
@@ -367,7 +368,9 @@ class Engine:
         (the prompt so far, plus the tokens fed back while decoding).
         """
         seq = self._take(seq_id)
-        return None if seq is None else Delta(seq.id, (), "", self._finished(seq, reason))
+        if seq is None:
+            return None
+        return Delta("", choice=seq.choice, seq_id=seq.id, finished=self._finished(seq, reason))
 
     @_settled
     def preempt(self, seq_id: int) -> Finished | None:
@@ -465,11 +468,11 @@ class Engine:
         text, hit = seq.reply.release(final=reason is not None)
         return new, text, STOP if hit else reason
 
-    def _delta(self, seq: Sequence, new: tuple[int, ...], text: str, reason: str | None) -> Delta:
+    def _delta(self, seq: Sequence, new: tuple[int, ...], text: str, reason: FinishReason | None) -> Delta:
         first, seq.delivered = not seq.delivered, True
-        return Delta(seq.id, new, text, None if reason is None else self._finished(seq, reason),
-                     tuple(seq.logprobs[-len(new):]) if new and seq.logprobs else (),
-                     tuple(seq.prompt_logprobs) if first else ())
+        return Delta(text, new, tuple(seq.logprobs[-len(new):]) if new and seq.logprobs else (), seq.choice,
+                     tuple(seq.prompt_logprobs) if first else (), seq.id,
+                     None if reason is None else self._finished(seq, reason))
 
     def _finished(self, seq: Sequence, reason: FinishReason) -> Finished:
         mx.eval(seq.cache.arrays())

@@ -1,20 +1,24 @@
-"""What a finished turn reports: its reply, its tokens, its timings.
+"""What a turn reports: its reply as it streams (``Delta``), and once it
+finished its reply, its tokens and its timings (``TurnResult``).
 
-One type for every layer that reports a turn: the actor runtime builds it,
-``turns.run_turn`` returns it, the web APIs, dashboard and metrics read it,
-the scenario backends yield it and their report prints it.
+One type each for every layer that reports a turn: the engine makes the
+deltas and the actor runtime posts them on as they are; it builds the
+result, ``turns.run_turn`` returns it, the web APIs, dashboard and metrics
+read both, the scenario backends yield both and their report prints the
+result.  Plain data: nothing here imports MLX.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .sequence import Finished
     from .sampling import TokenLogprob
 
-__all__ = ["TurnResult", "decode_rate"]
+__all__ = ["Delta", "FinishReason", "TurnResult", "decode_rate"]
 
 
 def decode_rate(output_tokens: int, decode_s: float | None) -> float | None:
@@ -23,15 +27,46 @@ def decode_rate(output_tokens: int, decode_s: float | None) -> float | None:
     return (output_tokens - 1) / decode_s if decode_s and output_tokens > 1 else None
 
 
+class FinishReason(StrEnum):
+    """Why a sequence ended (a string: protocols compare and send it as one)."""
+
+    STOP = "stop"  # end of turn or a stop string
+    LENGTH = "length"  # its max_tokens, or its owner could not let it grow
+    CANCELLED = "cancelled"
+    PREEMPTED = "preempted"  # taken out to free its cache: ``Engine.resume`` goes on
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A reply's news as it streams, the one type from the engine to the
+    protocols: new text (whole characters, no partial stop string), its token
+    ids (none on a bare finish), their log-probabilities when asked, which of
+    the turn's replies it extends (``choice``: 0 unless it asked for several)
+    and, on a choice's first delta, the prompt's log-probabilities when asked
+    (a turn that ends with no delta has them in its result only).
+
+    ``seq_id`` and ``finished`` are the engine's: the sequence it came from
+    and, on its last delta, its end record, which holds its cache -- the GPU
+    actor drops it before a delta leaves its thread."""
+
+    text: str
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    choice: int = 0
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    seq_id: int = 0
+    finished: Finished | None = field(default=None, compare=False, repr=False)
+
+
 @dataclass(frozen=True)
 class TurnResult:
-    """How a turn ended: ``reason`` is ``stop``, ``length`` or ``cancelled``.
+    """How a turn ended: ``reason`` is ``STOP``, ``LENGTH`` or ``CANCELLED``.
 
     ``prompt_tokens == reused_tokens + prefilled_tokens``.  Times are seconds,
     None when not measured (nothing generated, or a peer that did not say).
     """
 
-    reason: str
+    reason: FinishReason
     text: str  # the whole reply (a cancelled turn: what was generated)
     prompt_tokens: int
     reused_tokens: int  # prompt tokens served from the agent's cache
@@ -56,7 +91,7 @@ class TurnResult:
     choices: tuple[TurnResult, ...] = ()
 
     @classmethod
-    def measured(cls, finished: Finished | None, reason: str, *, arrived: float, admitted: float,
+    def measured(cls, finished: Finished | None, reason: FinishReason, *, arrived: float, admitted: float,
                  first_token: float | None, ended: float, cancel_lag_steps: int | None = None) -> TurnResult:
         """A turn from the engine's record of it (None: it never ran) and the
         ``perf_counter`` times it arrived, was admitted, got its first token

@@ -38,11 +38,11 @@ class Pick(NamedTuple):
 class Prefiller:
     """Pending prefills and how their chunks are cut (``Engine`` documents the settings)."""
 
-    def __init__(self, model: nn.Module, token_bytes: Callable[[int], bytes], *, max_chunk: int, prefill_rows: int,
+    def __init__(self, model: nn.Module, token_bytes: Callable[[int], bytes], *, prefill_chunk: int, prefill_rows: int,
                  batch_prefill: bool, min_chunk: int, attention_budget: int):
         self.model = model
         self.token_bytes = token_bytes
-        self.max_chunk = max_chunk
+        self.prefill_chunk = prefill_chunk
         self.prefill_rows = prefill_rows
         self.batch_prefill = batch_prefill
         self.min_chunk = min_chunk
@@ -110,9 +110,9 @@ class Prefiller:
 
     def chunk_size(self, context: int) -> int:
         # Attention scores of a chunk are heads x chunk x context floats: cap them.
-        per_token = self.query_heads * (context + self.max_chunk) * 4
+        per_token = self.query_heads * (context + self.prefill_chunk) * 4
         fit = self.attention_budget // max(per_token, 1)
-        return int(min(self.max_chunk, max(self.min_chunk, fit)))
+        return int(min(self.prefill_chunk, max(self.min_chunk, fit)))
 
     def _score_prompt(self, seq: Sequence, logits: mx.array) -> None:
         """Score the prompt tokens a chunk's ``logits`` predict, the chunk

@@ -1,27 +1,18 @@
 """A sequence the engine runs, and what it hands back: its state while it runs
-(``Sequence``), each step's news (``Delta``) and its end (``Finished``, with
-why: ``FinishReason``)."""
+(``Sequence``), each step's news (``Delta``, from ``runtime.outcome``) and its
+end (``Finished``, with why: ``FinishReason``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from .speculation import Drafter
 from .kv import SequenceCache
+from .outcome import Delta, FinishReason  # plain data (no MLX), for every layer up to the protocols
 from .reply_text import ReplyText
 from .sampling import Sampler, SamplingParams, TokenLogprob
 
 __all__ = ["CANCELLED", "Delta", "FinishReason", "Finished", "LENGTH", "PREEMPTED", "STOP", "Sequence"]
-
-
-class FinishReason(StrEnum):
-    """Why a sequence ended (a string: protocols compare and send it as one)."""
-
-    STOP = "stop"  # end of turn or a stop string
-    LENGTH = "length"  # its max_tokens, or its owner could not let it grow
-    CANCELLED = "cancelled"
-    PREEMPTED = "preempted"  # taken out to free its cache: ``Engine.resume`` goes on
 
 
 STOP, LENGTH, CANCELLED, PREEMPTED = FinishReason
@@ -46,16 +37,6 @@ class Finished:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
-@dataclass(frozen=True)
-class Delta:
-    seq_id: int
-    tokens: tuple[int, ...]  # new token ids (empty on a bare finish)
-    text: str  # new text, safe to show (whole characters, no partial stop string)
-    finished: Finished | None = None
-    logprobs: tuple[TokenLogprob, ...] = ()  # of ``tokens``, when asked
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # of the prompt's tokens: on a sequence's first delta, when asked
-
-
 @dataclass(eq=False)
 class Sequence:
     id: int
@@ -75,6 +56,7 @@ class Sequence:
     accepted: int = 0  # drafts taken
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of the prompt tokens fed so far, when asked
     delivered: bool = False  # a delta went out (the first carries ``prompt_logprobs``)
+    choice: int = 0  # which of its prompt's replies it is (``Engine.add_choices``)
     continues: bool = False  # its text continues the prompt's (``Engine.add``)
     # Its cache came from the caller (``add``, ``resume``) and may be lazy on the caller's own
     # streams, which the evaluator's thread cannot evaluate: its next step starts on the caller's.

@@ -4,7 +4,7 @@ Layout (dependencies point down; nothing here but ``local`` imports MLX):
 
 * ``schema``  the YAML format -> frozen ``Scenario`` (or ``ScenarioError`` with file:line)
 * ``yaml_lines`` YAML whose mappings and sequences remember the line of each key and item
-* ``backend`` the seam: ``Backend`` / ``AgentHandle`` protocols, ``Sampling``, ``TextDelta``
+* ``backend`` the seam: ``Backend`` / ``AgentHandle`` protocols, ``Sampling``, ``Delta``
 * ``local``   the in-process backend: scenario agents are agents of an actor ``Runtime``
 * ``remote``  the HTTP backend: agents of a running ``semantic serve`` (its agent API)
 * ``plan``    who hears what and when: the schedule, cache keys, each agent's next prompt
@@ -22,12 +22,12 @@ The names below are re-exported lazily, so importing ``scenarios.cli`` for
 import importlib
 
 __all__ = [
-    "AgentHandle", "Backend", "Result", "Sampling", "Scenario", "ScenarioError", "TextDelta", "load", "loads",
+    "AgentHandle", "Backend", "Delta", "Result", "Sampling", "Scenario", "ScenarioError", "load", "loads",
     "run",
 ]
 
 _HOME = {
-    "AgentHandle": "backend", "Backend": "backend", "Sampling": "backend", "TextDelta": "backend",
+    "AgentHandle": "backend", "Backend": "backend", "Delta": "backend", "Sampling": "backend",
     "Scenario": "schema", "ScenarioError": "schema", "load": "schema", "loads": "schema",
     "Result": "runner", "run": "runner",
 }

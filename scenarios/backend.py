@@ -13,7 +13,8 @@ turn n, and a caching backend can EXTEND the agent's cache instead of
 re-reading it.
 
 Nothing here imports MLX, anyio or an HTTP client: a turn ends with the
-runtime's own ``TurnResult`` (``runtime.outcome``, plain data).
+runtime's own ``TurnResult``, after its own ``Delta`` items (``runtime.outcome``,
+plain data).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from semantic.runtime.outcome import TurnResult
+from semantic.runtime.outcome import Delta, TurnResult
 
-__all__ = ["AgentHandle", "Backend", "Sampling", "TextDelta", "TurnEvent"]
+__all__ = ["AgentHandle", "Backend", "Delta", "Sampling", "TurnEvent"]
 
 
 @dataclass(frozen=True)
@@ -38,14 +39,7 @@ class Sampling:
     seed: int | None = None
 
 
-@dataclass(frozen=True)
-class TextDelta:
-    """The next piece of the reply, safe to show (whole characters)."""
-
-    text: str
-
-
-TurnEvent = TextDelta | TurnResult  # deltas, then the result
+TurnEvent = Delta | TurnResult  # deltas (their text: the next piece of the reply), then the result
 
 
 class AgentHandle(Protocol):
@@ -57,7 +51,7 @@ class AgentHandle(Protocol):
         An async generator (``async def`` with ``yield``): the runner closes
         it with ``aclose()`` when it stops early.
 
-        Yields ``TextDelta``s, then exactly one ``runtime.outcome.TurnResult``
+        Yields ``Delta`` items, then exactly one ``runtime.outcome.TurnResult``
         (its ``text`` the whole reply, stop strings cut), then stops.
         On success the reply becomes the next assistant message.  Cancelled
         (or closed) before the result is yielded, the conversation is left

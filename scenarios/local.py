@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 
 from semantic.actors import Agent, Runtime
 
-from .backend import Sampling, TextDelta, TurnEvent
+from .backend import Sampling, TurnEvent
 
 __all__ = ["LocalAgent", "LocalBackend", "local_backend"]
 
@@ -44,7 +44,7 @@ class LocalAgent:
                                 seed=sampling.seed)
         async with reply:  # closing early cancels the turn; the history stays as it was
             async for delta in reply:
-                yield TextDelta(delta.text)
+                yield delta
         yield reply.result
 
     async def close(self) -> None:

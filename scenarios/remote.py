@@ -17,9 +17,9 @@ from contextlib import asynccontextmanager
 import httpx
 
 from semantic.runtime.errors import SemanticError
-from semantic.runtime.outcome import TurnResult
+from semantic.runtime.outcome import FinishReason, TurnResult
 
-from .backend import Sampling, TextDelta, TurnEvent
+from .backend import Delta, Sampling, TurnEvent
 
 __all__ = ["RemoteAgent", "RemoteBackend", "remote_backend"]
 
@@ -63,7 +63,7 @@ class RemoteAgent:
                     raise _error(response)
                 async for event, data in _events(response):
                     if event == "delta":
-                        yield TextDelta(data["text"])
+                        yield Delta(data["text"])
                     elif event == "done":
                         yield _result(data)
                         return
@@ -120,7 +120,8 @@ def _result(done: dict) -> TurnResult:
         return None if ms is None else ms / 1000
 
     return TurnResult(
-        reason="length" if done["stop_reason"] == "max_tokens" else "stop",  # a cancelled turn is an error there
+        # (a cancelled turn is an error there)
+        reason=FinishReason.LENGTH if done["stop_reason"] == "max_tokens" else FinishReason.STOP,
         text=done["content"],
         prompt_tokens=usage["prompt_tokens"],
         reused_tokens=usage["reused_tokens"],

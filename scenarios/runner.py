@@ -15,7 +15,7 @@ import anyio
 
 from semantic.runtime.outcome import TurnResult
 
-from .backend import AgentHandle, Backend, TextDelta
+from .backend import AgentHandle, Backend, Delta
 from .plan import Line, Prompts, Slot, cache_key, schedule
 from .schema import Phase, Scenario
 
@@ -168,7 +168,7 @@ class _Run:
         async with contextlib.aclosing(self.handles[key].turn(prompt, sampling)) as events:
             async for event in events:
                 match event:
-                    case TextDelta(text=text):
+                    case Delta(text=text):
                         self.emit(TurnText(slot.agent, text))
                     case TurnResult():
                         result = event

@@ -277,11 +277,16 @@ def test_serve_options_parse():
     args = parser().parse_args(["serve"])
     assert (args.disk_budget, args.conversation_ttl, args.kv_bits) == (None, 7 * 86400, 4)
     assert parser().parse_args(["serve", "--kv-bits", "8"]).kv_bits == 8
-    from semantic.cli.serve import _runtime_options
+    from semantic.cli.serve import _engine_options, _runtime_options
+    from semantic.runtime.engine import DECODE_ROWS
+    from semantic.runtime.engine_options import EngineOptions
 
-    assert _runtime_options(args, None) == {"speculation": True}  # the runtime's default decode rows
-    assert _runtime_options(parser().parse_args(["serve", "--decode-rows", "1", "--speculation", "off"]), None) == {
-        "decode_rows": 1, "speculation": False}
+    assert _engine_options(args) == EngineOptions()  # the runtime's defaults: its decode rows, speculation on
+    assert (_engine_options(args).decode_rows, _engine_options(args).speculation) == (DECODE_ROWS, True)
+    assert _engine_options(parser().parse_args(["serve", "--decode-rows", "1", "--speculation", "off"])) == \
+        EngineOptions(decode_rows=1, speculation=False)
+    assert _engine_options(parser().parse_args(["serve", "--kv-bits", "8"])) == EngineOptions(kv_bits=8)
+    assert _runtime_options(args, None) == {}
     args = parser().parse_args(["cache", "prune", "--older-than", "7d", "--to", "10G"])
     assert (args.older_than, args.to) == (7 * 86400, 10 << 30)
 

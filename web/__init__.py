@@ -41,6 +41,6 @@ The protocol modules (``schema``, ``protocols``, ``anthropic``, ``openai``,
 ``tools``, ``tool_grammar``, ``sse``, ``agents``) are pure: no runtime, no model, no I/O.
 """
 
-from .schema import ChatRequest, ChatResult, RequestError, StreamItem, TextDelta, ToolCall, Usage
+from .schema import ChatRequest, ChatResult, RequestError, StreamItem, ToolCall, Usage
 
-__all__ = ["ChatRequest", "ChatResult", "RequestError", "StreamItem", "TextDelta", "ToolCall", "Usage"]
+__all__ = ["ChatRequest", "ChatResult", "RequestError", "StreamItem", "ToolCall", "Usage"]

@@ -31,12 +31,12 @@ from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from semantic.actors import MAX_LOGPROBS, AgentInfo, TurnResult
+from semantic.actors import MAX_LOGPROBS, AgentInfo, Delta, TurnResult
 
 from . import _validate as v
 from ._aio import closing
 from .protocols import ProtocolSpec
-from .schema import (ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem, TextDelta,
+from .schema import (ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StopReason, StreamItem,
                      load_json, logprob_json)
 from .sse import KEEP_ALIVE, encode
 
@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 __all__ = ["PROTOCOL", "NewAgent", "TurnRequest", "agent_json", "error_json", "events", "parse_fork",
            "parse_new_agent", "parse_turn", "response_json", "turn_events", "turn_json"]
 
-_STOP = {"stop": "end_turn", "length": "max_tokens", "stop_sequence": "stop_sequence", "tool_use": "tool_use"}
+_STOP = {StopReason.STOP: "end_turn", StopReason.LENGTH: "max_tokens", StopReason.STOP_SEQUENCE: "stop_sequence",
+         StopReason.TOOL_USE: "tool_use"}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 408: "request_timeout", 409: "conflict_error", 413: "request_too_large", 503: "overloaded_error"}
 
@@ -109,7 +110,7 @@ def agent_json(info: AgentInfo, *, history: bool = False) -> dict:
 
 def turn_json(agent_id: str, model: str, result: ChatResult) -> dict:
     """A finished turn on ``model`` (``result`` as ``web.chat`` builds it, with the runtime's record)."""
-    if result.stop_reason == "cancelled":
+    if result.stop_reason == StopReason.CANCELLED:
         raise RequestError(503, "the turn was cancelled before it finished; try again")
     timing = {"ttft_ms": None, "queued_ms": None, "prefill_ms": None, "decode_ms": None, "decode_tps": None}
     turn: TurnResult | None = result.turn
@@ -162,9 +163,9 @@ async def turn_events(agent_id: str, model: str, items: AsyncIterable[StreamItem
                     yield KEEP_ALIVE
                 elif isinstance(item, LogprobsDelta):
                     continue  # they come with ``done``
-                elif isinstance(item, (TextDelta, ReasoningDelta)):
+                elif isinstance(item, (Delta, ReasoningDelta)):
                     sent = True
-                    yield encode({"text": item.text}, "delta" if isinstance(item, TextDelta) else "reasoning")
+                    yield encode({"text": item.text}, "delta" if isinstance(item, Delta) else "reasoning")
                 else:
                     body = turn_json(agent_id, model, item)
                     sent = True

@@ -55,12 +55,13 @@ import secrets
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import TYPE_CHECKING
 
+from semantic.actors import Delta
 from semantic.runtime.json_reader import JSONError, read_json
 
 from . import _validate as v
 from ._aio import closing
 from .protocols import ProtocolSpec
-from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, TextDelta, Usage,
+from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StopReason, StreamItem, Usage,
                      cancelled, load_json, stream_text)
 from .sse import encode
 
@@ -72,7 +73,8 @@ __all__ = ["PROTOCOL", "error_json", "events", "message_events", "message_json",
 
 log = logging.getLogger("semantic.web")
 
-_STOP = {"stop": "end_turn", "length": "max_tokens", "stop_sequence": "stop_sequence", "tool_use": "tool_use"}
+_STOP = {StopReason.STOP: "end_turn", StopReason.LENGTH: "max_tokens", StopReason.STOP_SEQUENCE: "stop_sequence",
+         StopReason.TOOL_USE: "tool_use"}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                 503: "overloaded_error", 529: "overloaded_error"}
@@ -361,7 +363,7 @@ def message_json(result: ChatResult, *, model: str, message_id: str | None = Non
 
     Raises ``RequestError`` (503) for a cancelled turn, which has no message.
     """
-    if result.stop_reason == "cancelled":
+    if result.stop_reason == StopReason.CANCELLED:
         raise cancelled()
     return {
         "id": message_id or new_message_id(),
@@ -437,7 +439,7 @@ async def message_events(items: AsyncIterable[StreamItem], *, model: str,
                         yield event
                     yield _event({"type": "content_block_delta", "index": index,
                                   "delta": {"type": "thinking_delta", "thinking": piece.text}})
-                elif isinstance(piece, TextDelta):
+                elif isinstance(piece, Delta):
                     for event in switch("text", {"type": "text", "text": ""}) if block != "text" else ():
                         yield event
                     yield _event({"type": "content_block_delta", "index": index,

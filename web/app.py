@@ -56,7 +56,7 @@ def create_app(config: ServerConfig, on_ready: Callable[[Runtime], None] | None 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with Runtime.open(config.model, config.cache_dir, config.budget, models=config.models,
-                                model_idle_s=config.model_idle_s, kv_bits=config.kv_bits,
+                                model_idle_s=config.model_idle_s, engine=config.engine,
                                 disk_budget=config.disk_budget,
                                 conversation_ttl_s=config.conversation_ttl_s, **config.runtime_options) as rt:
             await server.start(rt)

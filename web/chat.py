@@ -23,9 +23,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
-from semantic.actors import (Agent, AgentExists, AgentGone, ContextTooLong, InvalidAgentId, Message, ModelError,
-                             OutOfMemory, Reply, Runtime, RuntimeClosed, RuntimeUnhealthy, SemanticError, TurnCancelled,
-                             TurnResult, UnknownModel, validate_agent_id)
+from semantic.actors import (Agent, AgentExists, AgentGone, ContextTooLong, Delta, FinishReason, InvalidAgentId,
+                             Message, ModelError, OutOfMemory, Reply, Runtime, RuntimeClosed, RuntimeUnhealthy,
+                             SemanticError, TurnCancelled, TurnResult, UnknownModel, validate_agent_id)
 
 from ._aio import closing
 from .harmony import Harmony, speaks_harmony
@@ -34,7 +34,7 @@ from .metrics import Metrics
 from .prepare import Prepared, prepare
 from .reasoning import CLOSE, OPEN, ThinkTags
 from .schema import (ChatRequest, ChatResult, CompletionRequest, Heartbeat, LogprobsDelta, PromptLogprobs,
-                     ReasoningDelta, RequestError, StreamItem, TextDelta, Usage)
+                     ReasoningDelta, RequestError, StopReason, StreamItem, Usage)
 from .tools import ToolCallFilter, added_tokens, finish_result, library_format, reply_format
 
 __all__ = ["Answers", "ChatCore", "ChatProtocol", "ChatTurn", "chat_result", "checked_agent_id", "sampling",
@@ -45,7 +45,7 @@ HEARTBEAT_S = 2.0  # a stream with nothing new for this long sends its keep-aliv
 
 @dataclass(frozen=True)
 class ChatTurn:
-    """A turn under way, for a protocol to answer: its items are ``TextDelta``
+    """A turn under way, for a protocol to answer: its items are ``Delta``
     and ``Heartbeat`` items and then one ``ChatResult``."""
 
     agent_id: str
@@ -89,9 +89,11 @@ def chat_result(result: TurnResult) -> ChatResult:
     usage = Usage(result.prefilled_tokens, result.reused_tokens, result.output_tokens,
                   result.drafted_tokens, result.accepted_tokens)
     stop = getattr(result, "stop_sequence", None)
-    if result.reason == "stop":
-        return ChatResult(result.text, "stop_sequence" if stop else "stop", usage, stop or None, turn=result)
-    return ChatResult(result.text, "length" if result.reason == "length" else "cancelled", usage, turn=result)
+    if result.reason == FinishReason.STOP:
+        reason = StopReason.STOP_SEQUENCE if stop else StopReason.STOP
+        return ChatResult(result.text, reason, usage, stop or None, turn=result)
+    reason = StopReason.LENGTH if result.reason == FinishReason.LENGTH else StopReason.CANCELLED
+    return ChatResult(result.text, reason, usage, turn=result)
 
 
 def turn_error(e: Exception) -> RequestError:
@@ -163,7 +165,9 @@ class ChatCore:
         else:
             agent_id = agent_id or self.index.match(prepared.messages, req.hint) or new_conversation_id(req.hint)
         with self._claimed(agent_id) as release:  # before any await: no other request takes it meanwhile
-            agent = await (self._fork(fork_from, agent_id) if fork_from is not None else self._open(agent_id))
+            # (the history is read first only when its calls stand in for the client's)
+            agent = await (self._fork(fork_from, agent_id) if fork_from is not None
+                           else self._open(agent_id, read=prepared.calls_as_text))
             messages = prepared.messages
             if prepared.calls_as_text:  # its calls as it wrote them: their text is what its cache holds
                 messages = as_generated(messages, agent.history, self.index.fmt)
@@ -275,14 +279,16 @@ class ChatCore:
         opened = self._opens_thinking[model]
         return None if opened is None else ThinkTags(opened)
 
-    async def _open(self, agent_id: str) -> Agent:
+    async def _open(self, agent_id: str, read: bool = False) -> Agent:
+        """A handle on ``agent_id``; with ``read``, once its actor has its history
+        (a round trip), else at once: the turn's one message creates the agent."""
         try:
-            return await self.rt.agent(agent_id)
+            return await (self.rt.agent(agent_id) if read else self.rt.handle(agent_id))
         except SemanticError as e:
             raise turn_error(e) from None
 
     async def _fork(self, source_id: str, target_id: str) -> Agent:
-        source = await self._open(source_id)
+        source = await self._open(source_id, read=True)
         try:
             return await source.fork(target_id)
         except SemanticError as e:
@@ -318,7 +324,8 @@ class ChatCore:
                 async for item in items:
                     yield item
         finally:
-            self.index.record(agent.id, agent.history)
+            if reply is not None and reply.result is not None:  # else its history is as the index has it
+                self.index.record(agent.id, agent.history)
             if reply is not None:
                 self.metrics.turn(reply.result, tier)
                 self.observer.turn_ended(agent.id, route, reply.turn_id, reply.result, tier)
@@ -360,7 +367,7 @@ class _Releasing:
 async def _run_turn(reply: Reply, prepared: Prepared, reasoning: ThinkTags | Harmony | None, choices: int,
                     heartbeat_s: float) -> AsyncIterator[StreamItem]:
     """The items of one turn: ``ReasoningDelta`` items (when the model reasons:
-    ``reasoning`` reads it apart, and a harmony reply's calls) and ``TextDelta`` items
+    ``reasoning`` reads it apart, and a harmony reply's calls) and ``Delta`` items
     (tool-call markup held back), each delta's ``LogprobsDelta`` after its
     text and a choice's ``PromptLogprobs`` before its first (when the turn
     asked), each item of the reply ``choice`` it extends,
@@ -379,7 +386,7 @@ async def _run_turn(reply: Reply, prepared: Prepared, reasoning: ThinkTags | Har
             if kind == "thinking":
                 yield ReasoningDelta(text, choice)
             elif text := holds[choice].feed(text) if holds[choice] else text:
-                yield TextDelta(text, choice)
+                yield Delta(text, choice=choice)
 
     try:
         while True:
@@ -410,8 +417,9 @@ async def _run_turn(reply: Reply, prepared: Prepared, reasoning: ThinkTags | Har
                 yield item
             thought, text, calls = reasoning.read(turn.text)
             result = replace(result, text=text, reasoning=thought)
-            if calls and (result.stop_reason == "stop" or prepared.holds_calls and result.stop_reason == "length"):
-                result = replace(result, stop_reason="tool_use" if result.stop_reason == "stop" else "length",
+            stopped, cut = result.stop_reason == StopReason.STOP, result.stop_reason == StopReason.LENGTH
+            if calls and (stopped or prepared.holds_calls and cut):
+                result = replace(result, stop_reason=StopReason.TOOL_USE if stopped else StopReason.LENGTH,
                                  tool_calls=tuple(calls))
         results.append(finish_result(result, prepared.fmt, prepared.tool_names, prepared.tools, prepared.holds_calls))
     yield replace(results[0], choices=tuple(results[1:]))

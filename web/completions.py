@@ -54,7 +54,7 @@ from . import _validate as v
 from ._aio import closing
 from .openai import error_json, request_fields, usage_json
 from .protocols import ProtocolSpec
-from .schema import (ChatResult, CompletionRequest, Heartbeat, LogprobsDelta, PromptLogprobs, RequestError,
+from .schema import (ChatResult, CompletionRequest, Heartbeat, LogprobsDelta, PromptLogprobs, RequestError, StopReason,
                      StreamItem, cancelled, load_json, stream_text)
 from .sse import KEEP_ALIVE, encode
 
@@ -68,7 +68,7 @@ log = logging.getLogger("semantic.web")
 DEFAULT_MAX_TOKENS = 16  # OpenAI's
 MAX_LOGPROBS = 5  # OpenAI's limit for this API
 _FLOOR = -9999.0  # the lowest logprob written (as vLLM: -inf is not JSON)
-_FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length"}
+_FINISH = {StopReason.STOP: "stop", StopReason.STOP_SEQUENCE: "stop", StopReason.LENGTH: "length"}
 _DONE = encode("[DONE]")
 
 
@@ -188,7 +188,7 @@ def new_completion_id() -> str:
 def response_json(turn: ChatTurn, result: ChatResult) -> dict:
     """The ``text_completion`` object for ``result``; raises ``RequestError``
     (503) for a cancelled turn, which has no completion."""
-    if result.stop_reason == "cancelled":
+    if result.stop_reason == StopReason.CANCELLED:
         raise cancelled()
     req: CompletionRequest = turn.request
 

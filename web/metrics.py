@@ -33,7 +33,7 @@ import math
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from semantic.actors import TurnResult
+from semantic.actors import FinishReason, TurnResult
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 
@@ -78,7 +78,7 @@ class Metrics:
 
     def turn(self, result: TurnResult | None, tier: str | None) -> None:
         """Count a finished turn; ``tier`` is where the agent's cache was when it began."""
-        if result is None or result.reason == "cancelled":
+        if result is None or result.reason == FinishReason.CANCELLED:
             return
         if result.ttft_s is not None:
             self.ttft.observe(result.ttft_s)

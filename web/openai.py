@@ -57,13 +57,13 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import TYPE_CHECKING
 
-from semantic.actors import MAX_CHOICES, MAX_LOGPROBS
+from semantic.actors import MAX_CHOICES, MAX_LOGPROBS, Delta
 from semantic.runtime.json_reader import JSONError, read_json
 
 from . import _validate as v
 from ._aio import closing
 from .protocols import ProtocolSpec
-from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StreamItem, TextDelta, Usage,
+from .schema import (ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, StopReason, StreamItem, Usage,
                      cancelled, load_json, logprob_json, stream_text)
 from .sse import KEEP_ALIVE, encode
 
@@ -75,7 +75,8 @@ __all__ = ["PROTOCOL", "completion_chunks", "completion_json", "drafts_json", "e
 
 log = logging.getLogger("semantic.web")
 
-_FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "tool_use": "tool_calls"}
+_FINISH = {StopReason.STOP: "stop", StopReason.STOP_SEQUENCE: "stop", StopReason.LENGTH: "length",
+           StopReason.TOOL_USE: "tool_calls"}
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                 429: "rate_limit_error"}
 _JOIN = "\n\n"  # between the text parts of one message, and between leading system messages
@@ -325,7 +326,7 @@ def completion_json(result: ChatResult, *, model: str, completion_id: str | None
 
     Raises ``RequestError`` (503) for a cancelled turn, which has no completion.
     """
-    if result.stop_reason == "cancelled":
+    if result.stop_reason == StopReason.CANCELLED:
         raise cancelled()
 
     def choice(index: int, reply: ChatResult) -> dict:
@@ -406,7 +407,7 @@ async def completion_chunks(items: AsyncIterable[StreamItem], *, model: str, inc
                     yield chunk({"role": "assistant", "content": ""}, index=piece.choice)
                 if isinstance(piece, ReasoningDelta):
                     yield chunk({"reasoning_content": piece.text}, index=piece.choice)
-                elif isinstance(piece, TextDelta):
+                elif isinstance(piece, Delta):
                     yield chunk({"content": piece.text}, index=piece.choice)
                 else:  # log-probabilities: their tokens' text came before them, or is held back
                     yield chunk({}, logprobs=_logprobs(piece.logprobs), index=piece.choice)

@@ -54,7 +54,7 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import TYPE_CHECKING
 
-from semantic.actors import Message
+from semantic.actors import Delta, Message
 
 from ._aio import closing
 from .harmony import HARMONY, read_harmony
@@ -63,7 +63,7 @@ from .reasoning import CLOSE, OPEN, split_reasoning
 from .response_ids import ResponseState, not_found, parse_response_id, response_id
 from .responses_request import ResponsesRequest, continued, parse_request
 from .protocols import ProtocolSpec
-from .schema import (ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StreamItem, TextDelta, Usage,
+from .schema import (ChatResult, Heartbeat, LogprobsDelta, ReasoningDelta, RequestError, StopReason, StreamItem, Usage,
                      cancelled, logprob_json, stream_text)
 from .sse import KEEP_ALIVE, encode
 from .tools import ToolFormat, parse_tool_calls
@@ -114,7 +114,7 @@ def _reasoning_item(item_id: str, text: str | None) -> dict:
 
 
 def _output(result: ChatResult, message_id: str | None = None, reasoning_id: str | None = None) -> list[dict]:
-    status = "incomplete" if result.stop_reason == "length" else "completed"
+    status = "incomplete" if result.stop_reason == StopReason.LENGTH else "completed"
     out = []
     if result.reasoning is not None:
         out.append(_reasoning_item(reasoning_id or _item_id("rs"), result.reasoning))
@@ -128,7 +128,7 @@ def _output(result: ChatResult, message_id: str | None = None, reasoning_id: str
 def _response(rid: str, *, model: str, created: float, status: str, output: list[dict], usage: Usage | None,
               req: ResponsesRequest | None, result: ChatResult | None = None, error: dict | None = None) -> dict:
     """A response object; ``req`` None: one rebuilt from an agent's history (the request is unknown)."""
-    incomplete = result is not None and result.stop_reason == "length"
+    incomplete = result is not None and result.stop_reason == StopReason.LENGTH
     extra = req.extra if req is not None else {}
     body = {
         "id": rid,
@@ -168,7 +168,7 @@ def _turn_id(turn: ChatTurn) -> str:
 
 def response_json(turn: ChatTurn, result: ChatResult) -> dict:
     """The non-streaming response for ``turn``; a 503 for a cancelled turn."""
-    if result.stop_reason == "cancelled":
+    if result.stop_reason == StopReason.CANCELLED:
         raise cancelled()
     return _response(_turn_id(turn), model=turn.model, created=turn.created, status="completed",
                      output=_output(result), usage=result.usage, req=turn.request, result=result)
@@ -185,7 +185,8 @@ def stored_json(state: ResponseState, history: tuple[Message, ...], *, model: st
     else:
         thought, reply = split_reasoning(reply, opened=CLOSE in reply and OPEN not in reply)
         text, calls = parse_tool_calls(reply, fmt) if fmt else (reply, [])
-    result = ChatResult(text, "tool_use" if calls else "stop", Usage(0), tool_calls=tuple(calls), reasoning=thought)
+    reason = StopReason.TOOL_USE if calls else StopReason.STOP
+    result = ChatResult(text, reason, Usage(0), tool_calls=tuple(calls), reasoning=thought)
     return _response(state.id, model=model, created=created, status="completed", output=_output(result),
                      usage=None, req=None)
 
@@ -274,7 +275,7 @@ async def response_events(items: AsyncIterable[StreamItem], *, rid: str, model: 
                     thought.append(piece.text)
                     yield event("response.reasoning_text.delta", item_id=reasoning_id, output_index=index,
                                 content_index=0, delta=piece.text)
-                elif isinstance(piece, TextDelta):
+                elif isinstance(piece, Delta):
                     unsent.append(piece.text)
                     if not with_logprobs:
                         for chunk in send_text():

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from enum import StrEnum
+from typing import Literal
 
 from semantic.runtime.json_reader import JSONError, read_json
-from semantic.actors import TokenLogprob
+from semantic.actors import Delta, TokenLogprob
 
 from ._aio import closing
 
@@ -43,7 +44,6 @@ __all__ = [
     "ROLES",
     "StopReason",
     "StreamItem",
-    "TextDelta",
     "ToolCall",
     "Usage",
     "cancelled",
@@ -54,8 +54,18 @@ __all__ = [
 
 ROLES = ("system", "user", "assistant", "tool")
 
-StopReason = Literal["stop", "length", "stop_sequence", "tool_use", "cancelled"]
-_STOP_REASONS = get_args(StopReason)
+class StopReason(StrEnum):
+    """How a reply ended, as the protocols tell it: the runtime's ``FinishReason``
+    with a stop string's stop told apart and the calls read out of a reply."""
+
+    STOP = "stop"  # the model ended its turn
+    LENGTH = "length"  # max_tokens, or the context, ran out
+    STOP_SEQUENCE = "stop_sequence"  # a stop string ended it (``ChatResult.stop_sequence``)
+    TOOL_USE = "tool_use"  # it ended with tool calls (``ChatResult.tool_calls``)
+    CANCELLED = "cancelled"  # the server cancelled it (shutting down)
+
+
+_STOP_REASONS = tuple(r.value for r in StopReason)
 
 
 class RequestError(Exception):
@@ -221,11 +231,12 @@ class ChatResult:
     def __post_init__(self):
         if self.stop_reason not in _STOP_REASONS:
             raise ValueError(f"stop_reason must be one of {_STOP_REASONS}, not {self.stop_reason!r}")
-        if (self.stop_sequence is not None) != (self.stop_reason == "stop_sequence"):
+        object.__setattr__(self, "stop_reason", StopReason(self.stop_reason))
+        if (self.stop_sequence is not None) != (self.stop_reason == StopReason.STOP_SEQUENCE):
             raise ValueError("stop_sequence is given exactly when stop_reason is 'stop_sequence'")
-        if self.stop_reason == "tool_use" and not self.tool_calls:
+        if self.stop_reason == StopReason.TOOL_USE and not self.tool_calls:
             raise ValueError("stop_reason 'tool_use' needs tool_calls")
-        if self.tool_calls and self.stop_reason not in ("tool_use", "length"):
+        if self.tool_calls and self.stop_reason not in (StopReason.TOOL_USE, StopReason.LENGTH):
             raise ValueError("tool_calls are given only when stop_reason is 'tool_use' or 'length'")
         object.__setattr__(self, "tool_calls", tuple(self.tool_calls))
 
@@ -241,12 +252,6 @@ class ChatResult:
         return Usage(u.input_tokens, u.cache_read_input_tokens, *(
             sum(getattr(r.usage, key) for r in self.every)
             for key in ("output_tokens", "drafted_tokens", "accepted_tokens")))
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    text: str  # new text, safe to show
-    choice: int = 0  # which reply it extends (``ChatRequest.choices``)
 
 
 @dataclass(frozen=True)
@@ -285,12 +290,13 @@ class Heartbeat:
     """Nothing new for a while (a long prompt prefilling): a stream sends its keep-alive."""
 
 
-# What a streaming route consumes: ReasoningDelta, TextDelta and Heartbeat items
+# What a streaming route consumes: ReasoningDelta, Delta (the reply's text, as the runtime's deltas
+# carry it: one type from the engine to here) and Heartbeat items
 # (and LogprobsDelta and PromptLogprobs, when asked for), then exactly one
 # ChatResult. The text deltas joined are a prefix of the result's text; the
 # stream builders send the rest (text held back while a tool call might have
 # been starting).
-StreamItem = ReasoningDelta | TextDelta | LogprobsDelta | PromptLogprobs | Heartbeat | ChatResult
+StreamItem = ReasoningDelta | Delta | LogprobsDelta | PromptLogprobs | Heartbeat | ChatResult
 
 
 def cancelled() -> RequestError:
@@ -299,7 +305,7 @@ def cancelled() -> RequestError:
 
 
 async def stream_text(items: AsyncIterable[StreamItem], logprobs: bool = False) -> AsyncIterator[StreamItem]:
-    """A turn's text as it streams (non-empty ``TextDelta`` pieces, then what each
+    """A turn's text as it streams (non-empty ``Delta`` pieces, then what each
     reply's result holds beyond them; heartbeats and reasoning as they come, and
     log-probabilities with ``logprobs``), then its ``ChatResult``.  ``items`` is
     closed before the rest of the text comes; a cancelled result raises ``cancelled()``."""
@@ -312,7 +318,7 @@ async def stream_text(items: AsyncIterable[StreamItem], logprobs: bool = False) 
                 continue
             if isinstance(item, (LogprobsDelta, PromptLogprobs)):
                 continue
-            if isinstance(item, TextDelta):
+            if isinstance(item, Delta):
                 if item.text:
                     parts.setdefault(item.choice, []).append(item.text)
                     yield item
@@ -321,11 +327,11 @@ async def stream_text(items: AsyncIterable[StreamItem], logprobs: bool = False) 
             break
         else:
             raise AssertionError("the item stream ended without a ChatResult")
-    if result.stop_reason == "cancelled":
+    if result.stop_reason == StopReason.CANCELLED:
         raise cancelled()
     for choice, reply in enumerate(result.every):
         sent = "".join(parts.get(choice, ()))
         assert reply.text.startswith(sent), "streamed text must be a prefix of the result's text"
         if rest := reply.text[len(sent):]:
-            yield TextDelta(rest, choice)
+            yield Delta(rest, choice=choice)
     yield result

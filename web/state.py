@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from semantic.actors import Agent, Runtime, SemanticError, UnknownModel
+from semantic.actors import Agent, EngineOptions, Runtime, SemanticError, UnknownModel
 
 from .chat import HEARTBEAT_S, ChatCore, turn_error
 from .dashboard import Dashboard
@@ -31,7 +31,7 @@ class ServerConfig:
     model_idle_s: float | None = None  # unload the model after this long without turns (None: never)
     cache_dir: Path | None = None
     budget: int | None = None  # bytes of hot KV cache (None: the runtime's default)
-    kv_bits: int = 4  # the agents' KV caches are quantized to 4 or 8 bits, or kept in float (16)
+    engine: EngineOptions = EngineOptions()  # the engine's settings (KV bits, prefill chunk, decode rows, ...)
     disk_budget: int | None = None  # bytes the cache directory may hold (None: no cap)
     conversation_ttl_s: float | None = None  # anonymous conv-* agents unused this long are removed (None: never)
     api_key: str | None = None  # required as x-api-key or "Authorization: Bearer" when set

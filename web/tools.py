@@ -44,7 +44,7 @@ from typing import Literal
 
 from semantic.runtime.json_reader import JSONError, check_depth, read_json
 
-from .schema import ChatResult, ToolCall
+from .schema import ChatResult, StopReason, ToolCall
 
 __all__ = [
     "DEEPSEEK",
@@ -380,12 +380,13 @@ def finish_result(result: ChatResult, fmt: ToolFormat | None, tool_names: Collec
     keeps its reason: its calls are read too where a grammar ``held`` them
     (it closes a call within the limit: ``runtime.grammar``), else they stay
     in the text (they may be cut), as after a stop string."""
-    if fmt is None or result.tool_calls or result.stop_reason not in ("stop", "length" if held else "stop"):
+    if fmt is None or result.tool_calls or result.stop_reason not in (
+            StopReason.STOP, StopReason.LENGTH if held else StopReason.STOP):
         return result
     text, calls = parse_tool_calls(result.text, fmt, tool_names, tools)
     if not calls:
         return result
-    reason = "tool_use" if result.stop_reason == "stop" else result.stop_reason
+    reason = StopReason.TOOL_USE if result.stop_reason == StopReason.STOP else result.stop_reason
     return replace(result, text=text, stop_reason=reason, tool_calls=tuple(calls))
 
 

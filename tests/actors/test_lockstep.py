@@ -9,7 +9,7 @@ import numpy as np
 
 from semantic.actors.gpu_thread import STEP
 from semantic.actors.lockstep import Lockstep, _dumps
-from semantic.actors.messages import BeginTurn, CacheRead, Message
+from semantic.actors.messages import BeginTurn, CacheRead, Message, TurnRequest
 from semantic.runtime.cache_codec import HostCache
 from semantic.runtime.cache_records import CacheRecord
 from semantic.runtime.engine import SamplingParams
@@ -17,16 +17,17 @@ from semantic.runtime.engine import SamplingParams
 
 def _turn(seed=None) -> BeginTurn:
     send, _ = anyio.create_memory_object_stream(1)
-    return BeginTurn(7, "ann", (Message("user", "Hi"),), SamplingParams(temperature=0.7, seed=seed), send)
+    request = TurnRequest(7, SamplingParams(temperature=0.7, seed=seed))
+    return BeginTurn(request, "ann", (Message("user", "Hi"),), send, send)
 
 
 def test_a_turn_travels_without_its_reply_stream_and_with_a_seed_drawn_on_rank_0():
     lockstep = Lockstep(mx.distributed.init())  # one process: a group of one
     sent = lockstep.send(_turn())
-    assert sent.sampling.seed is not None  # every rank's sampler starts from the same key
+    assert sent.request.sampling.seed is not None  # every rank's sampler starts from the same key
     received = pickle.loads(_dumps(sent))
-    assert received.reply is None and received.sampling == sent.sampling and received.messages == sent.messages
-    assert lockstep.send(_turn(seed=5)).sampling.seed == 5  # a seed the client chose is kept
+    assert received.reply is None and received.end is None and received.request == sent.request and received.messages == sent.messages
+    assert lockstep.send(_turn(seed=5)).request.sampling.seed == 5  # a seed the client chose is kept
     assert lockstep.send(STEP) == STEP
 
 

@@ -25,6 +25,7 @@ from semantic.runtime.agent_cache import AgentCaches
 from semantic.runtime.block_pool import KVBudget
 from semantic.runtime.cache_file import CacheStore
 from semantic.runtime.engine import Engine, SamplingParams
+from semantic.runtime.engine_options import EngineOptions
 from semantic.runtime.model_caches import kv_budget
 from semantic.runtime.prefix import encode
 from semantic.runtime.row_counts import cached
@@ -45,7 +46,7 @@ def system(i: int) -> str:
 @pytest.fixture(scope="module")
 def one_at_a_time(smollm2, tmp_path_factory) -> dict[str, list[str]]:
     """Each agent's 3 turns run alone through the synchronous driver, agent after agent."""
-    engine = Engine(smollm2.model, smollm2.tokenizer, max_chunk=256)  # the runtime's chunking
+    engine = Engine(smollm2.model, smollm2.tokenizer, prefill_chunk=256)  # the runtime's chunking
     engine.use_row_counts(cached(engine))  # and its decode row counts: one class of this machine's
     spec = smollm2.spec
     caches = AgentCaches(CacheStore(tmp_path_factory.mktemp("reference")), smollm2.name, spec,
@@ -514,7 +515,7 @@ async def test_8_bit_caches_batch_persist_and_live_apart_from_4_bit_ones(tmp_pat
     loaded = tiny_loaded()
     asks = [(q, dict(max_tokens=12)) for q in ("Name a fruit.", "Name a colour.", "Name a city.")]
 
-    async with Runtime.open(loaded, tmp_path, kv_bits=8) as rt:
+    async with Runtime.open(loaded, tmp_path, engine=EngineOptions(kv_bits=8)) as rt:
         assert await replies(rt, asks, together=True, system="Be brief.") == \
             await replies(rt, asks, together=False, system="Be brief.")
         await (await rt.agent("s0")).reply("Another?", max_tokens=4)
@@ -525,12 +526,12 @@ async def test_8_bit_caches_batch_persist_and_live_apart_from_4_bit_ones(tmp_pat
         async with (await rt.agent("s1")).send("And?", max_tokens=4) as reply:
             await reply.text()
         assert reply.result.reused_tokens == 0
-    async with Runtime.open(loaded, tmp_path, kv_bits=8) as rt:
+    async with Runtime.open(loaded, tmp_path, engine=EngineOptions(kv_bits=8)) as rt:
         async with (await rt.agent("s0")).send("More?", max_tokens=4) as reply:
             await reply.text()
         assert reply.result.reused_tokens > 0
     with pytest.raises(ValueError, match="kv_bits must be 4, 8 or 16"):
-        async with Runtime.open(loaded, tmp_path, kv_bits=3):
+        async with Runtime.open(loaded, tmp_path, engine=EngineOptions(kv_bits=3)):
             pass
 
 

@@ -75,7 +75,7 @@ def test_choices_start_from_a_cached_prompt():
 
 def test_choices_cancelled_before_the_prompt_is_in():
     model, tok = tiny_model("llama"), ByteTokenizer()
-    engine = Engine(model, tok, max_chunk=32, min_chunk=8)
+    engine = Engine(model, tok, prefill_chunk=32, min_chunk=8)
     first = engine.add(prompt(5, 200), SamplingParams(max_tokens=4))
     ids = [first, *engine.add_choices(first, 2)]
     engine.prefill_step()

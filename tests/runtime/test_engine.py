@@ -119,7 +119,7 @@ def test_a_long_prompts_last_token_rides_the_next_decode_step(arch):
     assert finished.cache_tokens == tuple(prompt) + finished.output_tokens[:-1]
     assert all(c.offset == len(finished.cache_tokens) for c in finished.cache if not hasattr(c, "max_size"))
     # The same tokens as with 32-token chunks, whose last chunk computes the first token itself.
-    small = Engine(model, tok, max_chunk=32, min_chunk=32)
+    small = Engine(model, tok, prefill_chunk=32, min_chunk=32)
     sid = small.add(prompt, sampling)
     assert drain(small)[sid].output_tokens == finished.output_tokens
 
@@ -271,7 +271,7 @@ def test_every_sampled_token_goes_through_shared_tokens():
 
 def test_cancel_while_prefilling_returns_a_consistent_partial_cache():
     model, tok = tiny_model("llama"), ByteTokenizer()
-    engine = Engine(model, tok, max_chunk=32, min_chunk=32)
+    engine = Engine(model, tok, prefill_chunk=32, min_chunk=32)
     prompt = (prompts(4, seed=5)[3] * 3)[:150]
     sid = engine.add(prompt, SamplingParams(max_tokens=4))
     assert engine.prefill_step() == [] and engine.prefill_step() == []
@@ -283,7 +283,7 @@ def test_cancel_while_prefilling_returns_a_consistent_partial_cache():
 
 def test_round_robin_prefill_lets_a_short_prompt_finish_first():
     model, tok = tiny_model("llama"), ByteTokenizer()
-    engine = Engine(model, tok, max_chunk=32, min_chunk=32)
+    engine = Engine(model, tok, prefill_chunk=32, min_chunk=32)
     engine.add(list(range(1, 300)), SamplingParams(max_tokens=2))  # the long one, first in line
     short = engine.add([5, 6, 7], SamplingParams(max_tokens=2))
     first = []
@@ -305,7 +305,8 @@ def test_prompt_chunks_share_forwards_in_turn_within_the_row_budget(monkeypatch)
             batches.append(tuple(lengths))
 
     monkeypatch.setattr("semantic.runtime.prefill.PrefillBatch", Recording)
-    engine = Engine(model, tok, max_chunk=32, min_chunk=32, prefill_rows=80, row_counts=RowCounts((1,), prefill_from=9))
+    engine = Engine(model, tok, prefill_chunk=32, min_chunk=32, prefill_rows=80,
+                    row_counts=RowCounts((1,), prefill_from=9))
     engine.add(list(range(1, 200)), SamplingParams(max_tokens=2))
     engine.add(list(range(1, 150)), SamplingParams(max_tokens=2))
     engine.add(list(range(1, 100)), SamplingParams(max_tokens=2))
@@ -326,7 +327,7 @@ def test_a_short_rest_of_a_prompt_comes_along_with_its_chunk():
     a chunk and then a forward for the rest; a rest of ``min_chunk`` or more
     waits for its own."""
     model, tok = tiny_model("llama"), ByteTokenizer()
-    engine = Engine(model, tok, max_chunk=64, min_chunk=16)
+    engine = Engine(model, tok, prefill_chunk=64, min_chunk=16)
     for length, forwards in ((64 + 15, 1), (64 + 16, 2)):
         engine.add(list(range(1, length + 1)), SamplingParams(max_tokens=1))
         steps = 0

@@ -253,7 +253,8 @@ def _matmuls_row_by_row(monkeypatch, shift=lambda m: 0.0) -> None:
     monkeypatch.setattr(nn.Linear, "__call__", lambda self, x: one_by_one(plain)(self, x) + shift(x.shape[-2]))
 
 
-def _prefill_together(model, tokenizer, seen, row_counts, seed: int = 0, max_chunk: int = 96) -> tuple[list[str], int]:
+def _prefill_together(model, tokenizer, seen, row_counts, seed: int = 0,
+                      prefill_chunk: int = 96) -> tuple[list[str], int]:
     """A probe sequence with a long prompt (several chunks) prefills and
     decodes alone, then beside others that arrive with it and later, with
     prompts of many lengths; every logits row it samples from must be bitwise
@@ -261,7 +262,7 @@ def _prefill_together(model, tokenizer, seen, row_counts, seed: int = 0, max_chu
     several chunks."""
     rng = random.Random(seed)
     prompt = lambda n: [rng.randrange(1, VOCAB) for _ in range(n)]
-    probe, steps = prompt(3 * max_chunk + 17), 6
+    probe, steps = prompt(3 * prefill_chunk + 17), 6
 
     class Counting(PrefillBatch):
         shared = 0
@@ -273,15 +274,15 @@ def _prefill_together(model, tokenizer, seen, row_counts, seed: int = 0, max_chu
     runs = []
     for busy in (False, True):
         # Three chunks' rows a forward: a final chunk with its short rest still finds a neighbour.
-        engine = Engine(model, tokenizer, max_chunk=max_chunk, prefill_rows=3 * max_chunk, row_counts=row_counts,
-                        speculation=False)
+        engine = Engine(model, tokenizer, prefill_chunk=prefill_chunk, prefill_rows=3 * prefill_chunk,
+                        row_counts=row_counts, speculation=False)
         seen.clear()
         params = SamplingParams(max_tokens=steps)
 
         def act(step):
             if busy and step in (0, 2, 3):
                 for _ in range(rng.randrange(1, 3)):
-                    engine.add(prompt(rng.choice([5, 30, 70, 150, 2 * max_chunk + 3])),
+                    engine.add(prompt(rng.choice([5, 30, 70, 150, 2 * prefill_chunk + 3])),
                                SamplingParams(max_tokens=rng.randrange(1, 6)))
 
         act(0)
@@ -317,7 +318,7 @@ def test_a_prefill_batched_with_others_equals_alone(arch, logits_by_params):
 @pytest.mark.model
 def test_a_prefill_batched_with_others_equals_alone_smollm2(smollm2, logits_by_params):
     counts = measured(smollm2.model, smollm2.tokenizer)
-    differ, shared = _prefill_together(smollm2.model, smollm2.tokenizer, logits_by_params, counts, max_chunk=256)
+    differ, shared = _prefill_together(smollm2.model, smollm2.tokenizer, logits_by_params, counts, prefill_chunk=256)
     assert not differ and (counts.prefill_from is None or shared), (counts.prefill_from, differ)
 
 
@@ -344,7 +345,7 @@ def test_calibration_keeps_apart_chunks_whose_rows_would_differ(logits_by_params
     model.model.layers[0].input_layernorm = _ChunkCountDependent(model.model.layers[0].input_layernorm, 40)
     counts = Engine(model, tok).calibrate()
     assert counts.prefill_from is not None and counts.prefill_from > 40, counts.prefill_from
-    together = lambda counts, seed: _prefill_together(model, tok, logits_by_params, counts, seed, max_chunk=32)[0]
+    together = lambda counts, seed: _prefill_together(model, tok, logits_by_params, counts, seed, prefill_chunk=32)[0]
     assert not any(together(counts, seed) for seed in range(2))
     assert any(together(dataclasses.replace(counts, prefill_from=1), seed) for seed in range(2))
 
@@ -361,7 +362,7 @@ def test_chunks_sharing_a_forward_take_their_matmuls_alone(logits_by_params, mon
     monkeypatch.setattr(nn.Linear, "__call__", lambda self, x: plain(self, x) + 1e-3 * (x.shape[-2] % 5))
     model, tok = tiny_model("llama"), ByteTokenizer()
     counts = dataclasses.replace(Engine(model, tok).calibrate(), prefill_from=1)  # every chunk may share a forward
-    together = lambda seed: _prefill_together(model, tok, logits_by_params, counts, seed, max_chunk=32)
+    together = lambda seed: _prefill_together(model, tok, logits_by_params, counts, seed, prefill_chunk=32)
     for seed in range(2):
         differ, shared = together(seed)
         assert not differ and shared, (seed, differ, shared)

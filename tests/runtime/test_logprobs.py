@@ -146,7 +146,7 @@ def test_each_prompt_tokens_logprob_is_the_log_softmax_of_the_row_before_it(kv_b
     delta, and the first generated token's are the draw's as ever."""
     model, tok = tiny_model_with_tokenizer("llama")
     prompt = tok.encode(TEXT)[:198]
-    engine = Engine(model, tok, kv_bits=kv_bits, max_chunk=64, min_chunk=16)
+    engine = Engine(model, tok, kv_bits=kv_bits, prefill_chunk=64, min_chunk=16)
     sid = engine.add(prompt, SamplingParams(max_tokens=2, logprobs=1, prompt_logprobs=3))
     deltas = []
     while not engine.idle:
@@ -174,7 +174,7 @@ def test_a_scored_prompt_prefills_alone_and_whole():
     model, tok = tiny_model_with_tokenizer("llama")
     prompt = tok.encode(TEXT)[:150]
     scored = SamplingParams(max_tokens=0, prompt_logprobs=1)
-    options = dict(max_chunk=32, min_chunk=32, row_counts=RowCounts((1,), prefill_from=9))
+    options = dict(prefill_chunk=32, min_chunk=32, row_counts=RowCounts((1,), prefill_from=9))
 
     def run(others: int):
         engine = Engine(model, tok, **options)

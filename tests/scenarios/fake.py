@@ -18,7 +18,7 @@ import anyio
 import anyio.lowlevel
 
 from semantic.runtime.outcome import TurnResult
-from semantic.scenarios.backend import Sampling, TextDelta, TurnEvent
+from semantic.scenarios.backend import Delta, Sampling, TurnEvent
 from semantic.scenarios.runner import Event, PhaseStarted
 
 MARKER = re.compile(r"«(\w+)\|(\w+)\|(\d+)»")
@@ -105,7 +105,7 @@ class FakeHandle:
         reply = (b.reply or _default_reply)(b.phase, self.agent, n)
         pieces = reply.split(" ")
         for i, piece in enumerate(pieces):
-            yield TextDelta(piece if i == len(pieces) - 1 else piece + " ")
+            yield Delta(piece if i == len(pieces) - 1 else piece + " ")
             if b.block is not None:
                 await b.block.wait()
             await anyio.lowlevel.checkpoint()

@@ -17,8 +17,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from semantic.actors import Delta
 from semantic.web import anthropic, openai
-from semantic.web.schema import ChatRequest, ChatResult, RequestError, StreamItem, TextDelta, Usage
+from semantic.web.schema import ChatRequest, ChatResult, RequestError, StreamItem, Usage
 from semantic.web.sse import EventStreamResponse
 from semantic.web.tools import ToolCallFilter, ToolFormat, finish_result
 
@@ -43,7 +44,7 @@ class Canned:
             if i == self.fail_after:
                 raise RequestError(500, "the engine failed mid-turn")
             await anyio.lowlevel.checkpoint()
-            yield TextDelta(piece)
+            yield Delta(piece)
         yield ChatResult("".join(self.pieces), self.stop_reason, self.usage, self.stop_sequence)
 
 
@@ -59,9 +60,9 @@ async def split_tool_calls(items: AsyncIterator[StreamItem], fmt: ToolFormat | N
     """``items`` with calls held out of the text and parsed into the result (as ``web.chat`` does)."""
     hold = ToolCallFilter(fmt) if fmt else None
     async for item in items:
-        if isinstance(item, TextDelta) and hold is not None:
+        if isinstance(item, Delta) and hold is not None:
             if text := hold.feed(item.text):
-                yield TextDelta(text)
+                yield Delta(text)
         elif isinstance(item, ChatResult):
             yield finish_result(item, fmt, tool_names)
         else:

@@ -8,8 +8,9 @@ import logging
 import pytest
 from pydantic import TypeAdapter
 
+from semantic.actors import Delta
 from semantic.web import anthropic
-from semantic.web.schema import ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, TextDelta, ToolCall, Usage
+from semantic.web.schema import ChatRequest, ChatResult, Heartbeat, ReasoningDelta, RequestError, ToolCall, Usage
 
 from .sse_util import collect, parse_sse
 
@@ -351,7 +352,7 @@ _events = TypeAdapter(sdk_types.RawMessageStreamEvent)
 
 async def items(*pieces, result: ChatResult | None = None, error: BaseException | None = None):
     for piece in pieces:
-        yield TextDelta(piece) if isinstance(piece, str) else piece
+        yield Delta(piece) if isinstance(piece, str) else piece
     if error is not None:
         raise error
     if result is not None:
@@ -502,7 +503,7 @@ async def test_cancellation_is_not_turned_into_an_error_event():
     import anyio
 
     async def stuck():
-        yield TextDelta("a")
+        yield Delta("a")
         await anyio.sleep_forever()
 
     seen = []
@@ -520,9 +521,9 @@ async def test_the_item_stream_is_closed_once_the_result_is_in():
 
     async def source():
         try:
-            yield TextDelta("Hi")
+            yield Delta("Hi")
             yield ChatResult("Hi", "stop", USAGE)
-            yield TextDelta("never read")
+            yield Delta("never read")
         finally:
             closed.append(True)
 

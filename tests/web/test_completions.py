@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from semantic.actors import TokenLogprob, TurnResult
+from semantic.actors import EngineOptions, TokenLogprob, TurnResult
 from semantic.runtime.kv import make_sequence_cache
 from semantic.web import completions
 from semantic.web.chat import ChatTurn
@@ -137,7 +137,7 @@ async def test_the_sdk_scores_a_prompt_streamed_and_not(tmp_path, kv_bits):
             more = c.completions.create(**{**score, "prompt": PROMPT + " Then", "logprobs": None, "max_tokens": 1})
             return whole, chunks, more
 
-    async with live_server(tmp_path, kv_bits=kv_bits) as url, client(url) as http:
+    async with live_server(tmp_path, engine=EngineOptions(kv_bits=kv_bits)) as url, client(url) as http:
         with anyio.fail_after(120):
             whole, chunks, more = await anyio.to_thread.run_sync(ask, url)
             history = (await http.get("/v1/agents/reader")).json()["history"]

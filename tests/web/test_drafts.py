@@ -12,6 +12,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
+from semantic.actors import EngineOptions
 from semantic.runtime import engine as engine_module
 from semantic.runtime.speculation import Drafter
 
@@ -82,7 +83,7 @@ async def test_usage_reports_drafts_and_the_reply_is_unchanged(tmp_path, recalli
 
 
 async def test_speculation_off(tmp_path, recalling):
-    async with live_server(tmp_path, runtime_options={"speculation": False}) as url, client(url) as http:
+    async with live_server(tmp_path, engine=EngineOptions(speculation=False)) as url, client(url) as http:
         for agent in ("one", "two"):
             await http.post("/v1/agents", json={"id": agent})
             turn = (await http.post(f"/v1/agents/{agent}/messages", json={"content": ASK, "max_tokens": 20})).json()

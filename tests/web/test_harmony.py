@@ -16,7 +16,7 @@ from semantic.web.chat import _run_turn
 from semantic.web.harmony import Harmony, HarmonySplitter, read_harmony, speaks_harmony
 from semantic.web.identity import message_key
 from semantic.web.prepare import Prepared
-from semantic.web.schema import ChatResult, ReasoningDelta, TextDelta
+from semantic.web.schema import ChatResult, ReasoningDelta
 
 CALL = '{"city": "Paris"}'
 REPLIES = [  # (generated text, reasoning, text, calls)
@@ -125,7 +125,7 @@ async def test_the_chat_core_streams_channels_apart_and_ends_with_the_calls(text
     result = items[-1]
     assert isinstance(result, ChatResult)
     assert "".join(i.text for i in items if isinstance(i, ReasoningDelta)) == (reasoning or "")
-    assert "".join(i.text for i in items if isinstance(i, TextDelta)) == answer
+    assert "".join(i.text for i in items if isinstance(i, Delta)) == answer
     assert (result.reasoning, result.text) == (reasoning, answer)
     assert [(c.name, c.arguments) for c in result.tool_calls] == calls
     assert result.stop_reason == ("tool_use" if calls else "stop")

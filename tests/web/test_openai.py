@@ -7,8 +7,9 @@ import logging
 
 import pytest
 
+from semantic.actors import Delta
 from semantic.web import openai
-from semantic.web.schema import ChatRequest, ChatResult, RequestError, TextDelta, ToolCall, Usage
+from semantic.web.schema import ChatRequest, ChatResult, RequestError, ToolCall, Usage
 
 from .sse_util import collect, parse_sse
 
@@ -248,7 +249,7 @@ def test_a_cancelled_turn_has_no_completion():
 
 async def items(*pieces, result=None, error=None):
     for piece in pieces:
-        yield TextDelta(piece)
+        yield Delta(piece)
     if error is not None:
         raise error
     if result is not None:
@@ -332,7 +333,7 @@ async def test_the_item_stream_is_closed_once_the_result_is_in():
     async def source():
         try:
             yield ChatResult("Hi", "stop", USAGE)
-            yield TextDelta("never read")
+            yield Delta("never read")
         finally:
             closed.append(True)
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from semantic.actors import Message
+from semantic.actors import Delta, Message
 from semantic.web import responses
 from semantic.web.chat import ChatTurn
-from semantic.web.schema import ChatResult, Heartbeat, RequestError, TextDelta, ToolCall, Usage
+from semantic.web.schema import ChatResult, Heartbeat, RequestError, ToolCall, Usage
 from semantic.web.sse import KEEP_ALIVE
 
 from .live import client, first_word_only, live_server, tiny_loaded, tiny_with_template
@@ -252,7 +252,7 @@ async def events_of(t: ChatTurn) -> list[tuple[str, dict]]:
 
 
 async def test_a_streamed_response_follows_the_documented_sequence():
-    out = await events_of(turn([TextDelta("Hel"), Heartbeat(), TextDelta("lo"), ChatResult("Hello!", "stop", USAGE)]))
+    out = await events_of(turn([Delta("Hel"), Heartbeat(), Delta("lo"), ChatResult("Hello!", "stop", USAGE)]))
     assert [n for n, _ in out] == [
         "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
         "response.output_text.delta", "response.output_text.delta", "response.output_text.delta",
@@ -273,7 +273,7 @@ async def test_streamed_tool_calls_and_a_cut_reply():
         "response.function_call_arguments.delta", "response.function_call_arguments.done",
         "response.output_item.done", "response.completed"]
     assert out[3][1]["delta"] == out[4][1]["arguments"] == '{"city": "Paris"}'
-    out = await events_of(turn([TextDelta("Hel"), ChatResult("Hel", "length", USAGE)]))
+    out = await events_of(turn([Delta("Hel"), ChatResult("Hel", "length", USAGE)]))
     assert out[-1][0] == "response.incomplete"
     assert out[-1][1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
     empty = await events_of(turn([ChatResult("", "stop", USAGE)]))  # still a message item, as Codex expects
@@ -282,7 +282,7 @@ async def test_streamed_tool_calls_and_a_cut_reply():
 
 
 async def test_a_failure_mid_stream_is_an_error_event_and_response_failed():
-    out = await events_of(turn([TextDelta("Hel"), RequestError(503, "the server is shutting down; try again")]))
+    out = await events_of(turn([Delta("Hel"), RequestError(503, "the server is shutting down; try again")]))
     assert [n for n, _ in out][-2:] == ["error", "response.failed"]
     assert out[-2][1]["message"] == "the server is shutting down; try again"
     assert out[-1][1]["response"]["error"] == {"code": "server_error",

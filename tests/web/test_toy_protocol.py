@@ -21,11 +21,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from semantic.actors import Delta
 from semantic.web.answer import answer
 from semantic.web.app import FAMILIES, ServerConfig, create_app
 from semantic.web.chat import Answers, ChatTurn
 from semantic.web.protocols import Protocols, ProtocolSpec
-from semantic.web.schema import ChatRequest, ChatResult, Heartbeat, RequestError, StreamItem, TextDelta
+from semantic.web.schema import ChatRequest, ChatResult, Heartbeat, RequestError, StreamItem
 from semantic.web.sse import KEEP_ALIVE, encode
 from semantic.web.state import Routes
 
@@ -60,7 +61,7 @@ async def events(turn: ChatTurn, items: AsyncIterable[StreamItem]) -> AsyncItera
     async for item in items:
         if isinstance(item, Heartbeat):
             yield KEEP_ALIVE
-        elif isinstance(item, TextDelta):
+        elif isinstance(item, Delta):
             yield encode(json.dumps(item.text))  # one line, whatever the text holds
         elif isinstance(item, ChatResult):
             yield encode(response_json(turn, item), "end")
