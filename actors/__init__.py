@@ -17,7 +17,7 @@ Layout (each module one job; only this file's names are public):
                      thread's lifetime) of the one thread that touches MLX;
                      ``follow`` for the other ranks of a sharded model;
 * ``gpu_thread``  -- that thread's loop (continuous batching over
-                     ``runtime.engine``; the model's life, stop and failure)
+                     ``runtime.engine.engine``; the model's life, stop and failure)
                      and the input words it acts on;
 * ``scheduler``   -- (GPU thread) the turns: read ahead, admitted, stepped,
                      reserved for and preempted;
@@ -42,15 +42,15 @@ See ``docs/architecture.md`` ("The actor runtime") for who owns what.
 
 # The runtime's names its users need (web imports nothing else of actors or runtime:
 # pyproject.toml's import contracts)
-from semantic.runtime import grammar  # Agent.send's grammar=: grammar.json_schema(schema), ...
-from semantic.runtime.agent_cache import OutOfMemory
+from semantic.runtime.text import grammar  # Agent.send's grammar=: grammar.json_schema(schema), ...
+from semantic.runtime.memory.agent_cache import OutOfMemory
 from semantic.runtime.cache_records import AGENT_CHARS, InvalidAgentId, validate_agent_id
-from semantic.runtime.disk import NoRoom
-from semantic.runtime.engine_options import EngineOptions  # Runtime.open(engine=...)
+from semantic.runtime.store.disk import NoRoom
+from semantic.runtime.engine.engine_options import EngineOptions  # Runtime.open(engine=...)
 from semantic.runtime.errors import ModelError, SemanticError
-from semantic.runtime.grammar import GrammarError
+from semantic.runtime.text.grammar import GrammarError
 from semantic.runtime.outcome import FinishReason, TurnResult  # what Reply.result holds, and why it ended
-from semantic.runtime.sampling import MAX_LOGPROBS, TokenLogprob
+from semantic.runtime.engine.sampling import MAX_LOGPROBS, TokenLogprob
 
 from .archive import ArchiveError
 from .errors import (

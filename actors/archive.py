@@ -45,13 +45,13 @@ from pathlib import Path
 
 import anyio
 
-from semantic.runtime import cache_file, cache_v1
-from semantic.runtime.cache_file import model_key
+from semantic.runtime.store import cache_file, cache_v1
+from semantic.runtime.store.cache_file import model_key
 from semantic.runtime.cache_records import AGENT_DIR_SUFFIX, MANIFEST, CacheFileError, InvalidAgentId, validate_agent_id
-from semantic.runtime.disk import NoRoom, check_room, history_path, human_bytes
+from semantic.runtime.store.disk import NoRoom, check_room, history_path, human_bytes
 from semantic.runtime.errors import SemanticError
 from semantic.runtime.files import fsync_dir, pid_alive, remove_tree
-from semantic.runtime.json_reader import JSONError, read_json
+from semantic.runtime.text.json_reader import JSONError, read_json
 
 from .errors import AgentExists
 from .history import parse_history
@@ -243,7 +243,7 @@ def import_agent(root: Path, archive: Path, *, agent_id: str | None = None, repl
     """Put the agent in ``archive`` into the cache directory ``root``, checked
     first. ``agent_id``: the agent it must hold (None: any). ``replace``: an
     agent of that id in ``root`` is replaced (else ``AgentExists``). Raises
-    ``ArchiveError``, ``AgentExists``, ``runtime.disk.NoRoom``, ``OSError``;
+    ``ArchiveError``, ``AgentExists``, ``runtime.store.disk.NoRoom``, ``OSError``;
     on any of them ``root`` is as it was."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@ drop (the agent is deleted) and demote (the eviction actor's choice)."""
 
 from __future__ import annotations
 
-from semantic.runtime.agent_cache import AgentMemory
+from semantic.runtime.memory.agent_cache import AgentMemory
 
 from .messages import ForkCache
 

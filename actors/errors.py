@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from semantic.runtime.errors import ContextTooLong, SemanticError  # ContextTooLong: raised by runtime.turns
+from semantic.runtime.errors import ContextTooLong, SemanticError  # ContextTooLong: raised by runtime.memory.turns
 
 __all__ = [
     "AgentExists",

@@ -37,10 +37,10 @@ import anyio
 import mlx.core as mx
 import sniffio
 
-from semantic.runtime.cache_file import CacheStore
-from semantic.runtime.engine_options import EngineOptions
+from semantic.runtime.store.cache_file import CacheStore
+from semantic.runtime.engine.engine_options import EngineOptions
 from semantic.runtime.errors import SemanticError
-from semantic.runtime.models import LoadedModel
+from semantic.runtime.model.models import LoadedModel
 
 from .errors import RuntimeClosed
 from .gpu_thread import Exited, GpuThread, Ready

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from anyio.streams.memory import MemoryObjectSendStream
 
-from semantic.runtime.engine import SamplingParams
+from semantic.runtime.engine.engine import SamplingParams
 from semantic.runtime.outcome import TurnResult
 
 from .agent import AgentSlot, raise_failed, request

@@ -10,8 +10,8 @@ import os
 import time
 from pathlib import Path
 
-from semantic.runtime.disk import history_path
-from semantic.runtime.json_reader import read_json
+from semantic.runtime.store.disk import history_path
+from semantic.runtime.text.json_reader import read_json
 
 from .messages import Message
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.store.cache_file import CacheStore
 from semantic.runtime.cache_records import validate_agent_id
 
 from .history import read_history

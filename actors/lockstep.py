@@ -43,8 +43,8 @@ import mlx.core as mx
 import numpy as np
 from anyio.streams.memory import MemoryObjectSendStream
 
-from semantic.runtime.model_caches import shard_suffix
-from semantic.runtime.cache_codec import HostCache
+from semantic.runtime.memory.model_caches import shard_suffix
+from semantic.runtime.store.cache_codec import HostCache
 
 from .errors import RuntimeUnhealthy
 from .messages import BeginTurn, CacheRead, GpuDown

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
-from semantic.runtime.engine import Delta, SamplingParams  # Delta re-exported: a turn's deltas, engine to protocols
+from semantic.runtime.engine.engine import Delta, SamplingParams  # Delta re-exported: a turn's deltas, engine to protocols
 from semantic.runtime.errors import SemanticError
 from semantic.runtime.outcome import TurnResult  # re-exported: a turn's reply stream ends with it
 
@@ -30,10 +30,10 @@ if TYPE_CHECKING:
 
     from anyio.streams.memory import MemoryObjectSendStream as Sink
 
-    from semantic.runtime.cache_codec import HostCache
+    from semantic.runtime.store.cache_codec import HostCache
     from semantic.runtime.cache_records import BlockUpdate
-    from semantic.runtime.models import LoadedModel
-    from semantic.runtime.row_counts import RowCounts
+    from semantic.runtime.model.models import LoadedModel
+    from semantic.runtime.engine.row_counts import RowCounts
 
 __all__ = [
     "AgentCommand", "BeginTurn", "CacheBlocks", "CacheRead", "CacheWritten", "CancelTurn", "Delta", "Demote",
@@ -312,7 +312,7 @@ AgentCommand = Union[Open, Send, Fork, Delete]
 
 @dataclass(frozen=True)
 class CacheBlocks:
-    """A version of an agent's cache as bytes (``runtime.cache_codec.snapshot``):
+    """A version of an agent's cache as bytes (``runtime.store.cache_codec.snapshot``):
     the blocks from ``update.first`` on.  A newer version of the same agent
     replaces a pending older one, taking over the blocks only the older one
     carried."""
@@ -380,7 +380,7 @@ class Flush:
 
 @dataclass(frozen=True)
 class KeepRowCounts:
-    """A model's decode row counts, measured when it loaded (``runtime.row_counts``):
+    """A model's decode row counts, measured when it loaded (``runtime.engine.row_counts``):
     kept under the cache home for the next start."""
 
     key: str

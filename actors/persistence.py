@@ -42,7 +42,7 @@ writes those not on disk and then the manifest; histories go through
   is reported with ``ok=False`` (the GPU actor keeps that cache dirty in memory
   and hands it over again, if it is still there); a history is tried again
   after the next write that succeeds.
-* **Bounded disk** (``runtime.disk``): at start, then at most once every
+* **Bounded disk** (``runtime.store.disk``): at start, then at most once every
   ``prune_interval_s`` after writes or when a conversation's TTL ends (an
   idle actor sleeps until then), and at once when the next write would take
   the directory over ``disk_budget`` (before it, so it never holds more), it removes anonymous conversations unused for
@@ -70,10 +70,11 @@ from pathlib import Path
 
 import anyio
 
-from semantic.runtime import disk, row_counts
-from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.store import disk
+from semantic.runtime.engine import row_counts
+from semantic.runtime.store.cache_file import CacheStore
 from semantic.runtime.cache_records import StaleBlocks, merged
-from semantic.runtime.disk import NoRoom, history_path
+from semantic.runtime.store.disk import NoRoom, history_path
 from semantic.runtime.errors import SemanticError
 from semantic.runtime.files import tree_bytes, write_atomic
 
@@ -354,7 +355,7 @@ class PersistenceActor:
         return max(0.0, self._next_prune - anyio.current_time())
 
     async def _prune(self) -> None:
-        """Apply the disk budget and the conversations' TTL (``runtime.disk.plan``)."""
+        """Apply the disk budget and the conversations' TTL (``runtime.store.disk.plan``)."""
         protected = frozenset({*(k[1] for k in self._pending), *self._unwritten, *self._reading})
         live = frozenset(self.live())
         budget = self.disk_budget

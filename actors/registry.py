@@ -16,13 +16,13 @@ import logging
 
 import mlx.core as mx
 
-from semantic.runtime.agent_cache import AgentCaches, CacheDisk
-from semantic.runtime.cache_file import CacheStore
-from semantic.runtime.engine import Engine
-from semantic.runtime.engine_options import EngineOptions
-from semantic.runtime.model_caches import open_caches
-from semantic.runtime.models import LoadedModel, load
-from semantic.runtime.row_counts import RowCounts, key
+from semantic.runtime.memory.agent_cache import AgentCaches, CacheDisk
+from semantic.runtime.store.cache_file import CacheStore
+from semantic.runtime.engine.engine import Engine
+from semantic.runtime.engine.engine_options import EngineOptions
+from semantic.runtime.memory.model_caches import open_caches
+from semantic.runtime.model.models import LoadedModel, load
+from semantic.runtime.engine.row_counts import RowCounts, key
 
 from .lockstep import Lockstep
 
@@ -38,7 +38,7 @@ class ModelRegistry:
                  catalogue: dict[str, str | LoadedModel] | None = None, group: mx.distributed.Group | None = None,
                  row_counts: dict[str, RowCounts] | None = None):
         self.group = group  # load this rank's shard of every model (``actors.lockstep``)
-        self.catalogue = catalogue or {}  # models turns may name (``runtime.models.catalogue``)
+        self.catalogue = catalogue or {}  # models turns may name (``runtime.model.models.catalogue``)
         self.store = store
         self.budget_bytes = budget_bytes
         self.options = options  # what each model's engine is built with
@@ -46,7 +46,7 @@ class ModelRegistry:
         self.engine: Engine | None = None
         self.caches: AgentCaches | None = None
         self.name: str | None = None  # the model asked for last; kept across an idle unload
-        self.row_counts = row_counts if row_counts is not None else {}  # measured, by ``runtime.row_counts.key``
+        self.row_counts = row_counts if row_counts is not None else {}  # measured, by ``runtime.engine.row_counts.key``
         self.measured: list[tuple[str, RowCounts]] = []  # measured at a load, for persistence to keep
         self._counts = (0, 0)  # demotions and prefix drops of models unloaded: counters never go back
 

@@ -43,12 +43,12 @@ from typing import TYPE_CHECKING
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from semantic.runtime import row_counts
-from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.engine import row_counts
+from semantic.runtime.store.cache_file import CacheStore
 from semantic.runtime.cache_records import validate_agent_id
-from semantic.runtime.engine_options import EngineOptions
-from semantic.runtime.models import LoadedModel
-from semantic.runtime.models import catalogue as models_catalogue
+from semantic.runtime.engine.engine_options import EngineOptions
+from semantic.runtime.model.models import LoadedModel
+from semantic.runtime.model.models import catalogue as models_catalogue
 from semantic.runtime.outcome import TurnResult
 from semantic.runtime.paths import agents_dir
 
@@ -163,7 +163,7 @@ class Runtime(RuntimeStatus):
         several agents' prompt chunks share a forward (up to twice
         ``prefill_chunk`` tokens) where that measurement found it leaves every
         chunk as alone; ``speculation``, decoding agents verify drafts from
-        their own history in the same forwards (``runtime.speculation``: no
+        their own history in the same forwards (``runtime.engine.speculation``: no
         reply changes; not when sharded).  ``eviction_watermarks``:
         (high, low) fractions of the budget for the eviction actor.
         ``disk_budget``: bytes the cache directory may hold; the least recently
@@ -171,7 +171,7 @@ class Runtime(RuntimeStatus):
         ``conversation_ttl_s``: anonymous agents (ids starting ``conv-``) unused
         this long are removed with their history (None: never).  Both are
         checked at start, at most every ``prune_interval_s`` after writes, and
-        at once when writes go over the budget (``runtime.disk``,
+        at once when writes go over the budget (``runtime.store.disk``,
         ``actors.persistence``).  ``group``: this process is rank 0 of an
         ``mx.distributed`` group whose ranks each hold a tensor-parallel shard
         of the model and follow this one's GPU thread (``actors.lockstep``);

@@ -21,11 +21,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from semantic.runtime import turns
-from semantic.runtime.agent_cache import OutOfMemory
+from semantic.runtime.memory import turns
+from semantic.runtime.memory.agent_cache import OutOfMemory
 from semantic.runtime.errors import SemanticError
 from semantic.runtime.outcome import TurnResult
-from semantic.runtime.sequence import CANCELLED, LENGTH, Delta, Finished, FinishReason
+from semantic.runtime.engine.sequence import CANCELLED, LENGTH, Delta, Finished, FinishReason
 
 from .errors import ContextTooLong, TurnError
 from .messages import BeginTurn, CacheRead, CancelTurn, ReadCache, TurnEnded, TurnFailed

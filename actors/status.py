@@ -12,12 +12,12 @@ from pathlib import Path
 
 import anyio
 
-from semantic.runtime import disk
+from semantic.runtime.store import disk
 from semantic.runtime.cache_records import validate_agent_id
 from semantic.runtime.errors import SemanticError
-from semantic.runtime.models import LoadedModel, load_tokenizer
-from semantic.runtime.prefix import encode
-from semantic.runtime.turns import render
+from semantic.runtime.model.models import LoadedModel, load_tokenizer
+from semantic.runtime.text.prefix import encode
+from semantic.runtime.memory.turns import render
 
 from .agent import AgentSlot
 from .errors import RuntimeClosed, UnknownModel
@@ -60,14 +60,14 @@ class RuntimeStatus:
     @property
     def row_counts(self) -> dict | None:
         """The token slots decode forwards may have on the loaded model, and what
-        measuring them found (``runtime.row_counts``); None while unloaded."""
+        measuring them found (``runtime.engine.row_counts``); None while unloaded."""
         counts = self._gpu.row_counts
         return None if counts is None else counts.describe()
 
     @property
     def speculation(self) -> bool | None:
         """Whether decoding agents verify drafts from their own history
-        (``runtime.speculation``); None while unloaded."""
+        (``runtime.engine.speculation``); None while unloaded."""
         return self._gpu.speculation
 
     @property

@@ -21,8 +21,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from semantic.runtime.cache_codec import HostCache
-from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.store.cache_codec import HostCache
+from semantic.runtime.store.cache_file import CacheStore
 from semantic.runtime.cache_records import BlockUpdate
 
 from .messages import CacheBlocks

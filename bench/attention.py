@@ -2,7 +2,7 @@
 from a float working copy or packed (``kv.DequantizingKVCache``).
 
 * per layer: one decode token's attention over a past of each context, its
-  keys and values in float (``runtime.attention.attend_each``) against read
+  keys and values in float (``runtime.model.attention.attend_each``) against read
   packed from 4-bit blocks (``PackedPast``, MLX's quantized matmul), with the
   model's head counts; medians and the ratio;
 * the engine: decode ms a token for one agent at each context, with the
@@ -36,7 +36,7 @@ def _median_us(f, rounds: int) -> float:
 
 def per_layer(spec, heads: int, contexts: list[int], rounds: int) -> dict:
     """Microseconds of one layer's decode attention over each context, float against packed."""
-    from semantic.runtime.attention import attend_each
+    from semantic.runtime.model.attention import attend_each
     from semantic.runtime.kv import SequenceQuantizedKVCache
 
     out = {}
@@ -60,7 +60,7 @@ def per_layer(spec, heads: int, contexts: list[int], rounds: int) -> dict:
 def engine_decode(loaded, contexts: list[int], tokens: int) -> dict:
     """Decode ms a token for one agent whose cache holds each context, with the
     device's float head and with none (every closed block in float)."""
-    from semantic.runtime.engine import Engine, SamplingParams
+    from semantic.runtime.engine.engine import Engine, SamplingParams
     from semantic.runtime.kv import device_float_head
 
     spec, out = loaded.spec, {}
@@ -95,7 +95,7 @@ def engine_decode(loaded, contexts: list[int], tokens: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from semantic.runtime.models import load
+    from semantic.runtime.model.models import load
 
     loaded = load(args.model, progress=False)
     contexts = [int(c) for c in args.contexts.split(",")]

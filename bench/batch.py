@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
-from semantic.runtime import blas
-from semantic.runtime.engine import DECODE_ROWS
-from semantic.runtime.models import load
+from semantic.runtime.model import blas
+from semantic.runtime.engine.engine import DECODE_ROWS
+from semantic.runtime.model.models import load
 
 TEXT = Path(__file__).parent / "data" / "lighthouses.txt"
 
@@ -40,8 +40,8 @@ class Ours:
     name = "ours"
 
     def __init__(self, loaded, ctxs, decode_rows: int = DECODE_ROWS):
-        from semantic.runtime.engine import Engine, SamplingParams
-        from semantic.runtime.row_counts import cached
+        from semantic.runtime.engine.engine import Engine, SamplingParams
+        from semantic.runtime.engine.row_counts import cached
 
         # The decode step itself, one token a sequence as the peer's (drafts: ``bench speculation``).
         self.engine = Engine(loaded.model, loaded.tokenizer, decode_rows=decode_rows, speculation=False)
@@ -60,8 +60,8 @@ class Ours:
 
     def use(self) -> None:
         """The model's layers as our engine runs them (the peer's run may have put back mlx-lm's)."""
-        from semantic.runtime import row_plans
-        from semantic.runtime.lean import lean
+        from semantic.runtime.engine import row_plans
+        from semantic.runtime.model.lean import lean
 
         lean(self.engine.model)
         row_plans.apply(self.engine.model, self.engine.row_counts.plans)
@@ -70,7 +70,7 @@ class Ours:
         """System decode tokens/s of ``steps`` steps of B sequences, TTFT-free."""
         import mlx.core as mx
 
-        from semantic.runtime.engine import SamplingParams
+        from semantic.runtime.engine.engine import SamplingParams
 
         engine, sampling = self.engine, SamplingParams(max_tokens=steps + 2)
         for f in self.prefilled[:B]:
@@ -110,8 +110,8 @@ class Peer:
 
     def use(self) -> None:
         """mlx-lm's own layers, not the row plans and lean forms ``Ours`` installs."""
-        from semantic.runtime import row_plans
-        from semantic.runtime.lean import lean
+        from semantic.runtime.engine import row_plans
+        from semantic.runtime.model.lean import lean
 
         row_plans.apply(self.model, ())
         lean(self.model, on=False)
@@ -165,7 +165,7 @@ def prefill_peak(loaded, tokens: int, chunks=(128, 512, None)) -> dict:
     the chunk size alone decides."""
     import mlx.core as mx
 
-    from semantic.runtime.engine import Engine, SamplingParams
+    from semantic.runtime.engine.engine import Engine, SamplingParams
 
     prompt = contexts(loaded.tokenizer, 1, tokens)[0]
     out = {}

@@ -71,7 +71,7 @@ class Log:
 
 def disk_usage(root: Path) -> tuple[int, int]:
     """(bytes, tokens) of the agents' caches under ``root`` (from their manifests)."""
-    from semantic.runtime.cache_file import CacheStore
+    from semantic.runtime.store.cache_file import CacheStore
 
     entries = CacheStore(root).entries()
     return sum(e["bytes"] for e in entries), sum(e["tokens"] for e in entries)
@@ -101,7 +101,7 @@ def machine() -> dict:
             versions[pkg] = version(pkg)
         except PackageNotFoundError:
             versions[pkg] = None
-    from semantic.runtime import blas
+    from semantic.runtime.model import blas
 
     status = blas.status()
     return {"system": f"{platform.system()} {platform.machine()}", "cpu": cpu, "cores": os.cpu_count(),

@@ -198,7 +198,7 @@ async def measure(model, sizes, context: int, tokens: int, repeats: int, delay: 
 def run(args: argparse.Namespace) -> int:
     import anyio
 
-    from semantic.runtime.models import load
+    from semantic.runtime.model.models import load
 
     context = args.context or (256 if args.quick else 1024)
     tokens = args.tokens or (64 if args.quick else 128)

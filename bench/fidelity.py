@@ -37,9 +37,9 @@ def chunks(n: int, restart: int | None, block: int) -> list[tuple[int, int]]:
 def perplexity(engine, tokens: list[int], restart: int | None = None) -> float:
     """The text's perplexity through a fresh cache of ``engine`` (its ``kv_bits``),
     written to disk and read back before token ``restart`` when given."""
-    from semantic.runtime.cache_file import CacheStore, load
+    from semantic.runtime.store.cache_file import CacheStore, load
     from semantic.runtime.cache_records import BLOCK_TOKENS, CacheRecord
-    from semantic.runtime.model_spec import ModelCacheSpec
+    from semantic.runtime.model.model_spec import ModelCacheSpec
 
     cache = engine.new_cache()
     view = cache.view()
@@ -59,7 +59,7 @@ def perplexity(engine, tokens: list[int], restart: int | None = None) -> float:
 
 
 def fidelity(loaded, texts: list[tuple[str, list[int]]], log=lambda line: None) -> dict:
-    from semantic.runtime.engine import Engine
+    from semantic.runtime.engine.engine import Engine
 
     engines = {bits: Engine(loaded.model, loaded.tokenizer, kv_bits=bits, speculation=False) for bits in BITS}
     out = {"model": loaded.name, "texts": []}
@@ -81,7 +81,7 @@ def fidelity(loaded, texts: list[tuple[str, list[int]]], log=lambda line: None) 
 
 
 def run(args: argparse.Namespace) -> int:
-    from semantic.runtime.models import load
+    from semantic.runtime.model.models import load
 
     loaded = load(args.model, progress=False)
     texts = [(Path(p).name, loaded.tokenizer.encode(Path(p).read_text())[: args.tokens]) for p in args.text or TEXTS]

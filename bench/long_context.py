@@ -76,7 +76,7 @@ def four_agents_context(contexts: tuple) -> int:
 
 def disk_usage_by_agent(root: Path) -> dict[str, int]:
     """Bytes of each agent's caches under ``root``."""
-    from semantic.runtime.cache_file import CacheStore
+    from semantic.runtime.store.cache_file import CacheStore
 
     out: dict[str, int] = {}
     for e in CacheStore(root).entries():

@@ -8,7 +8,7 @@ import statistics
 import time
 
 import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
-from semantic.runtime.models import load
+from semantic.runtime.model.models import load
 
 
 def measure(loaded, prompt_tokens: int, decode_tokens: int) -> tuple[float, float]:

@@ -118,7 +118,7 @@ async def overlap(loaded, root: Path, *, context: int, tokens: int, rounds: int,
 def run(args: argparse.Namespace) -> int:
     import anyio
 
-    from semantic.runtime.models import load
+    from semantic.runtime.model.models import load
 
     loaded = load(args.model, progress=False)
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if not args.json else (lambda line: None)

@@ -210,12 +210,12 @@ def process_memory(pid: int) -> dict:
 
 
 def write_float32(model: str, out: Path) -> Path:
-    """Write the weights ours computes with (runtime.models.load: float32 on the
+    """Write the weights ours computes with (runtime.model.models.load: float32 on the
     CPU) as an mlx-lm model directory the peer can load."""
     import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
     from mlx_lm.utils import save
 
-    from semantic.runtime.models import load
+    from semantic.runtime.model.models import load
 
     loaded = load(model, progress=False)
     config = {k: v for k, v in loaded.config.items() if k not in ("quantization", "quantization_config")}
@@ -228,7 +228,7 @@ def peer_dir(model: str, out: Path) -> str:
     """What the peer loads: on the CPU, the float32 weights we compute with
     (written to ``out``); on Metal, the same model directory ours loads."""
     code = (
-        "import semantic.runtime, mlx.core as mx, sys; from semantic.runtime.models import resolve; "
+        "import semantic.runtime, mlx.core as mx, sys; from semantic.runtime.model.models import resolve; "
         "print('cpu' if mx.default_device() == mx.cpu else resolve(sys.argv[1], progress=False))"
     )
     where = subprocess.run([sys.executable, "-c", code, model], cwd=ROOT, capture_output=True, text=True,

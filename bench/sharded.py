@@ -33,7 +33,7 @@ def decode(loaded, batches, context: int, steps: int, repeats: int) -> tuple[dic
     import mlx.core as mx
 
     from semantic.bench.batch import contexts
-    from semantic.runtime.engine import Engine, SamplingParams
+    from semantic.runtime.engine.engine import Engine, SamplingParams
 
     engine = Engine(loaded.model, loaded.tokenizer)
     prefilled = []
@@ -77,7 +77,7 @@ def worker(args: argparse.Namespace) -> int:
     import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
     import mlx.core as mx
 
-    from semantic.runtime.models import load
+    from semantic.runtime.model.models import load
 
     group = mx.distributed.init()
     loaded = load(args.model, progress=False, group=group)
@@ -92,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
         return worker(args)
     import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
 
-    from semantic.runtime.engine import DECODE_ROWS
-    from semantic.runtime.models import load
+    from semantic.runtime.engine.engine import DECODE_ROWS
+    from semantic.runtime.model.models import load
 
     steps, repeats = (8, 1) if args.quick else (24, 3)
     loaded = load(args.model)

@@ -42,7 +42,7 @@ async def soak(loaded, root: Path, *, agents: int, turns: int, concurrency: int,
     import mlx.core as mx
 
     from semantic.actors import Runtime
-    from semantic.runtime.model_caches import kv_budget
+    from semantic.runtime.memory.model_caches import kv_budget
     from semantic.runtime.cache_records import BLOCK_TOKENS
 
     kv = kv_budget(loaded, 1 << 40)
@@ -110,7 +110,7 @@ async def soak(loaded, root: Path, *, agents: int, turns: int, concurrency: int,
 def run(args: argparse.Namespace) -> int:
     import anyio
 
-    from semantic.runtime.models import load
+    from semantic.runtime.model.models import load
 
     loaded = load(args.model, progress=False)
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if not args.json else (lambda line: None)

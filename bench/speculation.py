@@ -1,5 +1,5 @@
 """``semantic bench speculation``: what drafting from an agent's own history
-(``runtime.speculation``) buys a greedy decode.
+(``runtime.engine.speculation``) buys a greedy decode.
 
 In one process, on one engine with the row counts a server would use, each
 workload runs with speculation on and off in alternating rounds (on/off,
@@ -97,7 +97,7 @@ def workloads(tokenizer) -> dict[str, tuple[list[dict], int]]:
 def decode(engine, prompts: list[list[int]], max_tokens: int, speculate: bool, temperature: float = 0.0,
            seed: int = 0) -> dict:
     """Prefill ``prompts`` untimed, then decode them all to their end, timed."""
-    from semantic.runtime.engine import SamplingParams
+    from semantic.runtime.engine.engine import SamplingParams
     from semantic.runtime.outcome import decode_rate
 
     engine.speculation = speculate  # read by ``add``
@@ -166,8 +166,8 @@ def _median(values) -> float | None:
 
 def in_process(loaded, rounds: int, max_tokens: int | None = None, log=lambda line: None) -> dict:
     """Every workload on one engine; ``max_tokens`` caps each workload's (tests)."""
-    from semantic.runtime.engine import Engine
-    from semantic.runtime.row_counts import cached
+    from semantic.runtime.engine.engine import Engine
+    from semantic.runtime.engine.row_counts import cached
 
     tok = loaded.tokenizer
     engine = Engine(loaded.model, tok)
@@ -254,7 +254,7 @@ def over_http(model: str, singles: dict, rounds: int, workdir: Path, log) -> dic
 
 
 def run(args: argparse.Namespace) -> int:
-    from semantic.runtime.models import load
+    from semantic.runtime.model.models import load
 
     from .compare import machine
 

@@ -11,7 +11,7 @@ grammar work timed alone, walking a valid reply token by token: the mask
 reply closable within its limit (``Constraint.fit`` and ``advance`` against
 ``advance`` alone: checking the closing still holds, and finding a new one
 where it does not), and finding a closing anew from each place of that
-reply (``runtime.closing``: what a token that leaves the kept one costs,
+reply (``runtime.text.closing``: what a token that leaves the kept one costs,
 once). The rest of the difference is the
 step no longer built while the last one computes, as a grammar's next mask
 waits on the last token.
@@ -69,7 +69,7 @@ REPLY = json.dumps({"notes": ["a short note about the sea"] * 8})
 
 def mask_us(grammar: str, tokenizer, vocab: int) -> float:
     """Median microseconds of one row's mask, walking a valid reply token by token."""
-    from semantic.runtime.grammar import Grammars
+    from semantic.runtime.text.grammar import Grammars
 
     constraint = Grammars(tokenizer, tokenizer.eos_token_ids).constraint(grammar)
     times = []
@@ -85,7 +85,7 @@ def closing_us(grammar: str, tokenizer, limit: int) -> dict:
     """Microseconds a token takes to follow a valid reply under ``limit``
     (``fit`` and ``advance``) and without one (``advance``): medians and means
     (a mean holds the new closings found where the reply left the last)."""
-    from semantic.runtime.grammar import Grammars
+    from semantic.runtime.text.grammar import Grammars
 
     grammars = Grammars(tokenizer, tokenizer.eos_token_ids)
     grammars.constraint(grammar, limit)  # (the grammar compiled, its first closing found: once per engine)
@@ -107,7 +107,7 @@ def search_ms(grammar: str, tokenizer) -> dict:
     import llguidance.hf
     from llguidance import LLMatcher
 
-    from semantic.runtime.closing import Closer
+    from semantic.runtime.text.closing import Closer
 
     ends = sorted(tokenizer.eos_token_ids)
     ll = llguidance.hf.from_tokenizer(getattr(tokenizer, "_tokenizer", tokenizer), eos_token=ends)
@@ -122,8 +122,8 @@ def search_ms(grammar: str, tokenizer) -> dict:
 
 
 def structured(loaded, batches: tuple[int, ...], steps: int, rounds: int, log=lambda line: None) -> dict:
-    from semantic.runtime.engine import Engine, SamplingParams
-    from semantic.runtime.grammar import json_schema
+    from semantic.runtime.engine.engine import Engine, SamplingParams
+    from semantic.runtime.text.grammar import json_schema
 
     engine = Engine(loaded.model, loaded.tokenizer, speculation=False)  # the decode step itself, without drafts
     tok = loaded.tokenizer
@@ -361,7 +361,7 @@ def _parse_main(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.parse:
         return _parse_main(args)
-    from semantic.runtime.models import load
+    from semantic.runtime.model.models import load
 
     loaded = load(args.model, progress=False)
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if not args.json else (lambda line: None)

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
-from semantic.runtime.model_caches import open_caches
+from semantic.runtime.memory.model_caches import open_caches
 
 TEXT = Path(__file__).parent / "data" / "lighthouses.txt"
 SHORT_FOLLOW_UP = "And in one sentence, which lighthouse would you most like to visit?"
@@ -52,7 +52,7 @@ def conversation(tokenizer, context: int) -> list[dict]:
 
 
 def _warm_up(engine) -> None:
-    from semantic.runtime.engine import SamplingParams
+    from semantic.runtime.engine.engine import SamplingParams
 
     engine.add([1, 2, 3], SamplingParams(max_tokens=2))
     while not engine.idle:
@@ -62,9 +62,9 @@ def _warm_up(engine) -> None:
 
 def warm_worker(spec: dict) -> dict:
     """In a fresh process: load the model, then time the follow-up from disk."""
-    from semantic.runtime.engine import Engine, SamplingParams
-    from semantic.runtime.models import load
-    from semantic.runtime.turns import run_turn
+    from semantic.runtime.engine.engine import Engine, SamplingParams
+    from semantic.runtime.model.models import load
+    from semantic.runtime.memory.turns import run_turn
 
     loaded = load(spec["model"], progress=False)
     engine = Engine(loaded.model, loaded.tokenizer)
@@ -85,8 +85,8 @@ def warm_worker(spec: dict) -> dict:
 
 
 def measure(loaded, context: int, repeats: int, root: Path) -> dict:
-    from semantic.runtime.engine import Engine, SamplingParams
-    from semantic.runtime.turns import run_turn
+    from semantic.runtime.engine.engine import Engine, SamplingParams
+    from semantic.runtime.memory.turns import run_turn
 
     engine = Engine(loaded.model, loaded.tokenizer)
     _warm_up(engine)
@@ -132,7 +132,7 @@ def measure(loaded, context: int, repeats: int, root: Path) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from semantic.runtime.models import load
+    from semantic.runtime.model.models import load
 
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else (
         [1024, 2048, 4096] if args.quick else [1024, 2048, 4096, 8192]

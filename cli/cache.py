@@ -10,10 +10,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from semantic.runtime import disk
-from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.store import disk
+from semantic.runtime.store.cache_file import CacheStore
 from semantic.runtime.cache_records import validate_agent_id
-from semantic.runtime.disk import human_bytes as _size
+from semantic.runtime.store.disk import human_bytes as _size
 from semantic.runtime.errors import SemanticError
 from semantic.runtime.paths import agents_dir, usable_dir
 

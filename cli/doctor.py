@@ -7,8 +7,8 @@ import json
 from rich.console import Console
 
 import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
-from semantic.runtime import blas, embedded
-from semantic.runtime.device import describe, matmul_gflops
+from semantic.runtime.model import blas, embedded
+from semantic.runtime.model.device import describe, matmul_gflops
 from semantic.runtime.paths import cache_home
 
 SLOW_GFLOPS = 20.0
@@ -46,7 +46,7 @@ def doctor(as_json: bool) -> int:
                   f"(rows agree within: {classes}; measured in {rows['seconds']} s)")
         ways = {"tiles": "column tiles, each no larger than {} row(s)", "pieces": "pieces of at most {} row(s)",
                 "floor": "padded to at least {} rows"}
-        for plan in rows["plans"]:  # how a weight shape's matmul takes its rows (``runtime.row_plans``)
+        for plan in rows["plans"]:  # how a weight shape's matmul takes its rows (``runtime.engine.row_plans``)
             out.print(f"             {plan['shape']}: {ways[plan['way']].format(plan['rows'])}")
         batched = rows.get("prefill_from")
         out.print("prefill      " + ("one agent's prompt chunk a forward" if batched is None else
@@ -56,9 +56,9 @@ def doctor(as_json: bool) -> int:
 
 def _row_counts() -> dict:
     """The decode row counts the server uses on the embedded model (measured once, then kept)."""
-    from semantic.runtime.engine import Engine
-    from semantic.runtime.models import load
-    from semantic.runtime.row_counts import cached
+    from semantic.runtime.engine.engine import Engine
+    from semantic.runtime.model.models import load
+    from semantic.runtime.engine.row_counts import cached
 
     loaded = load(progress=False)
     return cached(Engine(loaded.model, loaded.tokenizer)).describe()

@@ -7,7 +7,7 @@ import sys
 
 import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
 from semantic.runtime.errors import SemanticError
-from semantic.runtime.models import load
+from semantic.runtime.model.models import load
 
 
 def generate(args: argparse.Namespace) -> int:

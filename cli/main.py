@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _warn_if_slow() -> None:
     """Users must hear it when the fast CPU path is missing: everything runs ~50x slower."""
-    from semantic.runtime import blas
+    from semantic.runtime.model import blas
 
     status = blas.status()
     if not status.fast and sys.platform == "linux":
@@ -231,7 +231,7 @@ def _run(args: argparse.Namespace) -> int:
 
         return doctor(as_json=args.json)
     if args.command == "prepare":
-        from semantic.runtime.models import resolve
+        from semantic.runtime.model.models import resolve
 
         print(resolve(args.model))
         return 0

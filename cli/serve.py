@@ -97,8 +97,9 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
-    from semantic.runtime import disk, embedded
-    from semantic.runtime.models import catalogue, resolve
+    from semantic.runtime.store import disk
+    from semantic.runtime.model import embedded
+    from semantic.runtime.model.models import catalogue, resolve
     from semantic.runtime.paths import agents_dir, usable_dir
     from semantic.web.app import ServerConfig
     from semantic.web.server import bind, run as run_server
@@ -145,8 +146,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _engine_options(args: argparse.Namespace):
     """The engine's settings the flags choose (the runtime's defaults for the rest)."""
-    from semantic.runtime.engine import DECODE_ROWS
-    from semantic.runtime.engine_options import EngineOptions
+    from semantic.runtime.engine.engine import DECODE_ROWS
+    from semantic.runtime.engine.engine_options import EngineOptions
 
     return EngineOptions(kv_bits=args.kv_bits, decode_rows=args.decode_rows or DECODE_ROWS,
                          speculation=args.speculation == "on")
@@ -162,7 +163,7 @@ def _other_layouts(cache_dir, model: str, kv_bits: int, ranks: int) -> None:
     they are not read here (each layout keeps its own files)."""
     from pathlib import Path
 
-    from semantic.runtime.model_caches import cache_layouts
+    from semantic.runtime.memory.model_caches import cache_layouts
 
     def layout(n: int) -> str:
         return "one process" if n == 1 else f"{n} ranks"
@@ -198,7 +199,7 @@ def _follow(args: argparse.Namespace, group, cache_dir, first: str, more: list[s
 
 
 def _default_cap(models: dict) -> int | None:
-    from semantic.runtime.embedded import NAME
+    from semantic.runtime.model.embedded import NAME
 
     return EMBEDDED_MAX_TOKENS if NAME in models.values() else None  # a 135M model that never stops
 

@@ -2,8 +2,8 @@
 format's names and limits, its tensor types, the agent-id rule, the
 records (a cache and what it covers; a version of it as bytes), the
 errors, and the checked reader every file of it is opened with. The MLX
-side is ``runtime.cache_codec``; the directory of files,
-``runtime.cache_file``; version 1 files, ``runtime.cache_v1``; what each
+side is ``runtime.store.cache_codec``; the directory of files,
+``runtime.store.cache_file``; version 1 files, ``runtime.store.cache_v1``; what each
 layer kind writes and checks, its class in ``runtime.kv``."""
 
 from __future__ import annotations

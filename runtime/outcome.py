@@ -15,8 +15,8 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .sequence import Finished
-    from .sampling import TokenLogprob
+    from .engine.sequence import Finished
+    from .engine.sampling import TokenLogprob
 
 __all__ = ["Delta", "FinishReason", "TurnResult", "decode_rate"]
 
@@ -84,7 +84,7 @@ class TurnResult:
     stop_sequence: str | None = None  # the stop string that ended it (reason "stop")
     logprobs: tuple[TokenLogprob, ...] = ()  # of each output token, when the turn asked for them
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # of each prompt token (the first's None), when asked
-    drafted_tokens: int = 0  # drafts its decode steps verified (``runtime.speculation``)
+    drafted_tokens: int = 0  # drafts its decode steps verified (``runtime.engine.speculation``)
     accepted_tokens: int = 0  # of them, taken as output
     # The turn's other replies when it asked for several (choices 1, 2, ...): the same
     # prompt, prefilled once; this one (choice 0) is the reply the agent keeps.

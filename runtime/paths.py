@@ -24,7 +24,7 @@ def models_dir() -> Path:
 
 
 def agents_dir() -> Path:
-    """Agents' KV cache files (``runtime.cache_file.CacheStore``)."""
+    """Agents' KV cache files (``runtime.store.cache_file.CacheStore``)."""
     return cache_home() / "agents"
 
 

@@ -30,7 +30,7 @@ __all__ = ["AgentHandle", "Backend", "Delta", "Sampling", "TurnEvent"]
 
 @dataclass(frozen=True)
 class Sampling:
-    """How one turn samples; mirrors ``runtime.sampling.SamplingParams`` (0 = greedy)."""
+    """How one turn samples; mirrors ``runtime.engine.sampling.SamplingParams`` (0 = greedy)."""
 
     max_tokens: int = 64
     temperature: float = 0.0

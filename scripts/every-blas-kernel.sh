@@ -13,7 +13,7 @@ tests=("$@")
 [ ${#tests[@]} -gt 0 ] || tests=(tests/runtime/test_invariance.py
   tests/runtime/test_batch_cache.py::test_fixed_shape_matmul_rows_do_not_depend_on_their_neighbours
   tests/runtime/test_batch_cache.py::test_each_sequence_in_a_forward_computes_as_alone)
-corename='import ctypes, numpy, semantic.runtime, mlx.core as mx; from semantic.runtime import blas
+corename='import ctypes, numpy, semantic.runtime, mlx.core as mx; from semantic.runtime.model import blas
 mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64))); numpy.ones((64, 64)) @ numpy.ones((64, 64))  # (both BLAS run)
 f = ctypes.CDLL(blas.status().library).openblas_get_corename; f.restype = ctypes.c_char_p; print(f().decode())'
 status=0

@@ -95,6 +95,6 @@ def pytest_generate_tests(metafunc):
 @pytest.fixture(scope="session")
 def smollm2():
     """The real embedded model, prepared once per machine and loaded once per run."""
-    from semantic.runtime.models import load
+    from semantic.runtime.model.models import load
 
     return load("smollm2", progress=False)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from semantic.runtime.cache_file import model_key
+from semantic.runtime.store.cache_file import model_key
 from semantic.runtime.cache_records import MANIFEST
 from tests.tiny import tiny_config
 
@@ -68,8 +68,8 @@ def model_dir(path, config: dict, seed: int = 0):
     import mlx.core as mx
     from mlx_lm.utils import save_config, save_model
 
-    from semantic.runtime.model_spec import build_model
-    from semantic.runtime.models import resolve
+    from semantic.runtime.model.model_spec import build_model
+    from semantic.runtime.model.models import resolve
 
     mx.random.seed(seed)
     save_model(path, build_model(config))
@@ -135,10 +135,10 @@ def test_generate_streams_the_models_greedy_reply(smollm2):
 
 def real_caches(root, agents):
     """A store under ``root`` with a real cache file (41 tokens, model 'tiny') for each agent."""
-    from semantic.runtime.cache_file import CacheStore
+    from semantic.runtime.store.cache_file import CacheStore
     from semantic.runtime.cache_records import CacheRecord
-    from semantic.runtime.engine import Engine, SamplingParams
-    from semantic.runtime.model_spec import ModelCacheSpec
+    from semantic.runtime.engine.engine import Engine, SamplingParams
+    from semantic.runtime.model.model_spec import ModelCacheSpec
     from tests.runtime.test_engine import ByteTokenizer, drain
     from tests.tiny import tiny_model
 
@@ -278,8 +278,8 @@ def test_serve_options_parse():
     assert (args.disk_budget, args.conversation_ttl, args.kv_bits) == (None, 7 * 86400, 4)
     assert parser().parse_args(["serve", "--kv-bits", "8"]).kv_bits == 8
     from semantic.cli.serve import _engine_options, _runtime_options
-    from semantic.runtime.engine import DECODE_ROWS
-    from semantic.runtime.engine_options import EngineOptions
+    from semantic.runtime.engine.engine import DECODE_ROWS
+    from semantic.runtime.engine.engine_options import EngineOptions
 
     assert _engine_options(args) == EngineOptions()  # the runtime's defaults: its decode rows, speculation on
     assert (_engine_options(args).decode_rows, _engine_options(args).speculation) == (DECODE_ROWS, True)
@@ -395,7 +395,7 @@ def test_each_family_keeps_its_agent_across_turns_and_a_restart(tmp_path, family
 def test_serve_says_when_caches_of_another_layout_are_not_read(tmp_path, capsys):
     """Each layout (one process, n ranks) keeps its own files: a server says which it will not read."""
     from semantic.cli.serve import _other_layouts
-    from semantic.runtime.model_caches import cache_layouts, cache_model_id
+    from semantic.runtime.memory.model_caches import cache_layouts, cache_model_id
 
     for shard in (None, (0, 3), (1, 3), (0, 2)):
         (tmp_path / model_key(cache_model_id("smollm2", 4, shard))).mkdir()
@@ -420,8 +420,8 @@ def test_serve_distributed_outside_mlx_launch_is_one_line_and_nonzero(tmp_path):
 ])
 def test_a_model_that_cannot_be_sharded_so_is_refused_in_one_line(arch, ranks, message):
     from semantic.runtime.errors import ModelError
-    from semantic.runtime.model_spec import ModelCacheSpec, build_model
-    from semantic.runtime.models import _shard
+    from semantic.runtime.model.model_spec import ModelCacheSpec, build_model
+    from semantic.runtime.model.models import _shard
 
     class Group:  # what _shard asks of an mx.distributed group
         def size(self):

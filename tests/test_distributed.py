@@ -87,7 +87,7 @@ def test_a_sharded_model_gives_the_logits_of_the_whole_one_within_tolerance_and_
 import json
 import semantic.runtime
 import mlx.core as mx
-from semantic.runtime.models import load
+from semantic.runtime.model.models import load
 
 group = mx.distributed.init()
 sharded = load("smollm2", progress=False, group=group)
@@ -115,7 +115,7 @@ if group.rank() == 0:
                                 "scale": mx.max(mx.abs(ref)).item(), "positions": len(tokens),
                                 "first_divergence": same.index(False) if False in same else None}), flush=True)
 
-from semantic.runtime.engine import Engine, SamplingParams  # batch invariance holds across ranks too
+from semantic.runtime.engine.engine import Engine, SamplingParams  # batch invariance holds across ranks too
 
 engine = Engine(sharded.model, sharded.tokenizer)
 def replies(prompts):

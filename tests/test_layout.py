@@ -1,6 +1,7 @@
 """The architecture, checked by a tool (import-linter, contracts in
 ``pyproject.toml``): the layers (cli over web, bench and scenarios, over
-actors, over runtime) and no import cycle inside a package -- on this tree,
+actors, over runtime; inside runtime, its rooms) and no import cycle inside
+a package -- on this tree,
 and broken on a copy of it that breaks each rule. The install: one package,
 ``semantic``, whose folders are the repo's. And what the architecture's
 words claim: who may set what, who tells cache kinds apart, that a
@@ -46,20 +47,30 @@ def copy_of_the_tree(tmp_path: Path) -> Path:
 def test_the_tree_keeps_its_layers_and_has_no_import_cycle():
     result = lint(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "4 kept, 0 broken" in result.stdout
+    assert "5 kept, 0 broken" in result.stdout
 
 
 @needs_lint
 @pytest.mark.parametrize("module, line, broken", [
     ("runtime/errors.py", "import semantic.actors.errors", "cli over web, bench and scenarios, over actors, over runtime"),
     ("web/sse.py", "import semantic.cli.main", "cli over web, bench and scenarios, over actors, over runtime"),
-    ("runtime/json_reader.py", "import semantic.runtime.engine", "no import cycle between the modules of a package"),
+    ("runtime/text/json_reader.py", "import semantic.runtime.engine.engine", "no import cycle between the modules of a package"),
     ("web/sse.py", "import semantic.runtime.kv.quantized", "web through one door"),
     ("web/sse.py", "from semantic.actors.gpu import GpuActor", "web through one door"),
-    ("runtime/prefill.py", "import semantic.runtime.decode", "the engine over its parts"),
-    ("runtime/kv/layer.py", "import semantic.runtime.sequence", "the engine over its parts"),
+    ("runtime/engine/prefill.py", "import semantic.runtime.engine.decode", "the engine over its parts"),
+    ("runtime/kv/layer.py", "import semantic.runtime.engine.sequence", "the engine over its parts"),
+    ("runtime/store/cache_v1.py", "import semantic.runtime.store.cache_file", "no import cycle"),
+    ("runtime/kv/layer.py", "import semantic.runtime.store.cache_file", "the runtime's rooms"),
+    ("runtime/model/attention.py", "import semantic.runtime.kv", "the runtime's rooms"),
+    ("runtime/engine/decode.py", "import semantic.runtime.store.disk", "the runtime's rooms"),
+    ("runtime/store/disk.py", "import semantic.runtime.memory.agent_cache", "the runtime's rooms"),
+    ("runtime/text/prefix.py", "import semantic.runtime.model.models", "the runtime's rooms"),
+    ("runtime/errors.py", "import semantic.runtime.text.json_reader", "the runtime's rooms"),
 ], ids=["runtime imports actors", "web imports cli", "a cycle in runtime", "web imports the runtime's internals",
-        "web imports past actors' door", "prefill imports decode", "the KV cache imports the sequence"])
+        "web imports past actors' door", "prefill imports decode", "the KV cache imports the sequence",
+        "a cycle inside a room", "the KV cache imports the store", "the model imports the KV cache",
+        "the engine imports the store", "the store imports agents' memory", "text imports the model",
+        "a top module imports a room"])
 def test_an_import_that_breaks_a_rule_fails_the_check(tmp_path, module, line, broken):
     tree = copy_of_the_tree(tmp_path)
     path = tree / "semantic" / module
@@ -156,17 +167,17 @@ def test_actors_get_their_collaborators_in_their_constructors():
     assert found == []
 
 
-# What the hot set knows of one agent's cache (``runtime.agent_cache.AgentEntry``).
+# What the hot set knows of one agent's cache (``runtime.memory.agent_cache.AgentEntry``).
 ENTRY = {"memory", "busy", "dirty", "pending", "on_disk", "reading", "fetched"}
 
 
 def test_one_writer_of_an_agents_cache_state():
     """An agent's cache state on the GPU thread is one record, and only the hot set
-    (``runtime/agent_cache.py``) changes it: no other module assigns its fields."""
-    from semantic.runtime.agent_cache import AgentEntry
+    (``runtime/memory/agent_cache.py``) changes it: no other module assigns its fields."""
+    from semantic.runtime.memory.agent_cache import AgentEntry
 
     assert {f.name for f in dataclasses.fields(AgentEntry)} == ENTRY | {"agent_id"}
-    owner = ROOT / "runtime" / "agent_cache.py"
+    owner = ROOT / "runtime" / "memory" / "agent_cache.py"
     found = [f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(t)}"
              for path, tree in _python(*PACKAGES) if path != owner for node, t, _ in _assigned(tree, ENTRY)]
     assert found == []
@@ -210,7 +221,8 @@ def test_every_message_is_a_frozen_dataclass_of_one_mailbox_union():
 # -- package docstrings ----------------------------------------------------------------------------
 
 # Packages whose docstring lists its modules, one bullet each (``* ``name`` ...`` or ``- ``name`` ...``).
-LISTED = ("actors", "web", "runtime/kv", "scenarios")
+LISTED = ("actors", "web", "runtime", "runtime/memory", "runtime/engine", "runtime/store", "runtime/kv",
+          "runtime/model", "runtime/text", "scenarios")
 
 
 @pytest.mark.parametrize("package", LISTED)
@@ -230,12 +242,12 @@ def test_a_package_docstring_names_every_module_it_holds(package):
 KIND_NAMES = {"QUANTIZED", "WINDOW", "STATE", "ROTATING"}  # the manifest's kinds, each in its class's module
 # Where kinds are still told apart outside ``runtime/kv/`` (docs/architecture.md, "The KV cache has a type"):
 # the reader of version 1 files, with its own kinds.
-TELLS_KINDS_APART = {"runtime/cache_v1.py"}
+TELLS_KINDS_APART = {"runtime/store/cache_v1.py"}
 
 
 def test_the_cache_files_ask_the_kind_and_only_version_1_names_kinds():
-    """``runtime.cache_codec`` writes what a layer ``describe``s and reads through
-    the class ``BY_KIND`` registers for the entry; ``runtime.cache_file`` checks
+    """``runtime.store.cache_codec`` writes what a layer ``describe``s and reads through
+    the class ``BY_KIND`` registers for the entry; ``runtime.store.cache_file`` checks
     an entry and lays out its tensors through that class too: neither names a
     kind. The one module outside ``runtime/kv/`` that names one is the reader
     of version 1 files."""
@@ -247,7 +259,7 @@ def test_the_cache_files_ask_the_kind_and_only_version_1_names_kinds():
         names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
         if names & KIND_NAMES:
             naming.add(path.relative_to(ROOT).as_posix())
-    assert "runtime/cache_codec.py" not in naming and "runtime/cache_file.py" not in naming
+    assert "runtime/store/cache_codec.py" not in naming and "runtime/store/cache_file.py" not in naming
     assert naming == TELLS_KINDS_APART
 
 
@@ -286,7 +298,7 @@ def _code_index():
                 classes.setdefault(node.name, []).append(node)
     short: dict[str, list] = {}
     for dotted, tree in modules.items():  # the runtime's modules go by their last name in the docs
-        if dotted.startswith("runtime."):
+        if dotted.startswith("runtime.") and not (len(tree.body) == 1 and ast.get_docstring(tree)):
             short.setdefault(dotted.rsplit(".", 1)[-1], []).append(tree)
     return modules, {k: v[0] for k, v in short.items() if len(v) == 1}, classes
 
@@ -299,7 +311,7 @@ def _class_defines(node: ast.ClassDef, name: str, classes: dict) -> bool:
 
 
 def _unresolved(ref: str, modules: dict, short: dict, classes: dict) -> bool:
-    """Whether ``ref`` (``runtime.prefix.plan``, ``prefix.plan``, ``Engine.add``)
+    """Whether ``ref`` (``runtime.text.prefix.plan``, ``prefix.plan``, ``Engine.add``)
     names something of ours that is not there. Names that are not ours (mlx-lm's,
     MLX's, the standard library's) are left alone."""
     parts = ref.removeprefix("semantic.").split(".")

@@ -360,7 +360,7 @@ def _run(conversations: list[Conversation], url: str, turns: range) -> None:
 
 def _written(server: Server, cache_dir: Path, conversations: list[Conversation]) -> bool:
     """Whether every cache the server holds in memory for these agents is on disk as it is now."""
-    from semantic.runtime.cache_file import CacheStore
+    from semantic.runtime.store.cache_file import CacheStore
 
     on_disk = {e["agent"]: e["tokens"] for e in CacheStore(cache_dir).entries()}
     with httpx.Client(base_url=server.url, timeout=30) as http:

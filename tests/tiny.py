@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx.utils import tree_map
 
 import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
-from semantic.runtime.model_spec import build_model
+from semantic.runtime.model.model_spec import build_model
 
 VOCAB = 512
 
@@ -109,7 +109,7 @@ def embedded_tokenizer():
     """The embedded model's tokenizer and chat template (prepared once per machine)."""
     from mlx_lm.utils import load_tokenizer
 
-    from semantic.runtime import embedded
+    from semantic.runtime.model import embedded
 
     return load_tokenizer(Path(embedded.prepare(progress=False)))
 

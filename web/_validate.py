@@ -127,7 +127,7 @@ def output_format(data: dict, key: str, where: str = "", *,
     """A structured-output request, ``{"type": "json_schema", "schema": {...}}``
     (the schema one object deeper, under ``schema_in``, for OpenAI chat's
     ``json_schema``) or ``{"type": "json_object"}``, as the grammar the reply
-    must follow (``runtime.grammar``); None for ``{"type": "text"}`` or none.
+    must follow (``runtime.text.grammar``); None for ``{"type": "text"}`` or none.
     A schema llguidance cannot compile is refused, naming what it lacks."""
     fmt = obj(data, key, where)
     if fmt is None:

@@ -17,11 +17,11 @@ and then ``event: done`` with the same object); errors are
 ``{"error": {"type", "message"}}`` (an ``event: error`` mid-stream).
 
 ``logprobs``: n (0-20) adds ``"logprobs"``, each output token's
-log-probability and the n likeliest tokens' (``runtime.sampling``), to the
+log-probability and the n likeliest tokens' (``runtime.engine.sampling``), to the
 turn's object (the one ``done`` carries, streaming).
 
 ``format``: ``{"type": "json_schema", "schema": {...}}`` or ``{"type":
-"json_object"}`` makes the reply JSON that follows it (``runtime.grammar``),
+"json_object"}`` makes the reply JSON that follows it (``runtime.text.grammar``),
 unless ``max_tokens`` cuts it; ``{"type": "text"}`` is the default.
 """
 

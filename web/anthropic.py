@@ -25,7 +25,7 @@ A model's reasoning (``<think>...</think>``, ``web.reasoning``) comes as a
 ``thinking`` block with an empty signature.
 
 Claude Code's extras: ``system`` messages inside ``messages`` (its
-mid-conversation system beta) stay where they are (``runtime.turns.render``
+mid-conversation system beta) stay where they are (``runtime.memory.turns.render``
 folds them into the user turn for templates that refuse them); a system block
 ``x-anthropic-billing-header: ...`` is transport metadata, changing with every
 request, and is dropped; ``X-Claude-Code-Session-Id`` (else the session in
@@ -34,7 +34,7 @@ request, and is dropped; ``X-Claude-Code-Session-Id`` (else the session in
 
 Structured outputs: ``output_config.format`` (or the beta's top-level
 ``output_format``), ``{"type": "json_schema", "schema": {...}}``, is enforced
-while decoding (``runtime.grammar``): the text block is JSON the schema
+while decoding (``runtime.text.grammar``): the text block is JSON the schema
 accepts, unless ``max_tokens`` cuts it.
 
 Ignored without complaint: ``cache_control`` anywhere, ``thinking`` blocks
@@ -56,7 +56,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import TYPE_CHECKING
 
 from semantic.actors import Delta
-from semantic.runtime.json_reader import JSONError, read_json
+from semantic.runtime.text.json_reader import JSONError, read_json
 
 from . import _validate as v
 from ._aio import closing

@@ -28,7 +28,7 @@ import re
 from collections.abc import Mapping
 
 from semantic.actors import grammar
-from semantic.runtime.json_reader import JSONError, read_json
+from semantic.runtime.text.json_reader import JSONError, read_json
 
 from .schema import ToolCall
 from .tool_grammar import arguments_rule

@@ -38,12 +38,12 @@ choice's output. The conversation's agent keeps choice 0. Streamed, each
 chunk carries one choice's delta (its ``index``).
 
 ``logprobs: true`` (with ``top_logprobs``, 0-20) puts each output token's
-log-probability (``runtime.sampling``) in ``choices[0].logprobs.content``;
+log-probability (``runtime.engine.sampling``) in ``choices[0].logprobs.content``;
 streaming, a chunk with an empty delta carries those of the tokens whose
 text came before it.
 
 ``response_format`` ``json_schema`` (``strict`` or not) and ``json_object``
-are enforced while decoding (``runtime.grammar``): the reply's content is
+are enforced while decoding (``runtime.text.grammar``): the reply's content is
 JSON that the schema accepts, laid out as ``json.dumps`` does, unless
 ``max_tokens`` cuts it (``finish_reason: "length"``).
 """
@@ -58,7 +58,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import TYPE_CHECKING
 
 from semantic.actors import MAX_CHOICES, MAX_LOGPROBS, Delta
-from semantic.runtime.json_reader import JSONError, read_json
+from semantic.runtime.text.json_reader import JSONError, read_json
 
 from . import _validate as v
 from ._aio import closing
@@ -309,7 +309,7 @@ def usage_json(result: ChatResult) -> dict:
 
 
 def drafts_json(usage: Usage) -> dict:
-    """Drafts verified, as OpenAI reports a prediction's tokens (``runtime.speculation``)."""
+    """Drafts verified, as OpenAI reports a prediction's tokens (``runtime.engine.speculation``)."""
     return {"accepted_prediction_tokens": usage.accepted_tokens,
             "rejected_prediction_tokens": usage.drafted_tokens - usage.accepted_tokens}
 

@@ -37,7 +37,7 @@ SSE comment (``: keep-alive``) follows each quiet ``HEARTBEAT_S``. A failure
 after the stream has begun is an ``error`` event and then ``response.failed``.
 
 ``include: ["message.output_text.logprobs"]`` or ``top_logprobs`` (0-20) puts
-each output token's log-probability (``runtime.sampling``) in the
+each output token's log-probability (``runtime.engine.sampling``) in the
 ``output_text`` part's ``logprobs``; streaming, each
 ``response.output_text.delta`` carries those of the tokens whose text it
 adds (tokens whose text is held back, as a call's markup may be, come with

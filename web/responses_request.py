@@ -5,7 +5,7 @@ conversation a ``previous_response_id`` continues (``web.responses``: the
 response JSON and its events; ``web.response_ids``: the ids).
 
 ``text.format`` ``json_schema`` and ``json_object`` are enforced while
-decoding (``runtime.grammar``) and echoed: the output text is JSON the schema
+decoding (``runtime.text.grammar``) and echoed: the output text is JSON the schema
 accepts, unless ``max_output_tokens`` cuts it.
 
 Refused with a 400: input items other than messages, function calls, their

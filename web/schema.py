@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal
 
-from semantic.runtime.json_reader import JSONError, read_json
+from semantic.runtime.text.json_reader import JSONError, read_json
 from semantic.actors import Delta, TokenLogprob
 
 from ._aio import closing
@@ -125,7 +125,7 @@ class ChatRequest:
     tool_name: str | None = None  # the one of ``tools`` a forced call must be of (None: any)
     strict_tools: bool = False  # a tool asked for strict adherence: "auto" holds calls to the tools too
     metadata: Mapping | None = None
-    grammar: str | None = None  # structured output: the reply follows it (``runtime.grammar``)
+    grammar: str | None = None  # structured output: the reply follows it (``runtime.text.grammar``)
     logprobs: int | None = None  # None: not asked; n: each token's logprob and the n likeliest tokens'
     choices: int = 1  # replies to the prompt (OpenAI's ``n``), prefilled once
 
@@ -194,7 +194,7 @@ class Usage:
     input_tokens: int  # prompt tokens prefilled for this request
     cache_read_input_tokens: int = 0  # prompt tokens served from the agent's cache
     output_tokens: int = 0
-    drafted_tokens: int = 0  # drafts verified while decoding (``runtime.speculation``)
+    drafted_tokens: int = 0  # drafts verified while decoding (``runtime.engine.speculation``)
     accepted_tokens: int = 0  # of them, taken as output
 
     def __post_init__(self):

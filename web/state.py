@@ -26,7 +26,7 @@ log = logging.getLogger("semantic.web")
 class ServerConfig:
     """What a server runs and its limits (checked when the app is built)."""
 
-    model: object = "smollm2"  # a name, NAME=MODEL, or a runtime.models.LoadedModel (tests share one)
+    model: object = "smollm2"  # a name, NAME=MODEL, or a runtime.model.models.LoadedModel (tests share one)
     models: tuple = ()  # more models requests may name (as ``model``); the first is loaded at start
     model_idle_s: float | None = None  # unload the model after this long without turns (None: never)
     cache_dir: Path | None = None

@@ -42,7 +42,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from semantic.runtime.json_reader import JSONError, check_depth, read_json
+from semantic.runtime.text.json_reader import JSONError, check_depth, read_json
 
 from .schema import ChatResult, StopReason, ToolCall
 
@@ -378,7 +378,7 @@ def finish_result(result: ChatResult, fmt: ToolFormat | None, tool_names: Collec
     """``result`` with tool calls parsed out of its text; a turn that ended
     normally with calls ends with ``"tool_use"``. A turn cut by ``max_tokens``
     keeps its reason: its calls are read too where a grammar ``held`` them
-    (it closes a call within the limit: ``runtime.grammar``), else they stay
+    (it closes a call within the limit: ``runtime.text.grammar``), else they stay
     in the text (they may be cut), as after a stop string."""
     if fmt is None or result.tool_calls or result.stop_reason not in (
             StopReason.STOP, StopReason.LENGTH if held else StopReason.STOP):

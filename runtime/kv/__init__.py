@@ -17,7 +17,7 @@ held as a ``SequenceCache``.
 * ``state``: recurrent layers (``StateCache``).
 
 A new kind is a module here whose class ``register``s itself; importing it
-here makes it known. Batching them in one forward is ``runtime.batch_cache``'s job.
+here makes it known. Batching them in one forward is ``runtime.engine.batch_cache``'s job.
 """
 
 from __future__ import annotations

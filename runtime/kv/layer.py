@@ -27,7 +27,7 @@ __all__ = ["LayerCache", "SequenceCache", "Trimmed"]
 class LayerCache(Protocol):
     KINDS: ClassVar[tuple[str, ...]]  # the manifest kinds it is written as (first) and read from
     blocked: ClassVar[bool]  # some of its tensors are cut into blocks: their entries end with the tokens they hold
-    recurrent: ClassVar[bool]  # a state the layer itself runs per sequence (``runtime.rowwise``); cut by checkpoints
+    recurrent: ClassVar[bool]  # a state the layer itself runs per sequence (``runtime.engine.rowwise``); cut by checkpoints
     float_keys: ClassVar[bool]  # attention reads float keys and values from it
     attends_new: ClassVar[bool]  # takes a decode step's Q4 rows from the batch (``attend_new``)
     offset: int  # tokens seen

@@ -31,7 +31,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
-from ..attention import PackedPast
+from ..model.attention import PackedPast
 from ..cache_records import BLOCK_TOKENS, FLOATS, SINKS
 from .kinds import register
 from .quantize import Packed, check_format, close_block, grown, open_blocks

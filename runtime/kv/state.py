@@ -6,7 +6,7 @@ from __future__ import annotations
 from mlx_lm.models.cache import ArraysCache
 
 from ..cache_records import FLOATS
-from ..model_spec import STATE_CHECKPOINTS
+from ..model.model_spec import STATE_CHECKPOINTS
 from .kinds import register
 
 __all__ = ["StateCache"]
@@ -58,7 +58,7 @@ class StateCache(ArraysCache):
 
     def cut(self, n: int) -> None:
         """Go back ``n`` tokens within the last decode step (drafts rejected:
-        ``runtime.speculation``), to the state after its slot before them;
+        ``runtime.engine.speculation``), to the state after its slot before them;
         the step's trail is forgotten either way."""
         if not 0 <= n < max(len(self.trail), 1):
             raise ValueError(f"the last step ran {len(self.trail)} tokens here: {n} cannot be cut")

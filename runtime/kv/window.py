@@ -11,7 +11,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import RotatingKVCache, _BaseCache
 
 from ..cache_records import FLOATS
-from ..model_spec import WINDOW_SPARE
+from ..model.model_spec import WINDOW_SPARE
 from .kinds import register
 from .layer import Trimmed
 from .quantize import grown

@@ -28,7 +28,7 @@ def device_float_head(model) -> Optional[int]:
     ``CPU_FLOAT_HEAD`` on the CPU, where MLX's quantized matmul reads keys at
     about half the speed of a float matmul; the first block (the sinks')
     elsewhere; all for attention with learned sinks, which
-    ``runtime.attention`` does not take."""
+    ``runtime.model.attention`` does not take."""
     if any(isinstance(layer, dict) and "sinks" in layer.get("self_attn", {}) for layer in model.layers):
         return None
     return CPU_FLOAT_HEAD if mx.default_device() == mx.cpu else BLOCK_TOKENS
@@ -41,7 +41,7 @@ class DequantizingKVCache(_BaseCache):
 
     The first closed blocks, up to ``float_head`` tokens (None: all), are
     unpacked into a float working copy; the closed blocks after them are
-    read packed from the record (``runtime.attention.PackedPast``); the
+    read packed from the record (``runtime.model.attention.PackedPast``); the
     tokens after the closed blocks are floats as written. So the copy holds
     rows [0, ``head``) unpacked, then the tokens from ``synced`` (the closed
     tokens it has taken in) on. A block closed by the record is taken in

@@ -20,9 +20,9 @@ from semantic.actors import Message
 from semantic.actors.archive import INDEX, ArchiveError, agent_files, export_agent, import_agent
 from semantic.actors.errors import AgentExists
 from semantic.actors.history import encode_history
-from semantic.runtime.cache_file import CacheStore, model_key
+from semantic.runtime.store.cache_file import CacheStore, model_key
 from semantic.runtime.cache_records import CacheRecord, InvalidAgentId
-from semantic.runtime.model_spec import ModelCacheSpec
+from semantic.runtime.model.model_spec import ModelCacheSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 HISTORY = (Message("system", "Be brief."), Message("user", "Hi"), Message("assistant", "Hello."))
@@ -31,7 +31,7 @@ HISTORY = (Message("system", "Be brief."), Message("user", "Hi"), Message("assis
 @functools.cache
 def _computed():
     """A real cache of a tiny model (token ids, layers, spec hash), computed once."""
-    from semantic.runtime.engine import Engine, SamplingParams
+    from semantic.runtime.engine.engine import Engine, SamplingParams
     from tests.runtime.test_engine import ByteTokenizer, drain
     from tests.tiny import tiny_model
 

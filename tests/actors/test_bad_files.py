@@ -12,7 +12,7 @@ import logging
 import pytest
 
 from semantic.actors import Runtime
-from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.store.cache_file import CacheStore
 from semantic.runtime.cache_records import MANIFEST
 from tests.web.live import tiny_loaded
 

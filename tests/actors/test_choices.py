@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from semantic.actors import MAX_CHOICES, Message, Runtime
-from semantic.runtime.grammar import lark
+from semantic.runtime.text.grammar import lark
 from tests.web.live import kv_bytes, tiny_loaded
 
 pytestmark = pytest.mark.anyio

@@ -14,7 +14,7 @@ import pytest
 
 from semantic.actors import AgentGone, Runtime
 from semantic.actors.persistence import history_path
-from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.store.cache_file import CacheStore
 from tests.web.live import tiny_loaded
 
 pytestmark = pytest.mark.anyio

@@ -10,9 +10,9 @@ import numpy as np
 from semantic.actors.gpu_thread import STEP
 from semantic.actors.lockstep import Lockstep, _dumps
 from semantic.actors.messages import BeginTurn, CacheRead, Message, TurnRequest
-from semantic.runtime.cache_codec import HostCache
+from semantic.runtime.store.cache_codec import HostCache
 from semantic.runtime.cache_records import CacheRecord
-from semantic.runtime.engine import SamplingParams
+from semantic.runtime.engine.engine import SamplingParams
 
 
 def _turn(seed=None) -> BeginTurn:

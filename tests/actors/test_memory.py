@@ -65,7 +65,7 @@ async def test_drafts_without_room_wait_and_the_reply_ends_where_it_would(tmp_pa
     """Alone in a 1-block budget, a turn whose drafts would pass the budget
     verifies none there (``Engine.hold_drafts``) and ends at the same token
     as the same turn without drafts; drafts were taken before."""
-    from semantic.runtime import engine as engine_module
+    from semantic.runtime.engine import engine as engine_module
     from tests.web.test_drafts import Recalling
 
     Recalling.seen = []

@@ -87,7 +87,7 @@ async def test_a_model_that_fails_to_load_fails_only_its_turns(tmp_path):
 
 
 def test_model_names_must_differ(tmp_path):
-    from semantic.runtime.models import catalogue
+    from semantic.runtime.model.models import catalogue
 
     assert catalogue(["smollm2", "b=/models/qwen"]) == {"smollm2": "smollm2", "b": "/models/qwen"}
     with pytest.raises(ValueError, match="two models are named 'x'"):

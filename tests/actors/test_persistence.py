@@ -22,9 +22,10 @@ from semantic.actors.messages import (
     CacheBlocks, CacheRead, CacheWritten, Done, Flush, Forget, HistoryBytes, Message, ReadCache, ReadHistory, Stop,
 )
 from semantic.actors.persistence import PersistenceActor, history_path
-from semantic.runtime import disk, files
-from semantic.runtime.cache_codec import snapshot
-from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.store import disk
+from semantic.runtime import files
+from semantic.runtime.store.cache_codec import snapshot
+from semantic.runtime.store.cache_file import CacheStore
 from semantic.runtime.cache_records import MANIFEST
 from tests.runtime import cache_writer
 
@@ -424,7 +425,7 @@ async def test_a_models_row_counts_are_measured_once_and_kept_by_persistence(tmp
     """The GPU thread measures a model's decode row counts at its first load; persistence
     writes them under the cache home; the next start reads them instead of measuring."""
     from semantic.actors import Runtime
-    from semantic.runtime.engine import Engine
+    from semantic.runtime.engine.engine import Engine
     from tests.web.live import tiny_loaded
 
     monkeypatch.setenv("SEMANTIC_HOME", str(tmp_path / "home"))

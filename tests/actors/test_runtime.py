@@ -21,15 +21,15 @@ from semantic.actors import (
     TurnCancelled,
 )
 from semantic.actors.messages import Message
-from semantic.runtime.agent_cache import AgentCaches
-from semantic.runtime.block_pool import KVBudget
-from semantic.runtime.cache_file import CacheStore
-from semantic.runtime.engine import Engine, SamplingParams
-from semantic.runtime.engine_options import EngineOptions
-from semantic.runtime.model_caches import kv_budget
-from semantic.runtime.prefix import encode
-from semantic.runtime.row_counts import cached
-from semantic.runtime.turns import render, run_turn
+from semantic.runtime.memory.agent_cache import AgentCaches
+from semantic.runtime.memory.block_pool import KVBudget
+from semantic.runtime.store.cache_file import CacheStore
+from semantic.runtime.engine.engine import Engine, SamplingParams
+from semantic.runtime.engine.engine_options import EngineOptions
+from semantic.runtime.memory.model_caches import kv_budget
+from semantic.runtime.text.prefix import encode
+from semantic.runtime.engine.row_counts import cached
+from semantic.runtime.memory.turns import render, run_turn
 from tests.actors.test_choices import ENDLESS
 
 pytestmark = [pytest.mark.model, pytest.mark.anyio]
@@ -430,7 +430,7 @@ async def test_a_follow_up_hands_over_and_writes_only_its_new_blocks(open_runtim
     context than after ~300 but for where the open block ends."""
     from pathlib import Path
 
-    from semantic.runtime import agent_cache
+    from semantic.runtime.memory import agent_cache
     from semantic.runtime.cache_records import BLOCK_TOKENS
 
     handed = []  # (tokens, first block copied out) per hand-over
@@ -508,7 +508,7 @@ async def test_8_bit_caches_batch_persist_and_live_apart_from_4_bit_ones(tmp_pat
     next turn from the 8-bit files, and a 4-bit runtime does not take them."""
     import json
 
-    from semantic.runtime.cache_file import CacheStore
+    from semantic.runtime.store.cache_file import CacheStore
     from semantic.runtime.cache_records import MANIFEST
     from tests.web.live import tiny_loaded
 
@@ -536,14 +536,14 @@ async def test_8_bit_caches_batch_persist_and_live_apart_from_4_bit_ones(tmp_pat
 
 
 async def test_a_grammar_shapes_a_reply_and_a_bad_one_is_refused_at_once(tmp_path):
-    """``grammar=`` (``runtime.grammar``) on the in-process API: two agents at
+    """``grammar=`` (``runtime.text.grammar``) on the in-process API: two agents at
     once, one constrained, reply as each does alone, and the constrained
     reply is JSON its schema accepts."""
     import json
 
     import jsonschema
 
-    from semantic.runtime.grammar import json_schema
+    from semantic.runtime.text.grammar import json_schema
     from tests.web.live import tiny_loaded
 
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from semantic.bench.batch import Ours, Peer, measure, prefill_peak
-from semantic.runtime.lean import _Lean
-from semantic.runtime.model_spec import ModelCacheSpec
+from semantic.runtime.model.lean import _Lean
+from semantic.runtime.model.model_spec import ModelCacheSpec
 from tests.runtime.test_engine import ByteTokenizer
 from tests.tiny import VOCAB, tiny_model
 

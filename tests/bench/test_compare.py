@@ -200,7 +200,7 @@ def test_client_raises_on_http_and_stream_errors():
 
 
 def test_disk_usage_counts_the_caches_and_their_tokens(tmp_path):
-    from semantic.runtime.cache_file import CacheStore
+    from semantic.runtime.store.cache_file import CacheStore
     from tests.runtime import cache_writer
 
     store = CacheStore(tmp_path)

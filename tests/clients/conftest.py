@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from semantic.runtime.models import load_tokenizer, resolve
+from semantic.runtime.model.models import load_tokenizer, resolve
 from semantic.runtime.paths import cache_home
 from tests.web.live import word_break_ids
 

@@ -19,7 +19,7 @@ import sys
 
 import mlx.core as mx
 from semantic.runtime.kv import SequenceQuantizedKVCache, WindowKVCache
-from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.store.cache_file import CacheStore
 from semantic.runtime.cache_records import CacheRecord
 
 AGENTS = ("a0", "a1", "a2", "a3")

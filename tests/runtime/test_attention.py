@@ -1,4 +1,4 @@
-"""The CPU attention (``runtime.attention``): its
+"""The CPU attention (``runtime.model.attention``): its
 attention against MLX's own SDPA within float tolerance, each sequence of a
 decode step bitwise as alone, and the models' prefill and decode taking it."""
 
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from mlx_lm.models.base import create_causal_mask
 
-from semantic.runtime import attention
-from semantic.runtime.attention import LONG, attend, attend_each
-from semantic.runtime.batch_cache import BatchQuantizedKVCache
+from semantic.runtime.model import attention
+from semantic.runtime.model.attention import LONG, attend, attend_each
+from semantic.runtime.engine.batch_cache import BatchQuantizedKVCache
 from semantic.runtime.kv import make_sequence_cache
-from semantic.runtime.rowwise import rowwise
+from semantic.runtime.engine.rowwise import rowwise
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
 SDPA_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -64,7 +64,7 @@ def test_each_sequence_of_a_step_is_bitwise_as_alone():
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", [a for a in TINY_CONFIGS if a in ("llama", "qwen2", "qwen3", "gemma3_text")])
 def test_models_prefill_and_decode_through_it_on_the_cpu(arch, monkeypatch):
-    """A standard-layout model made ``rowwise`` takes ``runtime.attention`` for a
+    """A standard-layout model made ``rowwise`` takes ``runtime.model.attention`` for a
     prefill chunk and for a decode step over its float working copies, and
     computes what mlx-lm's own attention computes, within float tolerance."""
     plain = tiny_model(arch)
@@ -75,7 +75,7 @@ def test_models_prefill_and_decode_through_it_on_the_cpu(arch, monkeypatch):
 
     calls = []
     for name in ("attend", "attend_each"):
-        monkeypatch.setattr(f"semantic.runtime.rowwise.{name}", (lambda f: lambda *a: calls.append(f.__name__) or f(*a))(
+        monkeypatch.setattr(f"semantic.runtime.engine.rowwise.{name}", (lambda f: lambda *a: calls.append(f.__name__) or f(*a))(
             getattr(attention, name)))
     model = rowwise(plain)
     view = make_sequence_cache(model).view()

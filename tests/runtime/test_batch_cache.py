@@ -11,10 +11,10 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 
-from semantic.runtime.batch_cache import BatchQuantizedKVCache
+from semantic.runtime.engine.batch_cache import BatchQuantizedKVCache
 from semantic.runtime.kv import DequantizingKVCache, SequenceQuantizedKVCache, WindowKVCache, make_sequence_cache
 from semantic.runtime.kv.quantize import close_block, open_blocks, quantize, unpack
-from semantic.runtime.rowwise import _per_sequence, _rowwise_class, rowwise
+from semantic.runtime.engine.rowwise import _per_sequence, _rowwise_class, rowwise
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
 SLOTS = 8  # every forward below has this many token slots

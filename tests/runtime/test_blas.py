@@ -1,4 +1,4 @@
-"""Which OpenBLAS kernels MLX's matmuls run on (``runtime.blas``)."""
+"""Which OpenBLAS kernels MLX's matmuls run on (``runtime.model.blas``)."""
 
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from semantic.runtime import blas
+from semantic.runtime.model import blas
 
 AVX512 = {"avx", "avx2", "fma", "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}
 
@@ -56,7 +56,7 @@ def test_openblas_coretype_set_by_the_user_is_kept(monkeypatch):
 def kernel_in_a_fresh_process(env: dict) -> tuple[str, str, str]:
     """The kernel set a fresh process runs, what its BLAS status notes, and its
     ``OPENBLAS_CORETYPE`` after loading it."""
-    code = ("import os; from semantic.runtime import blas; print(blas.kernel()); print(blas.status().note); "
+    code = ("import os; from semantic.runtime.model import blas; print(blas.kernel()); print(blas.status().note); "
             "print(os.environ.get('OPENBLAS_CORETYPE', ''))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env=env, check=True)

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from semantic.runtime import block_pool
-from semantic.runtime.block_pool import GiB, BlockPool, BlockPoolError, KVBudget, default_budget, layer_groups
+from semantic.runtime.memory import block_pool
+from semantic.runtime.memory.block_pool import GiB, BlockPool, BlockPoolError, KVBudget, default_budget, layer_groups
 from semantic.runtime.errors import SemanticError
-from semantic.runtime.model_spec import ModelCacheSpec, build_model
+from semantic.runtime.model.model_spec import ModelCacheSpec, build_model
 from tests.runtime.test_model_spec import GEMMA3_12B, GPT_OSS_20B, SMOLLM2_135M
 
 SMOL = ModelCacheSpec.from_model(build_model(SMOLLM2_135M))  # 30 full, 3 KV heads, head dim 64

@@ -23,15 +23,15 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from semantic.runtime import cache_manifest
+from semantic.runtime.store import cache_manifest
 from semantic.runtime.kv import DequantizingKVCache, SequenceCache, SequenceQuantizedKVCache, StateCache, WindowKVCache
-from semantic.runtime.cache_codec import snapshot
-from semantic.runtime.cache_file import CacheStore, load, model_key, read_manifest
+from semantic.runtime.store.cache_codec import snapshot
+from semantic.runtime.store.cache_file import CacheStore, load, model_key, read_manifest
 from semantic.runtime.cache_records import (BLOCK_TOKENS, MANIFEST, CacheFileError, CacheRecord, InvalidAgentId, StaleBlocks,
                                    merged, validate_agent_id)
-from semantic.runtime.engine import Engine, SamplingParams
+from semantic.runtime.engine.engine import Engine, SamplingParams
 from semantic.runtime.files import write_atomic
-from semantic.runtime.model_spec import ModelCacheSpec
+from semantic.runtime.model.model_spec import ModelCacheSpec
 from tests.runtime import cache_writer as writer
 from tests.runtime.test_engine import ByteTokenizer, drain, prompts
 from tests.tiny import tiny_model

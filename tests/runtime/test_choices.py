@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from semantic.runtime.engine import Engine, SamplingParams
-from semantic.runtime.sequence import CANCELLED
+from semantic.runtime.engine.engine import Engine, SamplingParams
+from semantic.runtime.engine.sequence import CANCELLED
 from tests.runtime.test_engine import ByteTokenizer, drain, measured
 from tests.runtime.test_speculation import assert_same
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model

@@ -12,9 +12,9 @@ import llguidance.hf
 import pytest
 from pydantic import BaseModel
 
-from semantic.runtime.closing import Closer, grammar_literals
-from semantic.runtime.engine import Engine, SamplingParams
-from semantic.runtime.grammar import JSON_OBJECT, Grammars, json_schema, lark
+from semantic.runtime.text.closing import Closer, grammar_literals
+from semantic.runtime.engine.engine import Engine, SamplingParams
+from semantic.runtime.text.grammar import JSON_OBJECT, Grammars, json_schema, lark
 from tests.runtime.test_engine import drain
 from tests.tiny import embedded_tokenizer, tiny_model_with_tokenizer
 

@@ -1,4 +1,4 @@
-"""The cache directory's bounds without actors: what ``runtime.disk`` scans,
+"""The cache directory's bounds without actors: what ``runtime.store.disk`` scans,
 plans and removes (the budget in LRU order, the conversations' TTL, quarantine
 first, never a named agent's history), and the free-space check."""
 
@@ -11,8 +11,8 @@ from collections import namedtuple
 
 import pytest
 
-from semantic.runtime import disk
-from semantic.runtime.cache_file import CacheStore, model_key
+from semantic.runtime.store import disk
+from semantic.runtime.store.cache_file import CacheStore, model_key
 from semantic.runtime.cache_records import MANIFEST
 
 DAY = 86400.0

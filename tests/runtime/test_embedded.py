@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from semantic.runtime import embedded
+from semantic.runtime.model import embedded
 from semantic.runtime.errors import ModelError
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from semantic.runtime import row_counts
-from semantic.runtime.batch_cache import PrefillBatch
+from semantic.runtime.engine import row_counts
+from semantic.runtime.engine.batch_cache import PrefillBatch
 from semantic.runtime.cache_records import BLOCK_TOKENS
-from semantic.runtime.engine import Engine, SamplingParams
-from semantic.runtime.row_counts import RowCounts
+from semantic.runtime.engine.engine import Engine, SamplingParams
+from semantic.runtime.engine.row_counts import RowCounts
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
 
@@ -183,7 +183,7 @@ def test_decoded_tokens_reach_the_record_exactly(leave):
     """A decode step's new rows wait in the forward's batch cache and go to the
     records every ``ROWS`` steps and whenever a sequence leaves: the record a
     sequence hands back holds exactly the K/V its attention read."""
-    from semantic.runtime.batch_cache import BatchQuantizedKVCache
+    from semantic.runtime.engine.batch_cache import BatchQuantizedKVCache
 
     model, tok = tiny_model("llama"), ByteTokenizer()
     engine = Engine(model, tok, float_head=None)
@@ -304,7 +304,7 @@ def test_prompt_chunks_share_forwards_in_turn_within_the_row_budget(monkeypatch)
             super().__init__(caches, lengths)
             batches.append(tuple(lengths))
 
-    monkeypatch.setattr("semantic.runtime.prefill.PrefillBatch", Recording)
+    monkeypatch.setattr("semantic.runtime.engine.prefill.PrefillBatch", Recording)
     engine = Engine(model, tok, prefill_chunk=32, min_chunk=32, prefill_rows=80,
                     row_counts=RowCounts((1,), prefill_from=9))
     engine.add(list(range(1, 200)), SamplingParams(max_tokens=2))
@@ -397,7 +397,7 @@ def test_a_preempted_sequence_goes_on_as_if_it_never_left(arch, via, tmp_path):
     """Preempted mid-decode (its cache handed out, kept in memory or saved to a
     file and read back) and resumed later beside others: the same greedy tokens
     as never interrupted, and its neighbours' too."""
-    from semantic.runtime import cache_file
+    from semantic.runtime.store import cache_file
     from semantic.runtime.cache_records import CacheRecord
 
     model, tok = tiny_model(arch), ByteTokenizer()

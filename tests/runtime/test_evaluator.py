@@ -1,4 +1,4 @@
-"""Decode steps evaluated on a thread of their own (``runtime.evaluator``):
+"""Decode steps evaluated on a thread of their own (``runtime.engine.evaluator``):
 the next step is built on a step still computing, and nothing changes."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import threading
 import mlx.core as mx
 import pytest
 
-from semantic.runtime.engine import Engine, SamplingParams
-from semantic.runtime.evaluator import Evaluator
+from semantic.runtime.engine.engine import Engine, SamplingParams
+from semantic.runtime.engine.evaluator import Evaluator
 from tests.runtime.test_engine import ByteTokenizer, busy_batch_equals_alone, drain, prompts
 from tests.tiny import tiny_model
 

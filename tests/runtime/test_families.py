@@ -14,14 +14,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from semantic.runtime.agent_cache import AgentCaches
-from semantic.runtime.block_pool import KVBudget
-from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.memory.agent_cache import AgentCaches
+from semantic.runtime.memory.block_pool import KVBudget
+from semantic.runtime.store.cache_file import CacheStore
 from semantic.runtime.cache_records import CacheRecord
-from semantic.runtime.engine import Engine, SamplingParams
-from semantic.runtime.model_spec import ModelCacheSpec
-from semantic.runtime.prefix import encode
-from semantic.runtime.turns import render, run_turn
+from semantic.runtime.engine.engine import Engine, SamplingParams
+from semantic.runtime.model.model_spec import ModelCacheSpec
+from semantic.runtime.text.prefix import encode
+from semantic.runtime.memory.turns import render, run_turn
 from tests.runtime.test_engine import drain
 from tests.tiny import TINY_CONFIGS, tiny_model_with_tokenizer
 
@@ -63,9 +63,9 @@ FRESH = textwrap.dedent("""
     import sys, json
     import numpy as np
     import mlx.core as mx
-    from semantic.runtime.cache_file import CacheStore
-    from semantic.runtime.lean import lean
-    from semantic.runtime.rowwise import rowwise
+    from semantic.runtime.store.cache_file import CacheStore
+    from semantic.runtime.model.lean import lean
+    from semantic.runtime.engine.rowwise import rowwise
     from tests.tiny import tiny_model_with_tokenizer
     root, cases = sys.argv[1], json.loads(sys.argv[2])
     for arch, extra in cases.items():

@@ -1,4 +1,4 @@
-"""``runtime.fastmath``: 2**y and SwiGLU against float64, at the edges, and
+"""``runtime.model.fastmath``: 2**y and SwiGLU against float64, at the edges, and
 SwiGLU row by row."""
 
 import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.activations import swiglu as mlx_swiglu
 
-from semantic.runtime.fastmath import exp2, swiglu
+from semantic.runtime.model.fastmath import exp2, swiglu
 
 
 def test_exp2_is_within_three_tenths_of_a_millionth():

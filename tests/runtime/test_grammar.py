@@ -16,9 +16,9 @@ import pytest
 from llguidance import LLMatcher
 from pydantic import BaseModel, Field
 
-from semantic.runtime.engine import Engine, SamplingParams
-from semantic.runtime.grammar import JSON_OBJECT, GrammarError, Grammars, json_schema
-from semantic.runtime.json_grammar import LAYOUT, json_lark, strict
+from semantic.runtime.engine.engine import Engine, SamplingParams
+from semantic.runtime.text.grammar import JSON_OBJECT, GrammarError, Grammars, json_schema
+from semantic.runtime.text.json_grammar import LAYOUT, json_lark, strict
 from tests.runtime.test_engine import drain
 from tests.tiny import embedded_tokenizer, tiny_model_with_tokenizer
 
@@ -113,7 +113,7 @@ def test_a_compiled_grammar_is_reused_and_each_sequence_matches_on_its_own():
 
 def test_masked_logits_are_the_models_where_allowed():
     tok = embedded_tokenizer()
-    from semantic.runtime.sampling import Sampler
+    from semantic.runtime.engine.sampling import Sampler
 
     constraint = Grammars(tok, tok.eos_token_ids).constraint(json_schema(COLOUR))
     logits = mx.random.normal((len(tok.get_vocab()),), key=mx.random.key(0))
@@ -123,7 +123,7 @@ def test_masked_logits_are_the_models_where_allowed():
 
 
 def test_compiled_grammars_are_bounded():
-    from semantic.runtime.grammar import CACHED
+    from semantic.runtime.text.grammar import CACHED
 
     tok = embedded_tokenizer()
     grammars = Grammars(tok, tok.eos_token_ids)

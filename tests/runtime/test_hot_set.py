@@ -1,4 +1,4 @@
-"""The hot set's one record per agent (``runtime.agent_cache.AgentEntry``) through
+"""The hot set's one record per agent (``runtime.memory.agent_cache.AgentEntry``) through
 its life on the GPU thread's disk, which writes behind and reads ahead: a write
 is durable only when its own answer comes, a newer version supersedes it, a
 dirty cache that must leave memory goes with its write on its way, a refused
@@ -11,13 +11,13 @@ import logging
 
 import pytest
 
-from semantic.runtime.agent_cache import AgentCaches
-from semantic.runtime.block_pool import KVBudget
-from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.memory.agent_cache import AgentCaches
+from semantic.runtime.memory.block_pool import KVBudget
+from semantic.runtime.store.cache_file import CacheStore
 from semantic.runtime.cache_records import BlockUpdate
-from semantic.runtime.engine import Engine, SamplingParams
-from semantic.runtime.model_spec import ModelCacheSpec
-from semantic.runtime.turns import run_turn
+from semantic.runtime.engine.engine import Engine, SamplingParams
+from semantic.runtime.model.model_spec import ModelCacheSpec
+from semantic.runtime.memory.turns import run_turn
 from tests.tiny import tiny_model_with_tokenizer
 
 ARCH = "llama"

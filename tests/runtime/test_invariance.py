@@ -19,12 +19,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from semantic.runtime import prefill as prefill_module
-from semantic.runtime import sampling
-from semantic.runtime.batch_cache import PrefillBatch
+from semantic.runtime.engine import prefill as prefill_module
+from semantic.runtime.engine import sampling
+from semantic.runtime.engine.batch_cache import PrefillBatch
 from semantic.runtime.kv import SequenceCache
-from semantic.runtime.engine import Engine, SamplingParams
-from semantic.runtime.row_counts import RowCounts
+from semantic.runtime.engine.engine import Engine, SamplingParams
+from semantic.runtime.engine.row_counts import RowCounts
 from tests.runtime.test_engine import ByteTokenizer, drain, measured
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
@@ -356,7 +356,7 @@ def test_chunks_sharing_a_forward_take_their_matmuls_alone(logits_by_params, mon
     left over their own way): chunks that share a prefill forward still get
     the logits they get alone, because each linear layer runs once per chunk
     (``row_plans.chunked``) -- and without that they do not."""
-    from semantic.runtime import row_plans
+    from semantic.runtime.engine import row_plans
 
     plain = nn.Linear.__call__
     monkeypatch.setattr(nn.Linear, "__call__", lambda self, x: plain(self, x) + 1e-3 * (x.shape[-2] % 5))

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from semantic.runtime.json_reader import MAX_DEPTH, JSONError, check_depth, read_json
+from semantic.runtime.text.json_reader import MAX_DEPTH, JSONError, check_depth, read_json
 
 
 def nested(depth: int) -> str:

@@ -1,4 +1,4 @@
-"""The CPU forms of ``runtime.lean``: RMSNorm bitwise ``nn.RMSNorm`` in
+"""The CPU forms of ``runtime.model.lean``: RMSNorm bitwise ``nn.RMSNorm`` in
 float32 at any row count, each SwiGLU MLP class's own call within float
 tolerance, float32 weights stored transposed with the same values, other
 dtypes left to MLX, and installed and removed on a model without changing
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from semantic.runtime import lean as lean_module
-from semantic.runtime.lean import lean
+from semantic.runtime.model import lean as lean_module
+from semantic.runtime.model.lean import lean
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
 

@@ -10,11 +10,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from semantic.runtime.engine import Engine, SamplingParams
-from semantic.runtime.grammar import Grammars, json_schema
-from semantic.runtime.reply_text import reply_detokenizer
-from semantic.runtime.row_counts import RowCounts
-from semantic.runtime.sampling import Sampler, TokenLogprob
+from semantic.runtime.engine.engine import Engine, SamplingParams
+from semantic.runtime.text.grammar import Grammars, json_schema
+from semantic.runtime.text.reply_text import reply_detokenizer
+from semantic.runtime.engine.row_counts import RowCounts
+from semantic.runtime.engine.sampling import Sampler, TokenLogprob
 from tests.runtime.test_engine import drain, prefix_cache
 from tests.tiny import embedded_tokenizer, tiny_model_with_tokenizer
 

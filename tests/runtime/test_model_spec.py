@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from semantic.runtime.model_spec import FULL, RECURRENT, SLIDING, WINDOW_SPARE, ModelCacheSpec, build_model
+from semantic.runtime.model.model_spec import FULL, RECURRENT, SLIDING, WINDOW_SPARE, ModelCacheSpec, build_model
 from tests.tiny import TINY_CONFIGS, tiny_model
 
 # Published configs, trimmed to the fields mlx-lm reads.
@@ -166,7 +166,7 @@ def test_spec_of_a_hybrid_config():
 
 
 def test_a_recurrent_kind_it_cannot_run_is_refused_naming_the_layer():
-    from semantic.runtime.model_spec import UnsupportedModel
+    from semantic.runtime.model.model_spec import UnsupportedModel
 
     mamba = dict(model_type="mamba", vocab_size=512, hidden_size=64, intermediate_size=128, state_size=16,
                  num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4)

@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 
 from semantic.runtime.errors import ModelError
-from semantic.runtime.models import resolve
+from semantic.runtime.model.models import resolve
 
 
 def test_unknown_name(tmp_path):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from semantic.runtime.prefix import COLD, DIVERGE, EXACT, EXTEND, encode, plan
+from semantic.runtime.text.prefix import COLD, DIVERGE, EXACT, EXTEND, encode, plan
 
 
 @pytest.fixture(scope="module")

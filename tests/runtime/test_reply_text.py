@@ -1,7 +1,7 @@
 """A reply's text as it streams: stop strings found across tokens, and the
 end that could begin one held back until the reply ends."""
 
-from semantic.runtime.reply_text import ReplyText
+from semantic.runtime.text.reply_text import ReplyText
 
 
 class Pieces:

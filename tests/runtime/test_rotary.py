@@ -1,4 +1,4 @@
-"""RoPE from per-forward tables (``runtime.rotary``): bitwise what
+"""RoPE from per-forward tables (``runtime.model.rotary``): bitwise what
 ``mx.fast.rope`` computes on the CPU, for prompt chunks and for decode steps
 with a position per slot, one table shared by a forward's layers, and the
 module's own call where the tables do not serve."""
@@ -10,8 +10,8 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE
 
-from semantic.runtime import rotary
-from semantic.runtime.rotary import rotate
+from semantic.runtime.model import rotary
+from semantic.runtime.model.rotary import rotate
 
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 

@@ -9,9 +9,9 @@ import os
 
 import pytest
 
-from semantic.runtime import row_counts
-from semantic.runtime.engine import Engine
-from semantic.runtime.row_counts import RowCounts, cached, choose
+from semantic.runtime.engine import row_counts
+from semantic.runtime.engine.engine import Engine
+from semantic.runtime.engine.row_counts import RowCounts, cached, choose
 from tests.runtime.test_engine import ByteTokenizer
 from tests.tiny import tiny_model
 

@@ -1,5 +1,5 @@
 """Row plans: how each weight shape's matmul takes its rows so a row comes out
-the same at every count (``runtime.row_plans``). The whole forward's check is
+the same at every count (``runtime.engine.row_plans``). The whole forward's check is
 in test_invariance.py."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from semantic.runtime import row_counts, row_plans
-from semantic.runtime.engine import Engine
-from semantic.runtime.row_counts import RowCounts
-from semantic.runtime.row_plans import RowPlan
+from semantic.runtime.engine import row_counts, row_plans
+from semantic.runtime.engine.engine import Engine
+from semantic.runtime.engine.row_counts import RowCounts
+from semantic.runtime.engine.row_plans import RowPlan
 from tests.runtime.test_engine import ByteTokenizer, busy_batch_equals_alone
 from tests.tiny import TINY_CONFIGS, tiny_model
 

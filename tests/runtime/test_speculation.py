@@ -1,4 +1,4 @@
-"""Exact speculative decoding (``runtime.speculation``): drafts verified inside
+"""Exact speculative decoding (``runtime.engine.speculation``): drafts verified inside
 the batch change no token, no logprob and no cache, for every family, greedy
 or seeded with temperature."""
 
@@ -10,14 +10,14 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from semantic.runtime import decode as decode_module
-from semantic.runtime import engine as engine_module
-from semantic.runtime.cache_file import CacheStore
+from semantic.runtime.engine import decode as decode_module
+from semantic.runtime.engine import engine as engine_module
+from semantic.runtime.store.cache_file import CacheStore
 from semantic.runtime.cache_records import CacheRecord
 from semantic.runtime.kv import StateCache
-from semantic.runtime.engine import Engine, SamplingParams
-from semantic.runtime.row_counts import RowCounts
-from semantic.runtime.speculation import NO_INDENTS, TRY, Drafter, Indents, StepCosts, choose_drafts
+from semantic.runtime.engine.engine import Engine, SamplingParams
+from semantic.runtime.engine.row_counts import RowCounts
+from semantic.runtime.engine.speculation import NO_INDENTS, TRY, Drafter, Indents, StepCosts, choose_drafts
 from tests.runtime.test_engine import ByteTokenizer, drain, measured, prompts
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
@@ -495,7 +495,7 @@ def test_sequences_under_a_grammar_draft_what_it_allows_and_say_what_they_say_wi
     (``Constraint.allows``), and each slot draws under the mask of its own
     place (``Constraint.masks``): every token, logprob and cache byte as
     without drafts, beside a free sequence."""
-    from semantic.runtime.grammar import json_schema
+    from semantic.runtime.text.grammar import json_schema
     from tests.runtime.test_grammar import COLOUR, SCHEMA
     from tests.tiny import tiny_model_with_tokenizer
 
@@ -513,7 +513,7 @@ def test_sequences_under_a_grammar_draft_what_it_allows_and_say_what_they_say_wi
 
 
 def test_a_constraint_allows_drafts_as_far_as_its_grammar_goes_and_masks_each_place():
-    from semantic.runtime.grammar import Grammars, json_schema
+    from semantic.runtime.text.grammar import Grammars, json_schema
     from tests.tiny import embedded_tokenizer
 
     tok = embedded_tokenizer()

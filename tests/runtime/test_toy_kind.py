@@ -15,8 +15,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, _BaseCache
 
-from semantic.runtime import cache_manifest, kv
-from semantic.runtime.cache_file import CacheStore, load, read_manifest
+from semantic.runtime.store import cache_manifest
+from semantic.runtime import kv
+from semantic.runtime.store.cache_file import CacheStore, load, read_manifest
 from semantic.runtime.cache_records import MANIFEST, CacheFileError, CacheRecord
 from semantic.runtime.kv.layer import Trimmed
 

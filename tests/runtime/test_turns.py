@@ -6,12 +6,12 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from semantic.runtime.agent_cache import HOT, WARM, AgentCaches, OutOfMemory
-from semantic.runtime.block_pool import KVBudget
-from semantic.runtime.cache_file import CacheStore
-from semantic.runtime.engine import Engine, SamplingParams
-from semantic.runtime.prefix import encode
-from semantic.runtime.turns import render, run_turn
+from semantic.runtime.memory.agent_cache import HOT, WARM, AgentCaches, OutOfMemory
+from semantic.runtime.memory.block_pool import KVBudget
+from semantic.runtime.store.cache_file import CacheStore
+from semantic.runtime.engine.engine import Engine, SamplingParams
+from semantic.runtime.text.prefix import encode
+from semantic.runtime.memory.turns import render, run_turn
 
 pytestmark = pytest.mark.model
 

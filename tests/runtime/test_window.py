@@ -10,14 +10,14 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from semantic.runtime.agent_cache import AgentCaches
+from semantic.runtime.memory.agent_cache import AgentCaches
 from semantic.runtime.kv import SequenceCache, WindowKVCache
-from semantic.runtime.block_pool import KVBudget
-from semantic.runtime.cache_file import CacheStore
-from semantic.runtime.engine import Engine, SamplingParams
-from semantic.runtime.model_spec import WINDOW_SPARE, ModelCacheSpec
-from semantic.runtime.prefix import encode
-from semantic.runtime.turns import render, run_turn
+from semantic.runtime.memory.block_pool import KVBudget
+from semantic.runtime.store.cache_file import CacheStore
+from semantic.runtime.engine.engine import Engine, SamplingParams
+from semantic.runtime.model.model_spec import WINDOW_SPARE, ModelCacheSpec
+from semantic.runtime.text.prefix import encode
+from semantic.runtime.memory.turns import render, run_turn
 from tests.tiny import tiny_model, tiny_model_with_tokenizer
 
 SLIDING = ["gemma3_text", "gemma3", "gpt_oss"]  # windows of 16 tokens
@@ -136,7 +136,7 @@ def test_a_ring_from_an_older_file_loads_as_a_window_in_time_order():
     the same keys as the ring would give it."""
     import numpy as np
 
-    from semantic.runtime.cache_codec import HostCache
+    from semantic.runtime.store.cache_codec import HostCache
     from semantic.runtime.cache_records import CacheRecord
 
     ring = RotatingKVCache(16)

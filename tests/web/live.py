@@ -25,9 +25,9 @@ import anyio
 import httpx
 import mlx.core as mx
 
-from semantic.runtime import embedded
-from semantic.runtime.model_spec import ModelCacheSpec
-from semantic.runtime.models import LoadedModel
+from semantic.runtime.model import embedded
+from semantic.runtime.model.model_spec import ModelCacheSpec
+from semantic.runtime.model.models import LoadedModel
 from tests.tiny import TINY_CONFIGS, embedded_tokenizer, tiny_from_config
 from semantic.web.app import ServerConfig
 from semantic.web.server import bind, serve
@@ -86,7 +86,7 @@ def first_word_only(loaded: LoadedModel) -> LoadedModel:
 def kv_bytes(blocks: int, running: bool = True) -> int:
     """Bytes of ``blocks`` 256-token blocks of a ``tiny_loaded()`` agent: a running
     turn's (with its float working copy), or an idle cache's."""
-    from semantic.runtime.model_caches import kv_budget
+    from semantic.runtime.memory.model_caches import kv_budget
 
     return kv_budget(tiny_loaded(), 1 << 30).bytes_for(256 * blocks, running)
 

@@ -217,7 +217,7 @@ async def test_a_texts_perplexity_over_http_is_bench_fidelitys(tmp_path):
     from pathlib import Path
 
     from semantic.bench.fidelity import perplexity
-    from semantic.runtime.engine import Engine
+    from semantic.runtime.engine.engine import Engine
 
     text = (Path(__file__).parents[2] / "bench" / "data" / "lighthouses.txt").read_text()[:2000]
 

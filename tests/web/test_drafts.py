@@ -1,4 +1,4 @@
-"""Drafts verified while decoding (``runtime.speculation``), as the routes
+"""Drafts verified while decoding (``runtime.engine.speculation``), as the routes
 report them: the reply is the one without drafts, and usage, ``/metrics``,
 the dashboard's turn record and ``/health`` say what was drafted and taken.
 
@@ -13,8 +13,8 @@ import anyio
 import pytest
 
 from semantic.actors import EngineOptions
-from semantic.runtime import engine as engine_module
-from semantic.runtime.speculation import Drafter
+from semantic.runtime.engine import engine as engine_module
+from semantic.runtime.engine.speculation import Drafter
 
 from .live import client, live_server
 

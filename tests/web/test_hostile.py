@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from semantic.actors.archive import INDEX, export_agent
-from semantic.runtime.json_reader import MAX_DEPTH
+from semantic.runtime.text.json_reader import MAX_DEPTH
 
 from .live import client, live_server, tiny_loaded
 

@@ -99,7 +99,7 @@ async def test_a_model_that_cannot_load_is_a_503_and_the_server_goes_back(tmp_pa
     import json
     import shutil
 
-    from semantic.runtime.models import resolve
+    from semantic.runtime.model.models import resolve
 
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from semantic.runtime.models import LoadedModel
+from semantic.runtime.model.models import LoadedModel
 from semantic.web.reasoning import ReasoningSplitter, answer_text, split_reasoning
 
 from .live import client, live_server, tiny_loaded, tiny_with_template
@@ -101,7 +101,7 @@ def test_a_reasoning_model_thinks_then_answers_as_the_grammar_says(tags_are_toke
     still thinks first: its answer -- what a client parses -- is what the
     grammar holds, never its thoughts. A prompt that opened the tag holds the
     reply to closing it."""
-    from semantic.runtime.grammar import json_schema
+    from semantic.runtime.text.grammar import json_schema
     from semantic.web.reasoning import ThinkTags
     from semantic.web.tools import added_tokens
 
@@ -120,7 +120,7 @@ def test_a_reasoning_model_thinks_then_answers_as_the_grammar_says(tags_are_toke
 
 @pytest.mark.slow
 def test_a_gpt_oss_reply_thinks_then_answers_on_the_final_channel():
-    from semantic.runtime.grammar import json_schema
+    from semantic.runtime.text.grammar import json_schema
     from semantic.web.harmony import Harmony, read_harmony
 
     from .test_harmony import HARMONY_TOKENS
@@ -137,7 +137,7 @@ def test_a_gpt_oss_reply_thinks_then_answers_on_the_final_channel():
 
 
 def test_prepare_lets_a_reasoning_model_think_before_its_constrained_reply():
-    from semantic.runtime.grammar import json_schema
+    from semantic.runtime.text.grammar import json_schema
     from semantic.web.harmony import Harmony
     from semantic.web.harmony import call_grammar as harmony_grammar
     from semantic.web.prepare import prepare

@@ -187,7 +187,7 @@ async def test_the_agent_api_contract(tmp_path):
 @pytest.mark.both_backends
 async def test_a_client_that_disconnects_mid_stream_leaves_the_agent_consistent(tmp_path):
     # A ~320-token system prompt: the cancelled turn's cache is kept, and a follow-up reuses the shared
-    # part if it is at least half of that cache (runtime.prefix) -- however many tokens the turn made
+    # part if it is at least half of that cache (runtime.text.prefix) -- however many tokens the turn made
     # before the server noticed the hang-up (a loaded machine notices later), as the 512-token context
     # leaves room for fewer than the prompt.
     async with live_server(tmp_path) as url, client(url) as http:

@@ -113,7 +113,7 @@ async def test_every_reply_parses_and_every_forced_call_validates(smollm2, tmp_p
         jsonschema.validate(uses[0].input, schema)
 
 
-# Cut by max_tokens: each reply's grammar closes within the limit (``runtime.grammar``).
+# Cut by max_tokens: each reply's grammar closes within the limit (``runtime.text.grammar``).
 CUT = 40
 
 
@@ -149,7 +149,7 @@ def parse_cut(url: str) -> dict:
 
 def smallest_call(smollm2) -> int:
     """Tokens in the smallest forced call of WEATHER on the embedded model (its markup is text there)."""
-    from semantic.runtime.grammar import Grammars
+    from semantic.runtime.text.grammar import Grammars
     from semantic.web.tool_grammar import call_grammar
 
     tok = smollm2.tokenizer

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from semantic.runtime.grammar import GrammarError
+from semantic.runtime.text.grammar import GrammarError
 from semantic.web.schema import ChatResult, ToolCall, Usage
 from semantic.web.tool_grammar import call_grammar
 from semantic.web.tools import (LibraryFormat, ToolCallFilter, added_tokens, deepseek_tool_prompt, finish_result,
@@ -243,7 +243,7 @@ def test_tool_call_is_hashable_by_id_and_name():
 
 
 # Closed schemas: a forced call of these tools has finitely many forms.
-# (their objects say nothing of other keys: closed by default, ``runtime.json_grammar``)
+# (their objects say nothing of other keys: closed by default, ``runtime.text.json_grammar``)
 WEATHER_FN = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city", "parameters": {
         "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
@@ -255,7 +255,7 @@ NOOP_FN = {"type": "function", "function": {"name": "noop", "parameters": {"type
 def takes(g: str, reply: str | list[int], tokenizer=None) -> bool:
     """Whether ``reply`` (text, as the tokenizer encodes it, or token ids) is a
     whole reply grammar ``g`` allows, for ``tokenizer`` (the embedded one)."""
-    from semantic.runtime.grammar import Grammars
+    from semantic.runtime.text.grammar import Grammars
     from tests.tiny import embedded_tokenizer
 
     tok = tokenizer or embedded_tokenizer()
@@ -599,7 +599,7 @@ def deepseek(template: str, special: bool = False):
 
 def render_deepseek(template: str, calls: list[tuple[str, dict]], text: str = "") -> str:
     """The reply a DeepSeek template renders for ``calls`` after ``text``."""
-    from semantic.runtime.turns import arguments_as_json
+    from semantic.runtime.memory.turns import arguments_as_json
 
     render = pytest.importorskip("transformers.utils.chat_template_utils").render_jinja_template
     message = {"role": "assistant", "content": text, "tool_calls": [
@@ -635,7 +635,7 @@ def test_deepseek_calls_read_back_and_a_grammar_holds_them(template, parser, spe
 
 
 def test_a_deepseek_model_is_told_of_the_tools_and_keeps_its_tool_turns():
-    from semantic.runtime.turns import render
+    from semantic.runtime.memory.turns import render
     from semantic.web.prepare import prepare
     from semantic.web.schema import ChatRequest
 
@@ -722,7 +722,7 @@ def magic_calls(fmt: str, *arguments: dict):
 def test_a_call_carries_no_argument_its_schema_does_not_list(fmt):
     """``magic_function(3)``: the schema says nothing of other keys, so a call
     that copies its keywords into the arguments is refused, forced or strict."""
-    from semantic.runtime.grammar import Grammars
+    from semantic.runtime.text.grammar import Grammars
 
     tok, grammars, (call, copied) = magic_calls(fmt, {"input": 3}, {"input": 3, "exclusiveMaximum": 1000})
     matchers, size = Grammars(tok, tok.eos_token_ids), len(tok._tokenizer)

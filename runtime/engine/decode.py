@@ -1,5 +1,5 @@
 """The decode batch: every decoding sequence fed its next token (and the
-drafts worth verifying, ``runtime.speculation``) in forwards of the measured
+drafts worth verifying, ``runtime.engine.speculation``) in forwards of the measured
 row counts, one step built and started while the last computes.
 
 ``Engine`` owns a ``Decoder`` and hands it the sequences whose prompts are
@@ -20,9 +20,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .batch_cache import BatchQuantizedKVCache
-from .cache_records import BLOCK_TOKENS
+from ..cache_records import BLOCK_TOKENS
 from .evaluator import Evaluator
-from .kv import LayerCache
+from ..kv import LayerCache
 from .row_counts import RowCounts
 from .sampling import Draw
 from .sequence import Sequence
@@ -38,7 +38,7 @@ class DecodeStep:
     """A decode step started (its tokens computing) and not yet read."""
 
     rows: list[Sequence]
-    drafts: list[list[int]]  # each row's drafts, fed after its next input (``runtime.speculation``)
+    drafts: list[list[int]]  # each row's drafts, fed after its next input (``runtime.engine.speculation``)
     tokens: mx.array  # each token slot's draw: a row's slots are its input's, then each draft's
     logprobs: list  # each slot's ``Draw.logprobs``
     # Each forward's rows, and the batch caches it wrote with the steps each held before.

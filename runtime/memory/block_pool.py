@@ -28,9 +28,9 @@ import operator
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
-from .cache_records import BLOCK_TOKENS
-from .errors import SemanticError
-from .model_spec import (  # LayerKind: docstring example
+from ..cache_records import BLOCK_TOKENS
+from ..errors import SemanticError
+from ..model.model_spec import (  # LayerKind: docstring example
     FULL, RECURRENT, SLIDING, STATE_CHECKPOINTS, WINDOW_SPARE, LayerKind, ModelCacheSpec, kv_bytes_per_token,
 )
 

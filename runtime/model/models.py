@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import embedded
-from .errors import ModelError
+from ..errors import ModelError
 from .model_spec import ModelCacheSpec
 
 __all__ = ["LoadedModel", "catalogue", "load", "load_tokenizer", "resolve"]

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 
 from .agent_cache import AgentCaches, AgentMemory, OutOfMemory
-from .engine import Engine, Finished, SamplingParams
-from .errors import ContextTooLong
-from .kv import SequenceCache
-from .outcome import TurnResult
-from .prefix import COLD, PrefixPlan, encode, plan
+from ..engine.engine import Engine, Finished, SamplingParams
+from ..errors import ContextTooLong
+from ..kv import SequenceCache
+from ..outcome import TurnResult
+from ..text.prefix import COLD, PrefixPlan, encode, plan
 
 __all__ = ["Turn", "begin", "end", "fold_system", "raw_prompt", "render", "run_turn", "system_prefix"]
 

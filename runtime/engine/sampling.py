@@ -3,7 +3,7 @@ grammar the reply must follow, and the log-probabilities to report.
 
 Each sequence owns an MLX random key, so its draws do not depend on which
 other sequences share the batch.  Temperature 0 is greedy (argmax).  A
-grammar (``runtime.grammar``) masks the row before either: only the tokens
+grammar (``runtime.text.grammar``) masks the row before either: only the tokens
 it allows next can be drawn.  ``logprobs`` reports, for each token drawn, its
 log-probability and the most likely tokens': float32 log-softmax of the row it
 is drawn from, after the grammar's mask and before temperature, top-k, top-p
@@ -25,7 +25,7 @@ from typing import NamedTuple
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from .grammar import Constraint, check
+from ..text.grammar import Constraint, check
 
 __all__ = ["Draw", "MAX_LOGPROBS", "SamplingParams", "Sampler", "TokenLogprob", "row_logprobs"]
 
@@ -41,7 +41,7 @@ class SamplingParams:
     max_tokens: int = 256  # 0: prefill the prompt, generate nothing
     stop: tuple[str, ...] = field(default=())
     seed: int | None = None
-    grammar: str | None = None  # llguidance's grammar text (``runtime.grammar.json_schema``)
+    grammar: str | None = None  # llguidance's grammar text (``runtime.text.grammar.json_schema``)
     logprobs: int | None = None  # None: none; n: each token's logprob and the n most likely tokens'
     prompt_logprobs: int | None = None  # the same of each prompt token (None: none); its prefill reuses no cache
 
@@ -144,7 +144,7 @@ class Sampler:
         ``mask``: the grammar's at this place, where it is not the
         constraint's now (a slot after drafts: ``Constraint.masks``). A
         draft fed before this place is taken when it is the token drawn here
-        (``runtime.decode``): with temperature that happens with the chance
+        (``runtime.engine.decode``): with temperature that happens with the chance
         p(draft) the row gives it, and the reply is the one without drafts."""
         p = self.params
         self._trail.append(self._key)
@@ -183,6 +183,6 @@ class Sampler:
     def undo(self, draws: int = 1) -> None:
         """Forget the last ``draws`` draws: the next call draws as the first of
         them did (a decode step computed ahead and then dropped; a drafting
-        step's slots after the tokens taken: ``runtime.decode``)."""
+        step's slots after the tokens taken: ``runtime.engine.decode``)."""
         for _ in range(draws):
             self._key = self._trail.pop()

@@ -19,18 +19,18 @@ and a save writes only what the previous manifest lacks -- the blocks a turn
 added or changed, the ring, the new text, the manifest. Loading checks every
 file against its name.
 
-Writing is split across threads: ``snapshot`` (``runtime.cache_codec``, on
+Writing is split across threads: ``snapshot`` (``runtime.store.cache_codec``, on
 the thread that owns MLX) copies out the bytes of the blocks from a given one
 on; ``CacheStore.write``
 (any thread) hashes and writes them, taking the blocks before it from the
 manifest on disk. Caches of an older format (version 1: one safetensors
-file per agent, ``runtime.cache_v1``; version 2: blocks of per-token Q4
+file per agent, ``runtime.store.cache_v1``; version 2: blocks of per-token Q4
 rows) are not loaded: the agent's history is prefilled again, and its next
 write replaces them. What the files hold -- records, errors, the agent-id
 rule -- is ``runtime.cache_records``; the manifest that names them,
-``runtime.cache_manifest``; what a layer of each kind writes and how its
+``runtime.store.cache_manifest``; what a layer of each kind writes and how its
 entry is checked, the kind's class in ``runtime.kv``; the MLX side of a
-block, ``runtime.cache_codec``; writing a file atomically, ``runtime.files``.
+block, ``runtime.store.cache_codec``; writing a file atomically, ``runtime.files``.
 
 (Long on purpose: the store is one class whose directory layout, quarantine
 and crash rules hold together; split, each part would need the others'
@@ -52,11 +52,11 @@ import numpy as np
 from . import cache_v1
 from .cache_codec import HostCache, snapshot
 from .cache_manifest import CONTENT_NAME, named_files, read_manifest, seal, text_digest, token_chains
-from .cache_records import (AGENT_DIR_SUFFIX, BLOCK_TOKENS, DTYPES, FORMAT, FORMAT_VERSION, MANIFEST, MAX_TEXT_PIECES,
+from ..cache_records import (AGENT_DIR_SUFFIX, BLOCK_TOKENS, DTYPES, FORMAT, FORMAT_VERSION, MANIFEST, MAX_TEXT_PIECES,
                             BlockUpdate, CacheFileError, CacheRecord, InvalidAgentId, StaleBlocks, open_checked,
                             validate_agent_id)
-from .files import TMP_PREFIX, file_size, fsync_dir, pid_alive, remove_tree, tree_bytes, write_atomic
-from .kv import BY_KIND
+from ..files import TMP_PREFIX, file_size, fsync_dir, pid_alive, remove_tree, tree_bytes, write_atomic
+from ..kv import BY_KIND
 
 __all__ = ["CacheStore", "load", "model_key", "read", "read_manifest"]
 

@@ -17,7 +17,7 @@ The GPU actor drives it step by step and is its only caller (one thread):
   sampled last, or the prompt token it joined with) and samples the next --
   and, for a sequence whose history offers drafts worth verifying, the
   drafts in the slots after its input, taking those the draws agree with
-  and one more (``runtime.speculation``). While the same sequences decode, the
+  and one more (``runtime.engine.speculation``). While the same sequences decode, the
   step after is built and started on those tokens before they are read, so
   the model's graph is built while the last step computes; a sequence that
   finishes, joins or leaves drops that step (undone in every cache);
@@ -37,13 +37,13 @@ Batch invariance: a prefill chunk's size depends only on its sequence, and
 chunks share a forward only from the size ``calibrate`` measured to leave
 them as alone (``RowCounts.prefill_from``); a decode step runs the decoding
 sequences in forwards whose token slots are one of ``row_counts`` (measured
-to agree by ``calibrate``: ``runtime.row_counts``); attention runs per
-sequence over its own cache (``runtime.batch_cache``). So a sequence's
+to agree by ``calibrate``: ``runtime.engine.row_counts``); attention runs per
+sequence over its own cache (``runtime.engine.batch_cache``). So a sequence's
 logits are bitwise the same whatever else runs, wherever it sits in the
 batch.
 
-Parts: the prefill queue (``runtime.prefill``), the decode batch
-(``runtime.decode``), a sequence's state (``runtime.sequence``); what a
+Parts: the prefill queue (``runtime.engine.prefill``), the decode batch
+(``runtime.engine.decode``), a sequence's state (``runtime.engine.sequence``); what a
 drawn token becomes and every sequence's way in and out are the engine's.
 """
 
@@ -60,11 +60,11 @@ import mlx.nn as nn
 from . import calibration, row_plans
 from .batch_cache import BatchQuantizedKVCache
 from .decode import Decoder
-from .grammar import Grammars
-from .kv import SequenceCache, device_float_head, make_sequence_cache
-from .lean import lean
+from ..text.grammar import Grammars
+from ..kv import SequenceCache, device_float_head, make_sequence_cache
+from ..model.lean import lean
 from .prefill import Prefiller
-from .reply_text import ReplyText, reply_detokenizer
+from ..text.reply_text import ReplyText, reply_detokenizer
 from .row_counts import RowCounts
 from .rowwise import rowwise
 from .sampling import Sampler, SamplingParams, TokenLogprob
@@ -106,7 +106,7 @@ class Engine:
     a model sharded over ranks maps the tokens this rank sampled to those every
     rank goes on with (rank 0's: another CPU may round the logits differently).
     ``speculation``: decoding sequences verify drafts from their own history
-    in the same forwards (``runtime.speculation``; not sharded: each rank
+    in the same forwards (``runtime.engine.speculation``; not sharded: each rank
     would choose its own). ``float_head``: the closed tokens of a running
     sequence attended over unpacked in float, the rest packed
     (``kv.DequantizingKVCache``; None: all; "device": ``device_float_head``).
@@ -324,7 +324,7 @@ class Engine:
         """At least one new token for every decoding sequence; [] when none is decoding.
 
         A sequence whose history offers drafts worth verifying
-        (``runtime.speculation``) feeds them after its next input in the same
+        (``runtime.engine.speculation``) feeds them after its next input in the same
         forward, and takes those its draws agree with and one more; the rest
         are cut from its caches. While the same sequences go on decoding
         without drafts (none waiting to join, none at its last token, none
@@ -333,7 +333,7 @@ class Engine:
         model's graph is built while the last step computes. A sequence that
         still finishes (end of turn, a stop string), joins or leaves drops
         that step (``Decoder.drop_next_step``): nothing it computed is kept. The
-        step ahead computes on the evaluator's thread (``runtime.evaluator``)
+        step ahead computes on the evaluator's thread (``runtime.engine.evaluator``)
         while this returns and the next call builds the one after it."""
         with mx.stream(self._decoder.evaluator.stream):
             results = self._decoder.step(self._accept, prefills_waiting=bool(self._prefiller.queue))
@@ -352,7 +352,7 @@ class Engine:
 
     @_settled
     def calibrate(self, max_rows: int | None = None, seed: int = 0) -> RowCounts:
-        """What ``runtime.calibration`` measures for this engine's model: which
+        """What ``runtime.engine.calibration`` measures for this engine's model: which
         decode row counts 1..``max_rows`` (default ``decode_rows``) and from
         which size prompt chunks leave a sequence's logits bitwise as alone.
         Does not change the engine (``use_row_counts`` does) and leaves its
@@ -420,7 +420,7 @@ class Engine:
                     return seq
         return None
 
-    # -- for ``runtime.calibration`` ---------------------------------------
+    # -- for ``runtime.engine.calibration`` ---------------------------------------
 
     def forward(self, batch: list[BatchQuantizedKVCache], inputs, slots: int) -> mx.array:
         """One decode forward (``Decoder.forward``)."""

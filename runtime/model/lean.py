@@ -8,7 +8,7 @@ SwiGLU MLP, and the weights of linear layers and embeddings.
   norms. The fallback's own formula, compiled, is a square, a sum and one
   fused kernel of the rest, **bitwise** the same for float32.
 * **SwiGLU.** ``silu(gate) * up`` takes MLX's one-element-at-a-time ``exp``:
-  a fifth of a prompt chunk's forward. ``runtime.fastmath.swiglu`` is as
+  a fifth of a prompt chunk's forward. ``runtime.model.fastmath.swiglu`` is as
   close to the exact value as MLX's own (not bitwise), and elementwise, so a
   row's result still depends on that row alone.
 * **Weights.** ``x @ w.T`` hands OpenBLAS a weight to read transposed, and

@@ -13,7 +13,7 @@ indentation taken as the same (``Indents``), and the drafts' indentations
 are shifted by what the quote's differ from the original's there.
 
 The engine feeds a drafting sequence its next input and the drafts in
-consecutive token slots of one decode forward (``runtime.batch_cache``): each
+consecutive token slots of one decode forward (``runtime.engine.batch_cache``): each
 slot computes exactly what a decode step of its token alone would, so slot
 j's draw is the token decode would draw there. Drafts are taken while they
 equal those draws, the first that does not is replaced by the draw, and the
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .prefix import encode
+from ..text.prefix import encode
 from .row_counts import RowCounts
 
 __all__ = ["Drafter", "Indents", "NGRAMS", "StepCosts", "TRY", "choose_drafts"]

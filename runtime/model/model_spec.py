@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from .errors import SemanticError
+from ..errors import SemanticError
 
 __all__ = ["LayerKind", "ModelCacheSpec", "UnsupportedModel", "build_model", "kv_bytes_per_token"]
 

@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .block_pool import KVBudget
-from .cache_codec import HostCache, snapshot
-from .cache_file import CacheStore
-from .cache_records import BLOCK_TOKENS, FORMAT_VERSION, BlockUpdate, CacheRecord
-from .errors import SemanticError
-from .kv import SequenceCache
-from .model_spec import ModelCacheSpec
+from ..store.cache_codec import HostCache, snapshot
+from ..store.cache_file import CacheStore
+from ..cache_records import BLOCK_TOKENS, FORMAT_VERSION, BlockUpdate, CacheRecord
+from ..errors import SemanticError
+from ..kv import SequenceCache
+from ..model.model_spec import ModelCacheSpec
 
 __all__ = ["AgentCaches", "AgentEntry", "AgentMemory", "CacheDisk", "OutOfMemory", "SharedPrefix", "StoreDisk",
            "HOT", "WARM"]

@@ -8,7 +8,7 @@ makes one from a JSON schema, ``JSON_OBJECT`` allows any JSON object, and
 ``check`` refuses what llguidance cannot compile, naming it (unsupported
 schema keywords, bad types), without a tokenizer, so a request is refused
 before it queues. A schema's objects are closed unless it says otherwise,
-and its numbers are those a float64 holds (``runtime.json_grammar``).
+and its numbers are those a float64 holds (``runtime.text.json_grammar``).
 
 ``Grammars`` belongs to one engine: the tokenizer as llguidance reads it
 (built on first use, ~0.3 s; it also gives a token's exact bytes, for
@@ -21,7 +21,7 @@ exactly where the grammar may end, and are the only ones allowed where it
 must: a finite grammar ends the reply by construction.
 
 Given the reply's ``max_tokens``, a ``Constraint`` also closes the grammar
-within it: it keeps a closing (``runtime.closing``: tokens that complete
+within it: it keeps a closing (``runtime.text.closing``: tokens that complete
 the grammar from here, found without the model), allows only the
 closing's next token once the tokens left are no more than it, and takes
 that token instead of a draw that would leave too few (``fit``); so a reply
@@ -65,7 +65,7 @@ def json_schema(schema: Mapping) -> str:
     Python's ``json.dumps`` does (``", "`` and ``": "``, no other whitespace:
     free whitespace would let a model pad forever), its objects closed where
     it lists their properties and says nothing of others, its numbers those
-    a float64 holds (``runtime.json_grammar``); raises ``GrammarError``
+    a float64 holds (``runtime.text.json_grammar``); raises ``GrammarError``
     naming what is unsupported."""
     schema = _checked(schema)
     text = _written(schema)
@@ -130,7 +130,7 @@ class Constraint:
     """One sequence's matcher: the tokens it may take next, and those it took.
 
     With a ``limit`` (the reply's ``max_tokens``) it also keeps a closing:
-    tokens that complete the grammar from here (``runtime.closing``, found
+    tokens that complete the grammar from here (``runtime.text.closing``, found
     without the model), and keeps the reply within reach of its end: where
     the tokens left are no more than the closing's, only the closing's next
     token is allowed; and a token drawn that would leave too few to close

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .speculation import Drafter
-from .kv import SequenceCache
-from .outcome import Delta, FinishReason  # plain data (no MLX), for every layer up to the protocols
-from .reply_text import ReplyText
+from ..kv import SequenceCache
+from ..outcome import Delta, FinishReason  # plain data (no MLX), for every layer up to the protocols
+from ..text.reply_text import ReplyText
 from .sampling import Sampler, SamplingParams, TokenLogprob
 
 __all__ = ["CANCELLED", "Delta", "FinishReason", "Finished", "LENGTH", "PREEMPTED", "STOP", "Sequence"]
@@ -30,7 +30,7 @@ class Finished:
     prefilled_tokens: int  # prompt tokens computed by this request
     stop_sequence: str | None = None  # the stop string that ended it, if one did
     logprobs: tuple[TokenLogprob, ...] = ()  # of each output token, when ``SamplingParams.logprobs`` asked
-    drafted_tokens: int = 0  # drafts verified (``runtime.speculation``)
+    drafted_tokens: int = 0  # drafts verified (``runtime.engine.speculation``)
     accepted_tokens: int = 0  # of them, taken as output
     # Of each prompt token (the first's logprob None), when ``SamplingParams.prompt_logprobs`` asked;
     # a sequence cancelled mid-prefill has those of the chunks it ran.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .agent_cache import AgentCaches, CacheDisk
 from .block_pool import KVBudget, default_budget
-from .cache_file import CacheStore, model_key
+from ..store.cache_file import CacheStore, model_key
 
 __all__ = ["cache_layouts", "cache_model_id", "kv_budget", "open_caches", "shard_suffix"]
 
@@ -44,7 +44,7 @@ def kv_budget(loaded, budget_bytes: int, kv_bits: int = 4) -> KVBudget:
     """The KV budget of ``loaded``'s agents in ``budget_bytes``, as
     ``open_caches`` counts it: a running turn with its float working copy
     (``kv.DequantizingKVCache``, as far as ``kv.device_float_head`` says)."""
-    from .kv import device_float_head
+    from ..kv import device_float_head
 
     return KVBudget(loaded.spec, budget_bytes, bits=kv_bits, sliding_dtype_bytes=loaded.dtype.size,
                     working_dtype_bytes=loaded.dtype.size, working_head=device_float_head(loaded.model))
@@ -52,7 +52,7 @@ def kv_budget(loaded, budget_bytes: int, kv_bits: int = 4) -> KVBudget:
 
 def open_caches(loaded, root: CacheDisk | CacheStore | os.PathLike | str | None = None, budget_bytes: int | None = None,
                 kv_bits: int = 4, **options) -> AgentCaches:
-    """The agent caches of a loaded model (``runtime.models.LoadedModel``) on ``root``:
+    """The agent caches of a loaded model (``runtime.model.models.LoadedModel``) on ``root``:
     a ``CacheDisk``, or a ``CacheStore`` or its directory (default: the user's cache
     directory) to reach straight; in ``budget_bytes`` of hot memory (default:
     device memory less the weights less headroom).
@@ -64,8 +64,8 @@ def open_caches(loaded, root: CacheDisk | CacheStore | os.PathLike | str | None 
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from .device import describe
-    from .paths import agents_dir
+    from ..model.device import describe
+    from ..paths import agents_dir
 
     if budget_bytes is None:
         weights = sum(p.nbytes for _, p in tree_flatten(loaded.model.parameters()))

@@ -17,9 +17,9 @@ neighbours, on any machine. Two things make them depend in a padded batch:
   M = 13 on Haswell and Zen), and each kernel sums in its own order.
 
 So a forward is one row of token slots whose count is one of those measured
-to give the same rows (``runtime.row_counts``), and each layer gets a
+to give the same rows (``runtime.engine.row_counts``), and each layer gets a
 ``BatchQuantizedKVCache``: the caches of the sequences in the forward, one
-slot each. ``runtime.rowwise`` makes attention run per sequence over its own
+slot each. ``runtime.engine.rowwise`` makes attention run per sequence over its own
 cache, with the same shapes as when the sequence is alone; everything else
 runs over all slots at once.
 
@@ -43,14 +43,14 @@ class BatchQuantizedKVCache:
 
     The forward's input is one row of token slots (a measured count); a
     sequence takes ``widths[i]`` consecutive slots (one, or more when it
-    verifies drafted tokens: ``runtime.speculation``), each its next token
+    verifies drafted tokens: ``runtime.engine.speculation``), each its next token
     after the one before, and slots after the last sequence are padding.
     Three agents in a forward of 6 slots, ``b`` verifying two drafts:
 
         slot      0  1  2  3  4  5
         cache     a  b  b  b  c  .      slot 5 is padding: computed, then ignored
 
-    Attention modules made ``runtime.rowwise.rowwise`` attend per slot when
+    Attention modules made ``runtime.engine.rowwise.rowwise`` attend per slot when
     given this cache, over its sequence's cache up to and including that
     slot's token -- what a decode step of that token alone attends over. The
     model's own mask is not used (``make_mask`` gives None): each sequence's
@@ -115,7 +115,7 @@ class BatchQuantizedKVCache:
 
     def drop_last(self) -> None:
         """Forget the last step's rows: its sequences' working copies drop its tokens too
-        (a decode step computed ahead and then dropped, ``runtime.decode``)."""
+        (a decode step computed ahead and then dropped, ``runtime.engine.decode``)."""
         assert self._rows, "no step held to drop"
         _, _, kept = self._rows.pop()
         for c, n in zip(self.caches, kept):
@@ -174,7 +174,7 @@ class PrefillBatch:
     """One layer's caches of the sequences whose prompt chunks run together in a
     forward: the forward's token rows are sequence 0's chunk (``lengths[0]``
     rows), then sequence 1's, and so on. Attention modules made
-    ``runtime.rowwise.rowwise`` attend per chunk over its own cache, as when
+    ``runtime.engine.rowwise.rowwise`` attend per chunk over its own cache, as when
     the chunk runs alone; everything else runs over all rows at once."""
 
     def __init__(self, caches: Sequence, lengths: Sequence[int]):

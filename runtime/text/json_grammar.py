@@ -1,5 +1,5 @@
 """JSON schemas as llguidance Lark, with two rules of this server's own
-(``runtime.grammar`` compiles what this module writes):
+(``runtime.text.grammar`` compiles what this module writes):
 
 * **Strict objects** (``strict``): an object schema that lists properties
   (``properties``, ``required`` or ``patternProperties``) and says nothing

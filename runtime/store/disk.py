@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .cache_file import CacheStore
-from .cache_records import AGENT_DIR_SUFFIX, MANIFEST, InvalidAgentId, validate_agent_id
+from ..cache_records import AGENT_DIR_SUFFIX, MANIFEST, InvalidAgentId, validate_agent_id
 from .cache_v1 import SUFFIX
-from .files import remove_tree, tree_bytes
+from ..files import remove_tree, tree_bytes
 
 __all__ = [
     "CACHE", "CONVERSATION_PREFIX", "FREE_MARGIN", "HISTORY", "OTHER", "QUARANTINE", "DiskFile", "NoRoom", "Plan",

@@ -3,7 +3,7 @@ of one version of its cache. ``seal`` makes its bytes, checksum first;
 ``read_manifest`` reads them back and checks them against themselves:
 the fields, that blocks, layers and token count agree, and each layer's
 entry through the class of its kind (``kv.BY_KIND``). The files it names
-are read by ``runtime.cache_file``; the layout is in
+are read by ``runtime.store.cache_file``; the layout is in
 ``docs/cache-format.md``."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .cache_records import BLOCK_TOKENS, DTYPES, FORMAT, FORMAT_VERSION, MANIFEST, CacheFileError, open_checked
-from .json_reader import JSONError, read_json
-from .kv import BY_KIND
+from ..cache_records import BLOCK_TOKENS, DTYPES, FORMAT, FORMAT_VERSION, MANIFEST, CacheFileError, open_checked
+from ..text.json_reader import JSONError, read_json
+from ..kv import BY_KIND
 
 __all__ = ["CONTENT_NAME", "named_files", "read_manifest", "seal", "text_digest", "token_chains"]
 

@@ -3,7 +3,7 @@
 MLX's CPU ``exp`` runs one element at a time, so softmax was most of
 attention there (a 1K-token prefill of SmolLM2 spent half its time in it).
 Here scores are scaled by log2(e) with the queries and the softmax takes
-``runtime.fastmath.exp2``, vectorised. Masked scores give 0, and so does a
+``runtime.model.fastmath.exp2``, vectorised. Masked scores give 0, and so does a
 score more than ~125 below its row's maximum (never a subnormal weight: the
 matmul with the values would take Intel CPUs' slow path for them).
 

@@ -17,8 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .errors import ModelError
-from .paths import models_dir
+from ..errors import ModelError
+from ..paths import models_dir
 
 __all__ = ["NAME", "DIRNAME", "find_gguf", "embedded_dir", "is_ready", "prepare"]
 

@@ -1,6 +1,6 @@
 """How to finish what a grammar has begun, without the model: the tokens
 that bring an llguidance matcher from where it is to where its grammar is
-complete (``runtime.grammar`` forces them when a reply's ``max_tokens``
+complete (``runtime.text.grammar`` forces them when a reply's ``max_tokens``
 would otherwise cut it open).
 
 ``Closer.close`` walks a copy of the matcher. At each step it takes the

@@ -250,7 +250,7 @@ def _tile(layer: nn.Module, c: int, d: int) -> tuple:
     scales and biases: views of its own arrays, made once (two ops a tile a
     call otherwise) and evaluated with the first forward that takes them
     (never here: a forward may be built while another thread evaluates the
-    last, ``runtime.evaluator``)."""
+    last, ``runtime.engine.evaluator``)."""
     tiles = layer.__dict__.setdefault("_tiles", {})
     if (c, d) not in tiles:
         part = {name: layer[name][c:d] if name in layer else None for name in ("bias", "weight", "scales", "biases")}

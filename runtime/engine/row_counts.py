@@ -1,10 +1,10 @@
 """Which row counts a decode forward may use, measured when a model loads.
 
 A decode forward runs every decoding sequence's next token as one row of the
-projections, norms and MLP (attention runs per sequence: ``runtime.rowwise``).
+projections, norms and MLP (attention runs per sequence: ``runtime.engine.rowwise``).
 BLAS picks a kernel by the matmul's shape and kernels sum in different
 orders, so a row may come out differently at M = 3 than at M = 1 -- or not:
-it depends on the machine. ``runtime.row_plans`` first gives each weight
+it depends on the machine. ``runtime.engine.row_plans`` first gives each weight
 shape whose rows differ a way to take them that agrees at every count; then
 nothing more is assumed: ``Engine.calibrate`` runs a probe sequence through
 the real decode forward alone and beside random neighbours at every count
@@ -31,10 +31,10 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from . import blas
-from .files import write_atomic
-from .json_reader import read_json
-from .paths import cache_home
+from ..model import blas
+from ..files import write_atomic
+from ..text.json_reader import read_json
+from ..paths import cache_home
 from .row_plans import RowPlan
 
 __all__ = ["KEPT", "RowCounts", "cached", "choose", "keep", "kept", "key"]
@@ -55,7 +55,7 @@ class RowCounts:
     classes: tuple[tuple[int, ...], ...] = ()
     ms: tuple[float, ...] = ()
     seconds: float = 0.0
-    plans: tuple[RowPlan, ...] = ()  # how each weight shape's matmul takes its rows (``runtime.row_plans``)
+    plans: tuple[RowPlan, ...] = ()  # how each weight shape's matmul takes its rows (``runtime.engine.row_plans``)
     prefill_from: int | None = None  # the fewest tokens a prompt chunk needs to share a forward (None: never)
 
     def __post_init__(self):

@@ -1,7 +1,7 @@
 """Which batches leave a sequence's logits bitwise as alone, measured
 through an engine's real forwards: the decode row counts that agree
-(``runtime.row_counts``: each weight's matmul first taking its rows as
-``runtime.row_plans`` measures), and from which size prompt chunks may share
+(``runtime.engine.row_counts``: each weight's matmul first taking its rows as
+``runtime.engine.row_plans`` measures), and from which size prompt chunks may share
 a prefill forward. The engine runs what this finds (``Engine.calibrate``,
 ``Engine.use_row_counts``); nothing here touches its queues."""
 
@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 
 from . import row_plans
 from .batch_cache import BatchQuantizedKVCache, PrefillBatch
-from .kv import SequenceCache
+from ..kv import SequenceCache
 from .row_counts import RowCounts, choose
 
 __all__ = ["calibrate"]
@@ -106,7 +106,7 @@ def _prefill_from(engine, rng: random.Random) -> int | None:
     caches bitwise as alone when other sequences' chunks share its forward.
 
     A chunk of at most ``decode_rows`` tokens is decode-shaped (row plans
-    take its matmuls: ``runtime.row_plans``) and never shares one. Above
+    take its matmuls: ``runtime.engine.row_plans``) and never shares one. Above
     that a kernel may still change with the row count, from some count
     on, or a row's place among the forward's rows may matter (a kernel's
     full row tiles and its remainder): chunks of each size of a doubling

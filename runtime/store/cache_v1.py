@@ -1,7 +1,7 @@
 """Version 1 cache files: one safetensors file per (agent, model), listed,
 verified and carried in archives, never loaded.
 
-Caches are written in the block layout now (``runtime.cache_file``); a
+Caches are written in the block layout now (``runtime.store.cache_file``); a
 version 1 file's Q4 rows are not what a token sees today, so the agent's
 history is prefilled again and its next write replaces the file. The
 layout is in ``docs/cache-format.md``; in short:
@@ -26,8 +26,8 @@ from typing import BinaryIO
 
 import numpy as np
 
-from .cache_records import DTYPES, FLOATS, FORMAT, CacheFileError, open_checked
-from .json_reader import JSONError, read_json
+from ..cache_records import DTYPES, FLOATS, FORMAT, CacheFileError, open_checked
+from ..text.json_reader import JSONError, read_json
 
 __all__ = ["SUFFIX", "VERSION", "read_meta", "verify"]
 

@@ -1,5 +1,5 @@
 """Attention per sequence inside a batched forward: the other half of batch
-invariance (``runtime.batch_cache`` explains the whole).
+invariance (``runtime.engine.batch_cache`` explains the whole).
 
 ``rowwise(model)`` lets every attention module of an mlx-lm model, when its
 cache is a ``BatchQuantizedKVCache`` (a decode step: a token slot a
@@ -10,9 +10,9 @@ decode step of that token. Two ways, with the same result by construction:
 
 * **standard layout** (Llama, Qwen 2/3, Gemma 3, GPT-OSS): projections and
   q/k norms run over all rows at once -- at row counts whose rows agree
-  (``runtime.row_counts``) -- and RoPE, the cache write and the attention
+  (``runtime.engine.row_counts``) -- and RoPE, the cache write and the attention
   per sequence (RoPE of a decode step over all slots, with per-slot
-  positions); on the CPU the attention is ``runtime.attention``'s, for a
+  positions); on the CPU the attention is ``runtime.model.attention``'s, for a
   prompt chunk alone too;
 * **other attention classes**, and linear attention (Qwen3-Next's recurrent
   layers): the module itself runs once per sequence, on its own rows.
@@ -28,9 +28,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from .attention import attend, attend_each
+from ..model.attention import attend, attend_each
 from .batch_cache import BatchQuantizedKVCache, ChunkMasks, PrefillBatch
-from .rotary import rotate
+from ..model.rotary import rotate
 
 __all__ = ["rowwise"]
 
@@ -174,7 +174,7 @@ def _standard_chunks(attn: nn.Module, x: mx.array, batch: PrefillBatch, masks: l
     """A standard-layout attention module over prompt chunks ``x`` (1, rows, D):
     the projections over every row at once, then per chunk the rotation from
     its sequence's offset, the cache write and the attention -- as mlx-lm's
-    own call runs one chunk, but for the attention (``runtime.attention`` on
+    own call runs one chunk, but for the attention (``runtime.model.attention`` on
     the CPU), which runs a piece of the chunk at a time (``_pieces``)."""
     rows = x.shape[1]
     parts = zip(*(batch.chunks(t, axis=2) for t in _project(attn, x, (1, rows))))
@@ -203,7 +203,7 @@ def _fetch(cache, keys: mx.array, values: mx.array) -> tuple:
 
 
 def _attend(attn: nn.Module, queries: mx.array, fetched: tuple, cache, mask) -> mx.array:
-    """One sequence's attention off the CPU's float path: ``runtime.attention``
+    """One sequence's attention off the CPU's float path: ``runtime.model.attention``
     where part of its past is packed, else mlx-lm's."""
     keys, values, packed = fetched
     if packed is not None:
@@ -231,7 +231,7 @@ def _scale(attn: nn.Module) -> float:
 
 
 def _in_float(attn: nn.Module, x: mx.array, caches) -> bool:
-    """Whether ``runtime.attention`` serves these caches: float32 keys and
+    """Whether ``runtime.model.attention`` serves these caches: float32 keys and
     values (a working copy, a window) on the CPU, where MLX's own softmax is
     slow, and no attention sinks."""
     return (mx.default_device() == mx.cpu and x.dtype == mx.float32 and attn.get("sinks") is None

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .cache_records import BLOCK_TOKENS, DTYPE_NAMES, BlockUpdate, CacheRecord, validate_agent_id
-from .kv import BY_KIND, SequenceCache
+from ..cache_records import BLOCK_TOKENS, DTYPE_NAMES, BlockUpdate, CacheRecord, validate_agent_id
+from ..kv import BY_KIND, SequenceCache
 
 __all__ = ["HostCache", "snapshot"]
 
