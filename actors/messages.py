@@ -104,29 +104,6 @@ class TurnRequest:
     prompt: str | None = None  # raw text to continue as it is (no chat template: ``Agent.complete``)
 
 
-@dataclass(frozen=True)
-class TurnRequest:
-    """What a turn asks for, as ``Agent.send`` (``respond``, ``complete``) builds
-    it: carried to the agent actor (``Send``) and on to the GPU actor
-    (``BeginTurn``) as it is.
-
-    ``text`` is the new user message, appended to the history; or, when
-    ``messages`` is given, the turn's whole conversation, which replaces the
-    history (stateless clients send everything each time). With ``prompt``,
-    the model continues that raw text instead of the rendered conversation
-    (``messages`` then holds it as the user's message)."""
-
-    turn_id: int
-    sampling: SamplingParams
-    text: str = ""
-    messages: tuple[Message, ...] | None = None
-    use_cache: bool = True  # False: prefill the whole prompt, reuse nothing (for comparisons)
-    tools: tuple[dict, ...] | None = None  # tool definitions for the chat template
-    model: str | None = None  # the catalogue's model to run on (None: the one loaded)
-    choices: int = 1  # replies to the prompt, prefilled once; choice 0's is the agent's
-    prompt: str | None = None  # raw text to continue as it is (no chat template: ``Agent.complete``)
-
-
 # -- generic replies ---------------------------------------------------------
 
 
