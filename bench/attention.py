@@ -5,6 +5,10 @@ from a float working copy or packed (``kv.DequantizingKVCache``).
   keys and values in float (``runtime.model.attention.attend_each``) against read
   packed from 4-bit blocks (``PackedPast``, MLX's quantized matmul), with the
   model's head counts; medians and the ratio;
+* a prompt chunk: one layer's attention of a chunk of each row count over
+  a past past the CPU's float head (``kv.CPU_FLOAT_HEAD``), those blocks read
+  packed against unpacked for the chunk (``UnpackedPast``, what the CPU does
+  from ``kv.CPU_UNPACKED_ROWS`` rows), the unpacking timed with it;
 * the engine: decode ms a token for one agent at each context, with the
   device's float head (``kv.device_float_head``) and with every closed block
   in float, and the memory its decode holds beyond the cache of record. Its cache is filled with random
@@ -57,6 +61,37 @@ def per_layer(spec, heads: int, contexts: list[int], rounds: int) -> dict:
     return out
 
 
+def chunk_rows(spec, heads: int, keys: int, rows: list[int], rounds: int) -> dict:
+    """Milliseconds of one layer's attention of a prompt chunk of each row
+    count over ``keys`` keys, those past the CPU's float head read packed
+    against unpacked for the chunk."""
+    from semantic.runtime.model.attention import UnpackedPast, attend
+    from semantic.runtime.kv import CPU_FLOAT_HEAD, SequenceQuantizedKVCache
+
+    out = {}
+    for r in rows:
+        k, v = (mx.random.normal((1, spec.n_kv_heads, keys, spec.head_dim), key=mx.random.key(i)) for i in (1, 2))
+        q = mx.random.normal((1, heads, r, spec.head_dim), key=mx.random.key(3))
+        view = SequenceQuantizedKVCache().view(CPU_FLOAT_HEAD)
+        for a in range(0, keys - r, 256):  # a chunk a block, as the engine attends
+            view.update_and_fetch(k[..., a : min(keys - r, a + 256), :], v[..., a : min(keys - r, a + 256), :])
+        fk, fv, _ = view.update_and_fetch_past(k[..., keys - r :, :], v[..., keys - r :, :])
+        mx.eval(fk, fv, view.arrays)
+        record = view.quantized
+
+        def packed():
+            return attend(q, fk, fv, 0.125, "causal", record.packed_past(view.head, view.synced))
+
+        def unpacked():
+            return attend(q, fk, fv, 0.125, "causal",
+                          UnpackedPast(*record.unpacked(view.head, view.synced, mx.float32)))
+
+        packed_ms, unpacked_ms = (_median_us(lambda f=f: mx.eval(f()), rounds) / 1e3 for f in (packed, unpacked))
+        out[r] = {"packed_ms": round(packed_ms, 2), "unpacked_ms": round(unpacked_ms, 2),
+                  "unpacked_over_packed": round(unpacked_ms / packed_ms, 2)}
+    return out
+
+
 def engine_decode(loaded, contexts: list[int], tokens: int) -> dict:
     """Decode ms a token for one agent whose cache holds each context, with the
     device's float head and with none (every closed block in float)."""
@@ -106,6 +141,10 @@ def run(args: argparse.Namespace) -> int:
     for n, r in layer.items():
         log(f"{n:>6} keys: one layer's decode attention, float {r['float_us']:8.0f} us, packed {r['packed_us']:8.0f} us"
             f" ({r['packed_over_float']:.2f}x)")
+    chunk = chunk_rows(loaded.spec, heads, args.chunk_keys, [int(r) for r in args.chunk_rows.split(",")], args.rounds)
+    for r, c in chunk.items():
+        log(f"{r:>6} rows over {args.chunk_keys} keys: one layer's prompt chunk, past the float head packed "
+            f"{c['packed_ms']:7.1f} ms, unpacked for the chunk {c['unpacked_ms']:7.1f} ms ({c['unpacked_over_packed']:.2f}x)")
     engine = engine_decode(loaded, [int(c) for c in args.engine_contexts.split(",")], args.tokens)
     for n, r in engine.items():
         log(f"{n:>6} tokens: decode {r['head']['decode_ms']:.1f} ms a token with the float head "
@@ -113,5 +152,5 @@ def run(args: argparse.Namespace) -> int:
             f"float ({r['all_float']['held_mb']} MB): {r['head_over_all_float']:.2f}x")
     if args.json:
         print(json.dumps({"model": loaded.name, "device": str(mx.default_device()), "per_layer": layer,
-                          "engine": engine}))
+                          "chunk_keys": args.chunk_keys, "chunk": chunk, "engine": engine}))
     return 0

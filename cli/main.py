@@ -149,6 +149,10 @@ def parser() -> argparse.ArgumentParser:
     _add_model(p)
     p.add_argument("--contexts", default="1024,4096,16384,32768,65536",
                    help="keys of one layer's attention, comma-separated (default 1024,4096,16384,32768,65536)")
+    p.add_argument("--chunk-keys", type=parse_positive_int, default=8192,
+                   help="keys a prompt chunk attends over (default 8192)")
+    p.add_argument("--chunk-rows", default="1,4,8,16,64,256",
+                   help="a prompt chunk's rows, comma-separated (default 1,4,8,16,64,256)")
     p.add_argument("--engine-contexts", default="4096,16384,32768",
                    help="tokens of the agent the engine decodes, comma-separated (default 4096,16384,32768)")
     p.add_argument("--tokens", type=parse_positive_int, default=16, help="tokens decoded at each (default 16)")

@@ -27,11 +27,12 @@ from .layer import LayerCache, SequenceCache
 from .quantized import SequenceQuantizedKVCache
 from .state import StateCache
 from .window import WindowKVCache
-from .working_copy import CPU_FLOAT_HEAD, DequantizingKVCache, device_float_head
+from .working_copy import CPU_FLOAT_HEAD, CPU_UNPACKED_ROWS, DequantizingKVCache, device_float_head
 
 __all__ = [
     "BY_KIND",
     "CPU_FLOAT_HEAD",
+    "CPU_UNPACKED_ROWS",
     "DequantizingKVCache",
     "LayerCache",
     "SequenceCache",

@@ -1,7 +1,8 @@
 """The float working copy a running sequence attends over
 (``DequantizingKVCache``): what ``kv.quantized``'s docstring says a token
-sees, held so that a decode step writes one row, not the context; and how
-many closed tokens it keeps unpacked on each device (``device_float_head``).
+sees, held so that a decode step writes one row, not the context; how
+many closed tokens it keeps unpacked on each device (``device_float_head``);
+and from how many query rows a prompt chunk reads the rest unpacked.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from ..cache_records import BLOCK_TOKENS, SINKS
+from ..model.attention import UnpackedPast
 from .quantize import close_block, grown, open_blocks
 
 if TYPE_CHECKING:
     from .quantized import SequenceQuantizedKVCache
 
-__all__ = ["CPU_FLOAT_HEAD", "DequantizingKVCache", "device_float_head"]
+__all__ = ["CPU_FLOAT_HEAD", "CPU_UNPACKED_ROWS", "DequantizingKVCache", "device_float_head"]
 
 CPU_FLOAT_HEAD = 4096  # closed tokens a running sequence attends over in float on the CPU (docs/benchmarks.md)
+CPU_UNPACKED_ROWS = 4  # a chunk's rows from which the CPU reads the blocks past the head unpacked (docs/benchmarks.md)
 
 
 def device_float_head(model) -> Optional[int]:
@@ -141,17 +144,27 @@ class DequantizingKVCache(_BaseCache):
             return need + step
         return max(need, min(need + step, self.float_head + 2 * step))
 
-    def _fetched(self) -> tuple:
-        """What a token attends over now: the copy's live rows, then the packed blocks (or None)."""
+    def _fetched(self, rows: int = 1) -> tuple:
+        """What ``rows`` new tokens attend over now: the copy's live rows, then
+        the blocks past the head (None where there are none): packed, or on
+        the CPU for ``CPU_UNPACKED_ROWS`` rows or more unpacked for them alone
+        (MLX's CPU quantized matmul is slow for many rows). Which one depends
+        on the rows and the device alone, never on another sequence."""
         fk, fv = self._float
         live = self._row(self.offset)
-        packed = self.quantized.packed_past(self.head, self.synced) if self.synced > self.head else None
-        return fk[..., :live, :], fv[..., :live, :], packed
+        past = None
+        if self.synced > self.head:
+            if rows >= CPU_UNPACKED_ROWS and mx.default_device() == mx.cpu:
+                past = UnpackedPast(*self.quantized.unpacked(self.head, self.synced, mx.float32))
+            else:
+                past = self.quantized.packed_past(self.head, self.synced)
+        return fk[..., :live, :], fv[..., :live, :], past
 
     def update_and_fetch_past(self, keys, values) -> tuple:
         """Add a prompt chunk's keys and values (1, H, S, D; within one block);
         return the float keys and values attended over (the chunk's at their
-        end) and the ``PackedPast`` before them (None when there is none)."""
+        end) and the blocks before them read packed or unpacked
+        (``_fetched``; None when there are none)."""
         if self.unwritten:
             raise RuntimeError("a decoded token's rows are not in the record yet (BatchQuantizedKVCache.flush)")
         self._sync(keys)
@@ -159,7 +172,7 @@ class DequantizingKVCache(_BaseCache):
         self.quantized.append(keys, values)
         self._put(self._row(prev), (keys, values))
         self._sync(keys)  # the full block before, closed by this chunk's first token
-        return self._fetched()
+        return self._fetched(keys.shape[2])
 
     def update_and_fetch(self, keys, values):
         """mlx-lm's protocol (attention modules that run their own call): the

@@ -16,20 +16,22 @@ result is bitwise what it is alone.
 A long sequence attends over part of its past **packed** (``PackedPast``: closed
 blocks as ``runtime.kv.quantize.close_block`` lays them out, read by MLX's
 quantized matmul without a float copy) beside its float keys: one softmax
-over both, on every device.
+over both, on every device. A prompt chunk of many rows on the CPU reads
+that past unpacked for the chunk instead (``UnpackedPast``), where MLX's
+quantized matmul is slow for many rows.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from .fastmath import LOG2E, exp2
 
-__all__ = ["PackedPast", "attend", "attend_each"]
+__all__ = ["PackedPast", "UnpackedPast", "attend", "attend_each"]
 
 
 class PackedPast(NamedTuple):
@@ -44,6 +46,10 @@ class PackedPast(NamedTuple):
     group_size: int
     bits: int
 
+    @property
+    def tokens(self) -> int:
+        return self.values[0].shape[2]
+
     def scores(self, queries: mx.array) -> mx.array:
         """``queries`` (1, KVH, R, D) against every packed key: (1, KVH, R, tokens)."""
         kw, ks, kb = self.keys
@@ -56,6 +62,27 @@ class PackedPast(NamedTuple):
         return mx.quantized_matmul(weights, *self.values, transpose=False, group_size=self.group_size,
                                    bits=self.bits)
 
+
+class UnpackedPast(NamedTuple):
+    """The blocks a ``PackedPast`` holds, unpacked in float32 for one prompt
+    chunk's attention and dropped after it: ``keys`` and ``values`` (1, KVH,
+    tokens, D), attended like a ``PackedPast`` with float matmuls."""
+
+    keys: mx.array
+    values: mx.array
+
+    @property
+    def tokens(self) -> int:
+        return self.keys.shape[2]
+
+    def scores(self, queries: mx.array) -> mx.array:
+        return queries @ self.keys.swapaxes(-1, -2)
+
+    def mix(self, weights: mx.array) -> mx.array:
+        return weights @ self.values
+
+Past = Union[PackedPast, UnpackedPast]
+
 BLOCK = 128  # the most query rows of a prompt chunk attended at once (masked keys skipped)
 SCORES_BYTES = 4 << 20  # about what a block's scores take over long keys (``_block_rows``)
 MIN_BLOCK = 4  # the fewest rows a block, however many keys
@@ -63,7 +90,7 @@ LONG = 1024  # keys from which a decode step's exp is ours (below: MLX's softmax
 
 
 def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None,
-           packed: Optional[PackedPast] = None) -> mx.array:
+           past: Optional[Past] = None) -> mx.array:
     """``softmax(q k^T * scale + mask) v`` for one sequence: ``queries`` (1, H,
     S, D), the last S of ``keys`` and ``values`` (1, KVH, L, D); ``mask`` as
     mlx-lm passes it (None, ``"causal"``, a boolean array, or one added to
@@ -73,19 +100,20 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, ma
     scores in memory stay a block's size (under ``"causal"`` a block skips
     the keys after its last row); the query heads that share a key head are
     the rows of one matmul. A block's size follows the chunk's own shape,
-    so a sequence's result never depends on others'. ``packed``: more keys
-    and values, before all of ``keys`` (the mask is ``keys``' alone)."""
+    so a sequence's result never depends on others'. ``past``: more keys
+    and values, before all of ``keys`` (the mask is ``keys``' alone), packed
+    or unpacked."""
     S, L = queries.shape[2], keys.shape[2]
     causal = isinstance(mask, str)  # mlx-lm's "causal": a row sees no key after its own position
     if causal:
         mask = create_causal_mask(S, L - S)
     outs = []
-    rows = _block_rows(queries.shape[1], L + (0 if packed is None else packed.values[0].shape[2]))
+    rows = _block_rows(queries.shape[1], L + (0 if past is None else past.tokens))
     for a in range(0, S, rows):
         b = min(S, a + rows)
         seen = L - S + b if causal else L
         block = None if mask is None else mask[..., a:b, :seen]
-        outs.append(_attend_block(queries[:, :, a:b], keys[:, :, :seen], values[:, :, :seen], scale, block, packed))
+        outs.append(_attend_block(queries[:, :, a:b], keys[:, :, :seen], values[:, :, :seen], scale, block, past))
     return mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
 
 
@@ -101,7 +129,7 @@ def _block_rows(heads: int, keys: int) -> int:
 
 
 def _attend_block(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask,
-                  packed: Optional[PackedPast] = None) -> mx.array:
+                  past: Optional[Past] = None) -> mx.array:
     _, heads, S, D = queries.shape
     kv_heads, L = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
@@ -111,22 +139,22 @@ def _attend_block(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
         by_query = scores.reshape(1, kv_heads, group, S, L)
         by_query = mx.where(mask, by_query, -mx.inf) if mask.dtype == mx.bool_ else by_query + mask * LOG2E
         scores = by_query.reshape(1, kv_heads, group * S, L)
-    if packed is not None:
-        return _with_packed(scaled, scores, values, packed).reshape(1, heads, S, D).astype(queries.dtype)
+    if past is not None:
+        return _with_past(scaled, scores, values, past).reshape(1, heads, S, D).astype(queries.dtype)
     weights = exp2(scores, scores.max(axis=-1, keepdims=True))
     return ((weights @ values) / weights.sum(axis=-1, keepdims=True)).reshape(1, heads, S, D)
 
 
-def _with_packed(scaled: mx.array, scores: mx.array, values: mx.array, packed: PackedPast) -> mx.array:
+def _with_past(scaled: mx.array, scores: mx.array, values: mx.array, past: Past) -> mx.array:
     """Attention of ``scaled`` queries (1, KVH, R, D; times log2(e)) over the
-    float keys whose ``scores`` they have and over ``packed``: one softmax,
+    float keys whose ``scores`` they have and over ``past``: one softmax,
     in float32."""
     scaled, scores = scaled.astype(mx.float32), scores.astype(mx.float32)
-    far = packed.scores(scaled)
+    far = past.scores(scaled)
     top = mx.maximum(scores.max(axis=-1, keepdims=True), far.max(axis=-1, keepdims=True))
     near_w, far_w = exp2(scores, top), exp2(far, top)
     total = near_w.sum(axis=-1, keepdims=True) + far_w.sum(axis=-1, keepdims=True)
-    return (near_w @ values.astype(mx.float32) + packed.mix(far_w)) / total
+    return (near_w @ values.astype(mx.float32) + past.mix(far_w)) / total
 
 
 def attend_each(queries: mx.array, fetched: list[tuple], scale: float) -> mx.array:
@@ -152,7 +180,7 @@ def attend_each(queries: mx.array, fetched: list[tuple], scale: float) -> mx.arr
     for i, (keys, values, *packed) in enumerate(fetched):
         if packed and packed[0] is not None:
             q = by_key_head[i : i + 1] * (scale * LOG2E)
-            outs[i] = _with_packed(q, q @ keys.swapaxes(-1, -2), values, packed[0]).astype(queries.dtype)
+            outs[i] = _with_past(q, q @ keys.swapaxes(-1, -2), values, packed[0]).astype(queries.dtype)
         elif keys.shape[2] < LONG:
             outs[i] = mx.softmax(short[i] @ keys.swapaxes(-1, -2), axis=-1, precise=True) @ values
         else:

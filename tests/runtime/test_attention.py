@@ -12,9 +12,9 @@ import pytest
 from mlx_lm.models.base import create_causal_mask
 
 from semantic.runtime.model import attention
-from semantic.runtime.model.attention import LONG, attend, attend_each
+from semantic.runtime.model.attention import LONG, PackedPast, UnpackedPast, attend, attend_each
 from semantic.runtime.engine.batch_cache import BatchQuantizedKVCache
-from semantic.runtime.kv import make_sequence_cache
+from semantic.runtime.kv import CPU_UNPACKED_ROWS, make_sequence_cache
 from semantic.runtime.engine.rowwise import rowwise
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
@@ -86,25 +86,33 @@ def test_models_prefill_and_decode_through_it_on_the_cpu(arch, monkeypatch):
     assert calls == ["attend"] * layers + ["attend_each"] * layers
 
 
-@pytest.mark.parametrize("S", [1, 37])
+@pytest.mark.parametrize("S", [1, CPU_UNPACKED_ROWS - 1, CPU_UNPACKED_ROWS, 37])
 def test_attention_over_packed_blocks_matches_the_float_copy(S):
     """Past the float head a sequence reads its closed blocks packed (MLX's
-    quantized matmul, Metal's and CUDA's path too): what it attends over is
-    the same keys and values, in another order of sums -- within 1e-5 of
-    attending over them unpacked, prefill (causal) and decode alike."""
+    quantized matmul, Metal's and CUDA's path too), or on the CPU, for a
+    chunk of ``CPU_UNPACKED_ROWS`` rows or more, unpacked for the chunk: what
+    it attends over is the same keys and values, in another order of sums --
+    within 1e-5 of attending over them unpacked in the copy, prefill
+    (causal) and decode alike, either way."""
     from semantic.runtime.kv import SequenceQuantizedKVCache
 
     heads, kv_heads, n = 9, 3, 1100
     q, k, v = _qkv(heads, kv_heads, S, n, seed=5)
     out = {}
-    for head in (None, 256):  # every closed block unpacked; the first only (three read packed)
+    for head in (None, 256):  # every closed block unpacked in the copy; the first only (three past it)
         view = SequenceQuantizedKVCache().view(head)
         view.update_and_fetch(k[..., : n - S, :], v[..., : n - S, :])
-        keys, values, packed = view.update_and_fetch_past(k[..., n - S :, :], v[..., n - S :, :])
-        assert (packed is None) == (head is None)
-        if S == 1:
-            out[head] = attend_each(q, [(keys, values, packed)], 0.125)
-        else:
-            out[head] = attend(q, keys, values, 0.125, "causal", packed)
-    assert out[256].shape == out[None].shape
-    assert mx.abs(out[256] - out[None]).max().item() < 1e-5
+        keys, values, past = view.update_and_fetch_past(k[..., n - S :, :], v[..., n - S :, :])
+        assert (past is None) == (head is None)
+        pasts = {"": None} if past is None else {"packed": view.quantized.packed_past(view.head, view.synced),
+                                                  "chosen": past}
+        for name, p in pasts.items():
+            if S == 1:
+                out[head, name] = attend_each(q, [(keys, values, p)], 0.125)
+            else:
+                out[head, name] = attend(q, keys, values, 0.125, "causal", p)
+        if past is not None:
+            assert isinstance(past, UnpackedPast if S >= CPU_UNPACKED_ROWS else PackedPast)
+    for name in ("packed", "chosen"):
+        assert out[256, name].shape == out[None, ""].shape
+        assert mx.abs(out[256, name] - out[None, ""]).max().item() < 1e-5
