@@ -191,6 +191,7 @@ class StepCosts:
         self._line = np.polyfit(slots, counts.ms, 1) if len(counts.ms) > 1 else (0.0, sum(counts.ms))
         self.build_ms = 0.0  # building a step's graph, recently
         self.key_ms = 0.0  # a draft slot's attention, per token it attends over, recently
+        self.drafted = False  # a step with drafts was measured (the first sets ``key_ms``)
         self.periods: dict[int, float] = {}  # computing a step without drafts, by its sequences, recently
 
     def __call__(self, widths: list[int], contexts: list[int], open: bool = False) -> float:
@@ -230,7 +231,9 @@ class StepCosts:
             self.periods[n] = period + 0.2 * (ms - period)
             return
         attention = max(0.0, ms - self._plain(contexts) - self._slots(widths))
-        self.key_ms += 0.2 * (attention / _extra_keys(widths, contexts) - self.key_ms)
+        weight = 0.2 if self.drafted else 1.0  # (not from 0: a long context's drafts would look free)
+        self.key_ms += weight * (attention / _extra_keys(widths, contexts) - self.key_ms)
+        self.drafted = True
 
 
 def _latest(a: np.ndarray, n: int) -> int | None:
