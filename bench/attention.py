@@ -38,10 +38,20 @@ def _median_us(f, rounds: int) -> float:
     return statistics.median(times)
 
 
+def _filled(keys: mx.array, values: mx.array, float_head, n: int):
+    """A working copy (float head ``float_head``) over the first ``n`` of
+    ``keys`` and ``values``, written a block a chunk, as the engine attends."""
+    from semantic.runtime.kv import SequenceQuantizedKVCache
+
+    view = SequenceQuantizedKVCache().view(float_head)
+    for a in range(0, n, 256):
+        view.update_and_fetch(keys[..., a : min(n, a + 256), :], values[..., a : min(n, a + 256), :])
+    return view
+
+
 def per_layer(spec, heads: int, contexts: list[int], rounds: int) -> dict:
     """Microseconds of one layer's decode attention over each context, float against packed."""
     from semantic.runtime.model.attention import attend_each
-    from semantic.runtime.kv import SequenceQuantizedKVCache
 
     out = {}
     for n in contexts:
@@ -49,9 +59,7 @@ def per_layer(spec, heads: int, contexts: list[int], rounds: int) -> dict:
         q = mx.random.normal((1, heads, 1, spec.head_dim), key=mx.random.key(3))
         fetched = {}
         for head in (None, 256):
-            view = SequenceQuantizedKVCache().view(head)
-            for a in range(0, n - 1, 256):  # a chunk a block, as the engine attends
-                view.update_and_fetch(k[..., a : min(n - 1, a + 256), :], v[..., a : min(n - 1, a + 256), :])
+            view = _filled(k, v, head, n - 1)
             fetched[head] = view.update_and_fetch_past(k[..., n - 1 :, :], v[..., n - 1 :, :])
             mx.eval(fetched[head], view.arrays)
         float_us, packed_us = (_median_us(lambda f=f: mx.eval(attend_each(q, [f], 0.125)), rounds)
@@ -66,15 +74,13 @@ def chunk_rows(spec, heads: int, keys: int, rows: list[int], rounds: int) -> dic
     count over ``keys`` keys, those past the CPU's float head read packed
     against unpacked for the chunk."""
     from semantic.runtime.model.attention import UnpackedPast, attend
-    from semantic.runtime.kv import CPU_FLOAT_HEAD, SequenceQuantizedKVCache
+    from semantic.runtime.kv import CPU_FLOAT_HEAD
 
     out = {}
     for r in rows:
         k, v = (mx.random.normal((1, spec.n_kv_heads, keys, spec.head_dim), key=mx.random.key(i)) for i in (1, 2))
         q = mx.random.normal((1, heads, r, spec.head_dim), key=mx.random.key(3))
-        view = SequenceQuantizedKVCache().view(CPU_FLOAT_HEAD)
-        for a in range(0, keys - r, 256):  # a chunk a block, as the engine attends
-            view.update_and_fetch(k[..., a : min(keys - r, a + 256), :], v[..., a : min(keys - r, a + 256), :])
+        view = _filled(k, v, CPU_FLOAT_HEAD, keys - r)
         fk, fv, _ = view.update_and_fetch_past(k[..., keys - r :, :], v[..., keys - r :, :])
         mx.eval(fk, fv, view.arrays)
         record = view.quantized

@@ -150,21 +150,28 @@ class DequantizingKVCache(_BaseCache):
         the CPU for ``CPU_UNPACKED_ROWS`` rows or more unpacked for them alone
         (MLX's CPU quantized matmul is slow for many rows). Which one depends
         on the rows and the device alone, never on another sequence."""
-        fk, fv = self._float
-        live = self._row(self.offset)
         past = None
         if self.synced > self.head:
             if rows >= CPU_UNPACKED_ROWS and mx.default_device() == mx.cpu:
                 past = UnpackedPast(*self.quantized.unpacked(self.head, self.synced, mx.float32))
             else:
                 past = self.quantized.packed_past(self.head, self.synced)
-        return fk[..., :live, :], fv[..., :live, :], past
+        return (*self._live(), past)
+
+    def _live(self) -> tuple[mx.array, mx.array]:
+        """The copy's rows in use."""
+        live = self._row(self.offset)
+        return tuple(x[..., :live, :] for x in self._float)
 
     def update_and_fetch_past(self, keys, values) -> tuple:
         """Add a prompt chunk's keys and values (1, H, S, D; within one block);
         return the float keys and values attended over (the chunk's at their
         end) and the blocks before them read packed or unpacked
         (``_fetched``; None when there are none)."""
+        self._write(keys, values)
+        return self._fetched(keys.shape[2])
+
+    def _write(self, keys, values) -> None:
         if self.unwritten:
             raise RuntimeError("a decoded token's rows are not in the record yet (BatchQuantizedKVCache.flush)")
         self._sync(keys)
@@ -172,13 +179,13 @@ class DequantizingKVCache(_BaseCache):
         self.quantized.append(keys, values)
         self._put(self._row(prev), (keys, values))
         self._sync(keys)  # the full block before, closed by this chunk's first token
-        return self._fetched(keys.shape[2])
 
     def update_and_fetch(self, keys, values):
         """mlx-lm's protocol (attention modules that run their own call): the
         keys and values in float, packed blocks unpacked for the call."""
-        fk, fv, packed = self.update_and_fetch_past(keys, values)
-        if packed is None:
+        self._write(keys, values)
+        fk, fv = self._live()
+        if self.synced == self.head:
             return fk, fv
         middle = self.quantized.unpacked(self.head, self.synced, keys.dtype)
         return tuple(mx.concatenate([f[..., : self.head, :], m, f[..., self.head :, :]], axis=2)
