@@ -15,7 +15,8 @@ PORT ?= 8000
 
 setup: $(VENV)/.installed blas
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py runtime/model/kernels/*
+	@scripts/setup-compiler.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[dev]"

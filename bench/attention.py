@@ -3,12 +3,13 @@ from a float working copy or packed (``kv.DequantizingKVCache``).
 
 * per layer: one decode token's attention over a past of each context, its
   keys and values in float (``runtime.model.attention.attend_each``) against read
-  packed from 4-bit blocks (``PackedPast``, MLX's quantized matmul), with the
-  model's head counts; medians and the ratio;
+  packed from 4-bit blocks (``PackedPast``: the CPU kernels where they run,
+  and MLX's quantized matmul), with the model's head counts; medians and the
+  ratios;
 * a prompt chunk: one layer's attention of a chunk of each row count over
-  a past past the CPU's float head (``kv.CPU_FLOAT_HEAD``), those blocks read
+  a past past the device's float head (``kv.float_head``), those blocks read
   packed against unpacked for the chunk (``UnpackedPast``, what the CPU does
-  from ``kv.CPU_UNPACKED_ROWS`` rows), the unpacking timed with it;
+  from ``kv.unpacked_rows()`` rows), the unpacking timed with it;
 * the engine: decode ms a token for one agent at each context, with the
   device's float head (``kv.device_float_head``) and with every closed block
   in float, and the memory its decode holds beyond the cache of record. Its cache is filled with random
@@ -19,6 +20,7 @@ from a float working copy or packed (``kv.DequantizingKVCache``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -49,8 +51,21 @@ def _filled(keys: mx.array, values: mx.array, float_head, n: int):
     return view
 
 
+@contextlib.contextmanager
+def _mlx_packed():
+    """PackedPast read by MLX's quantized matmul, as where the CPU kernels are not built."""
+    from semantic.runtime.model import attention
+
+    kernels, attention.CPU_KERNELS = attention.CPU_KERNELS, None
+    try:
+        yield
+    finally:
+        attention.CPU_KERNELS = kernels
+
+
 def per_layer(spec, heads: int, contexts: list[int], rounds: int) -> dict:
-    """Microseconds of one layer's decode attention over each context, float against packed."""
+    """Microseconds of one layer's decode attention over each context, float
+    against packed (and packed by MLX's quantized matmul)."""
     from semantic.runtime.model.attention import attend_each
 
     out = {}
@@ -64,7 +79,9 @@ def per_layer(spec, heads: int, contexts: list[int], rounds: int) -> dict:
             mx.eval(fetched[head], view.arrays)
         float_us, packed_us = (_median_us(lambda f=f: mx.eval(attend_each(q, [f], 0.125)), rounds)
                                for f in (fetched[None], fetched[256]))
-        out[n] = {"float_us": round(float_us, 1), "packed_us": round(packed_us, 1),
+        with _mlx_packed():
+            mlx_us = _median_us(lambda: mx.eval(attend_each(q, [fetched[256]], 0.125)), rounds)
+        out[n] = {"float_us": round(float_us, 1), "packed_us": round(packed_us, 1), "mlx_packed_us": round(mlx_us, 1),
                   "packed_over_float": round(packed_us / float_us, 2)}
     return out
 
@@ -74,13 +91,13 @@ def chunk_rows(spec, heads: int, keys: int, rows: list[int], rounds: int) -> dic
     count over ``keys`` keys, those past the CPU's float head read packed
     against unpacked for the chunk."""
     from semantic.runtime.model.attention import UnpackedPast, attend
-    from semantic.runtime.kv import CPU_FLOAT_HEAD
+    from semantic.runtime.kv import float_head
 
     out = {}
     for r in rows:
         k, v = (mx.random.normal((1, spec.n_kv_heads, keys, spec.head_dim), key=mx.random.key(i)) for i in (1, 2))
         q = mx.random.normal((1, heads, r, spec.head_dim), key=mx.random.key(3))
-        view = _filled(k, v, CPU_FLOAT_HEAD, keys - r)
+        view = _filled(k, v, float_head(), keys - r)
         fk, fv, _ = view.update_and_fetch_past(k[..., keys - r :, :], v[..., keys - r :, :])
         mx.eval(fk, fv, view.arrays)
         record = view.quantized
@@ -146,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     layer = per_layer(loaded.spec, heads, contexts, args.rounds)
     for n, r in layer.items():
         log(f"{n:>6} keys: one layer's decode attention, float {r['float_us']:8.0f} us, packed {r['packed_us']:8.0f} us"
-            f" ({r['packed_over_float']:.2f}x)")
+            f" ({r['packed_over_float']:.2f}x; MLX's quantized matmul {r['mlx_packed_us']:8.0f} us)")
     chunk = chunk_rows(loaded.spec, heads, args.chunk_keys, [int(r) for r in args.chunk_rows.split(",")], args.rounds)
     for r, c in chunk.items():
         log(f"{r:>6} rows over {args.chunk_keys} keys: one layer's prompt chunk, past the float head packed "

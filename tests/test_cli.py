@@ -33,11 +33,12 @@ def test_doctor_json_reports_a_fast_cpu_path():
     out = semantic("doctor", "--json")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert {"device", "mlx_version", "blas", "matmul_gflops", "model_ready"} <= report.keys()
+    assert {"device", "mlx_version", "blas", "matmul_gflops", "model_ready", "cpu_kernels"} <= report.keys()
     if sys.platform == "linux" and report["device"] == "cpu":
         # The reference BLAS runs at ~2-5 GFLOP/s, OpenBLAS at ~150: a wide margin.
         assert report["blas"] == "openblas", report["blas_note"]
         assert report["matmul_gflops"] >= 20
+        assert report["cpu_kernels"], "runtime/model/kernels not built (make setup installs a compiler)"
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,8 @@ from .layer import LayerCache, SequenceCache
 from .quantized import SequenceQuantizedKVCache
 from .state import StateCache
 from .window import WindowKVCache
-from .working_copy import CPU_FLOAT_HEAD, CPU_UNPACKED_ROWS, DequantizingKVCache, device_float_head
+from .working_copy import (CPU_FLOAT_HEAD, CPU_UNPACKED_ROWS, DequantizingKVCache, device_float_head, float_head,
+                           unpacked_rows)
 
 __all__ = [
     "BY_KIND",
@@ -40,7 +41,9 @@ __all__ = [
     "StateCache",
     "WindowKVCache",
     "device_float_head",
+    "float_head",
     "make_sequence_cache",
     "register",
+    "unpacked_rows",
     "unregister",
 ]

@@ -13,28 +13,47 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from ..cache_records import BLOCK_TOKENS, SINKS
-from ..model.attention import UnpackedPast
+from ..model.attention import UnpackedPast, cpu_kernels
 from .quantize import close_block, grown, open_blocks
 
 if TYPE_CHECKING:
     from .quantized import SequenceQuantizedKVCache
 
-__all__ = ["CPU_FLOAT_HEAD", "CPU_UNPACKED_ROWS", "DequantizingKVCache", "device_float_head"]
+__all__ = ["CPU_FLOAT_HEAD", "CPU_UNPACKED_ROWS", "DequantizingKVCache", "device_float_head", "float_head",
+           "unpacked_rows"]
 
-CPU_FLOAT_HEAD = 4096  # closed tokens a running sequence attends over in float on the CPU (docs/benchmarks.md)
-CPU_UNPACKED_ROWS = 4  # a chunk's rows from which the CPU reads the blocks past the head unpacked (docs/benchmarks.md)
+# The CPU's float head (closed tokens a running sequence attends over in float) and the chunk rows
+# from which the blocks past it are read unpacked: with the attention kernels (runtime/model/kernels),
+# which read a packed past faster than a float matmul reads its floats, and without them, where MLX's
+# quantized matmul reads it at half that speed (docs/benchmarks.md).
+KERNEL_FLOAT_HEAD, KERNEL_UNPACKED_ROWS = 1024, 64
+CPU_FLOAT_HEAD, CPU_UNPACKED_ROWS = 4096, 4
 
 
 def device_float_head(model) -> Optional[int]:
     """The closed tokens a running sequence of ``model`` attends over unpacked
-    in float (``DequantizingKVCache``), the rest packed: the first
-    ``CPU_FLOAT_HEAD`` on the CPU, where MLX's quantized matmul reads keys at
-    about half the speed of a float matmul; the first block (the sinks')
-    elsewhere; all for attention with learned sinks, which
+    in float (``DequantizingKVCache``), the rest packed: the first block (the
+    sinks') on Metal and CUDA, ``KERNEL_FLOAT_HEAD`` or ``CPU_FLOAT_HEAD`` on
+    the CPU; all for attention with learned sinks, which
     ``runtime.model.attention`` does not take."""
     if any(isinstance(layer, dict) and "sinks" in layer.get("self_attn", {}) for layer in model.layers):
         return None
-    return CPU_FLOAT_HEAD if mx.default_device() == mx.cpu else BLOCK_TOKENS
+    return float_head()
+
+
+def float_head() -> int:
+    """``device_float_head`` for a model without learned sinks."""
+    if mx.default_device() != mx.cpu:
+        return BLOCK_TOKENS
+    return CPU_FLOAT_HEAD if cpu_kernels() is None else KERNEL_FLOAT_HEAD
+
+
+def unpacked_rows() -> Optional[int]:
+    """A prompt chunk's rows from which it reads the blocks past the head
+    unpacked for itself (float matmuls) rather than packed: on the CPU only."""
+    if mx.default_device() != mx.cpu:
+        return None
+    return CPU_UNPACKED_ROWS if cpu_kernels() is None else KERNEL_UNPACKED_ROWS
 
 
 class DequantizingKVCache(_BaseCache):
@@ -147,12 +166,13 @@ class DequantizingKVCache(_BaseCache):
     def _fetched(self, rows: int = 1) -> tuple:
         """What ``rows`` new tokens attend over now: the copy's live rows, then
         the blocks past the head (None where there are none): packed, or on
-        the CPU for ``CPU_UNPACKED_ROWS`` rows or more unpacked for them alone
-        (MLX's CPU quantized matmul is slow for many rows). Which one depends
-        on the rows and the device alone, never on another sequence."""
+        the CPU from ``unpacked_rows()`` rows unpacked for them alone. Which
+        one depends on the rows and the device alone, never on another
+        sequence."""
         past = None
         if self.synced > self.head:
-            if rows >= CPU_UNPACKED_ROWS and mx.default_device() == mx.cpu:
+            least = unpacked_rows()
+            if least is not None and rows >= least:
                 past = UnpackedPast(*self.quantized.unpacked(self.head, self.synced, mx.float32))
             else:
                 past = self.quantized.packed_past(self.head, self.synced)

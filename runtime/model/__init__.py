@@ -9,7 +9,10 @@
   off the model;
 * ``fastmath``: ``exp`` the way MLX's CPU runs it fast, and what is built
   from it;
-* ``attention``: attention over float keys and values on the CPU;
+* ``attention``: attention over float keys and values on the CPU, and over
+  a packed past;
+* ``kernels/``: the CPU kernels that read a packed past (C++, an MLX
+  extension ``setup.py`` builds as ``_packed``);
 * ``rotary``: rotary position embeddings at a few ops a call;
 * ``lean``: CPU forms of RMSNorm, the SwiGLU MLP and linear weights.
 

@@ -14,16 +14,19 @@ shorter one takes MLX's softmax, which costs fewer ops), and a sequence's
 result is bitwise what it is alone.
 
 A long sequence attends over part of its past **packed** (``PackedPast``: closed
-blocks as ``runtime.kv.quantize.close_block`` lays them out, read by MLX's
-quantized matmul without a float copy) beside its float keys: one softmax
-over both, on every device. A prompt chunk of many rows on the CPU reads
-that past unpacked for the chunk instead (``UnpackedPast``), where MLX's
-quantized matmul is slow for many rows.
+blocks as ``runtime.kv.quantize.close_block`` lays them out, read without a
+float copy) beside its float keys: one softmax over both, on every device.
+On the CPU the packed blocks are read by ``runtime/model/kernels`` (compiled
+with the package; ``CPU_KERNELS``), elsewhere, or where they were not built,
+by MLX's quantized matmul, whose CPU version reads these layouts one element
+at a time. A prompt chunk of many rows on the CPU reads that past unpacked for
+the chunk instead (``UnpackedPast``): float matmuls.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import NamedTuple, Optional, Union
 
 import mlx.core as mx
@@ -31,7 +34,33 @@ from mlx_lm.models.base import create_causal_mask
 
 from .fastmath import LOG2E, exp2
 
-__all__ = ["PackedPast", "UnpackedPast", "attend", "attend_each"]
+__all__ = ["CPU_KERNELS", "PackedPast", "UnpackedPast", "attend", "attend_each", "cpu_kernels"]
+
+log = logging.getLogger(__name__)
+
+
+def _load_cpu_kernels():
+    """``runtime/model/kernels`` as setup.py built it, or None (and why, logged once)."""
+    try:
+        from . import _packed
+    except ImportError as error:
+        log.warning("the CPU attention kernels are not built (%s): a long past is read by MLX's quantized "
+                    "matmul; reinstall the package (pip install -e .) with a C++ compiler", error)
+        return None
+    if _packed.mlx_version != mx.__version__:
+        log.warning("the CPU attention kernels were built for MLX %s, not this %s: a long past is read by "
+                    "MLX's quantized matmul; reinstall the package (pip install -e .)", _packed.mlx_version,
+                    mx.__version__)
+        return None
+    return _packed
+
+
+CPU_KERNELS = _load_cpu_kernels()
+
+
+def cpu_kernels():
+    """The CPU kernels where attention runs on the CPU and they are built, else None."""
+    return CPU_KERNELS if mx.default_device() == mx.cpu else None
 
 
 class PackedPast(NamedTuple):
@@ -52,6 +81,9 @@ class PackedPast(NamedTuple):
 
     def scores(self, queries: mx.array) -> mx.array:
         """``queries`` (1, KVH, R, D) against every packed key: (1, KVH, R, tokens)."""
+        kernels = cpu_kernels()
+        if kernels is not None:
+            return kernels.packed_scores(queries, *self.keys, self.group_size, self.bits)
         kw, ks, kb = self.keys
         by_block = mx.quantized_matmul(queries[:, :, None], kw, ks, kb, transpose=False,
                                        group_size=self.group_size, bits=self.bits)  # (1, KVH, blocks, R, block)
@@ -59,6 +91,9 @@ class PackedPast(NamedTuple):
 
     def mix(self, weights: mx.array) -> mx.array:
         """``weights`` (1, KVH, R, tokens) times the values: (1, KVH, R, D)."""
+        kernels = cpu_kernels()
+        if kernels is not None:
+            return kernels.packed_mix(weights, *self.values, self.group_size, self.bits)
         return mx.quantized_matmul(weights, *self.values, transpose=False, group_size=self.group_size,
                                    bits=self.bits)
 

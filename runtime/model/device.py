@@ -1,4 +1,5 @@
-"""What this machine computes with: device, MLX version, BLAS, measured speed."""
+"""What this machine computes with: device, MLX version, BLAS, the CPU
+attention kernels, measured speed."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 
 import mlx.core as mx
 
-from . import blas
+from . import attention, blas
 
 __all__ = ["describe", "matmul_gflops"]
 
@@ -40,4 +41,5 @@ def describe() -> dict:
         "blas_kernel": blas.kernel(),
         "blas_fast": status.fast,
         "blas_note": status.note,
+        "cpu_kernels": attention.CPU_KERNELS is not None,  # runtime/model/kernels, built for this MLX
     }

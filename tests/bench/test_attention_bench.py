@@ -1,16 +1,16 @@
 """``semantic bench attention``'s prompt-chunk part: a chunk of each row
-count over a past beyond the CPU's float head, packed against unpacked."""
+count over a past beyond the device's float head, packed against unpacked."""
 
 from types import SimpleNamespace
 
 from semantic.bench.attention import chunk_rows
 from semantic.cli.main import parser
-from semantic.runtime.kv import CPU_FLOAT_HEAD
+from semantic.runtime.kv import float_head
 
 
 def test_chunk_rows_times_the_past_packed_and_unpacked():
     spec = SimpleNamespace(n_kv_heads=1, head_dim=64)
-    result = chunk_rows(spec, heads=2, keys=CPU_FLOAT_HEAD + 512, rows=[1, 4], rounds=1)
+    result = chunk_rows(spec, heads=2, keys=float_head() + 512, rows=[1, 4], rounds=1)
     assert list(result) == [1, 4]
     for r in result.values():
         assert r["packed_ms"] > 0 and r["unpacked_ms"] > 0 and r["unpacked_over_packed"] > 0

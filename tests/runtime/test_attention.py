@@ -14,7 +14,7 @@ from mlx_lm.models.base import create_causal_mask
 from semantic.runtime.model import attention
 from semantic.runtime.model.attention import LONG, PackedPast, UnpackedPast, attend, attend_each
 from semantic.runtime.engine.batch_cache import BatchQuantizedKVCache
-from semantic.runtime.kv import CPU_UNPACKED_ROWS, make_sequence_cache
+from semantic.runtime.kv import make_sequence_cache, unpacked_rows
 from semantic.runtime.engine.rowwise import rowwise
 from tests.tiny import TINY_CONFIGS, VOCAB, tiny_model
 
@@ -86,17 +86,21 @@ def test_models_prefill_and_decode_through_it_on_the_cpu(arch, monkeypatch):
     assert calls == ["attend"] * layers + ["attend_each"] * layers
 
 
-@pytest.mark.parametrize("S", [1, CPU_UNPACKED_ROWS - 1, CPU_UNPACKED_ROWS, 37])
-def test_attention_over_packed_blocks_matches_the_float_copy(S):
-    """Past the float head a sequence reads its closed blocks packed (MLX's
-    quantized matmul, Metal's and CUDA's path too), or on the CPU, for a
-    chunk of ``CPU_UNPACKED_ROWS`` rows or more, unpacked for the chunk: what
-    it attends over is the same keys and values, in another order of sums --
-    within 1e-5 of attending over them unpacked in the copy, prefill
-    (causal) and decode alike, either way."""
+@pytest.mark.parametrize("kernels", ["built", "none"])
+@pytest.mark.parametrize("S", [1, 3, 4, 37, 128])
+def test_attention_over_packed_blocks_matches_the_float_copy(S, kernels, monkeypatch):
+    """Past the float head a sequence reads its closed blocks packed (the CPU
+    kernels, or MLX's quantized matmul where they are not built: Metal's and
+    CUDA's path too), or on the CPU, for a chunk of ``unpacked_rows()`` rows
+    or more, unpacked for the chunk: what it attends over is the same keys
+    and values, in another order of sums -- within 1e-5 of attending over
+    them unpacked in the copy, prefill (causal) and decode alike, either way."""
     from semantic.runtime.kv import SequenceQuantizedKVCache
 
-    heads, kv_heads, n = 9, 3, 1100
+    if kernels == "none":
+        monkeypatch.setattr(attention, "CPU_KERNELS", None)
+
+    heads, kv_heads, n = 9, 3, max(1100, 1032 + S)  # the chunk within one block, after four closed ones
     q, k, v = _qkv(heads, kv_heads, S, n, seed=5)
     out = {}
     for head in (None, 256):  # every closed block unpacked in the copy; the first only (three past it)
@@ -112,7 +116,7 @@ def test_attention_over_packed_blocks_matches_the_float_copy(S):
             else:
                 out[head, name] = attend(q, keys, values, 0.125, "causal", p)
         if past is not None:
-            assert isinstance(past, UnpackedPast if S >= CPU_UNPACKED_ROWS else PackedPast)
+            assert isinstance(past, UnpackedPast if S >= unpacked_rows() else PackedPast)
     for name in ("packed", "chosen"):
         assert out[256, name].shape == out[None, ""].shape
         assert mx.abs(out[256, name] - out[None, ""]).max().item() < 1e-5
