@@ -77,5 +77,7 @@ def test_kernels_refuse_what_they_do_not_read():
         kernels.packed_mix(mx.zeros((1, 2, 1, 256)), *past.values, 16, 4)
     with pytest.raises(ValueError, match="queries"):
         kernels.packed_scores(q[0], *past.keys, 64, 4)
+    with pytest.raises(ValueError, match="a scale and bias a group"):
+        kernels.packed_scores(q, past.keys[0], past.keys[1][..., :1], past.keys[2], 64, 4)
     with pytest.raises(ValueError, match="uint32"):
         kernels.packed_mix(mx.zeros((1, 2, 1, 256)), past.values[1], *past.values[1:], 64, 4)

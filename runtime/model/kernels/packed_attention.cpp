@@ -168,8 +168,6 @@ void dispatch_mix(int gs, const float* w, int R, int T, const uint32_t* vw, cons
   else head_mix<bits, 128>(w, R, T, vw, vs, vb, D, out);
 }
 
-
-
 // Scores (what = 0) or mix (what = 1): inputs (x, w, scales, biases), each (1, H, ...).
 class PackedAttention : public mx::Primitive {
  public:
@@ -218,18 +216,26 @@ class PackedAttention : public mx::Primitive {
   int what_, group_size_, bits_;
 };
 
-void check(int group_size, int bits, const mx::array& w) {
+// What both kernels read: one sequence (1, H, ...), uint32 codes, a scale and
+// a bias for each group of codes.
+void check(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+           int group_size, int bits) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("packed attention: bits must be 4 or 8");
   if (group_size != 32 && group_size != 64 && group_size != 128)
     throw std::invalid_argument("packed attention: group size must be 32, 64 or 128");
   if (w.dtype() != mx::uint32) throw std::invalid_argument("packed attention: packed codes must be uint32");
+  auto groups = w.shape();
+  groups.back() = groups.back() * 32 / bits / group_size;
+  if (x.ndim() < 2 || x.shape(0) != 1 || w.shape(0) != 1 || x.shape(1) != w.shape(1) ||
+      scales.shape() != groups || biases.shape() != groups)
+    throw std::invalid_argument("packed attention: one sequence's (1, H, ...) inputs, a scale and bias a group");
 }
 
 mx::array packed_scores(const mx::array& queries, const mx::array& w, const mx::array& scales,
                         const mx::array& biases, int group_size, int bits) {
-  check(group_size, bits, w);
   if (queries.ndim() != 4 || w.ndim() != 5 || queries.shape(3) != w.shape(3))
     throw std::invalid_argument("packed_scores: queries (1, H, R, D), keys (1, H, blocks, D, words)");
+  check(queries, w, scales, biases, group_size, bits);
   auto s = mx::default_stream(mx::Device::cpu);
   mx::Shape shape = {queries.shape(0), queries.shape(1), queries.shape(2), w.shape(2) * w.shape(4) * 32 / bits};
   return mx::array(shape, mx::float32, std::make_shared<PackedAttention>(s, 0, group_size, bits),
@@ -238,9 +244,9 @@ mx::array packed_scores(const mx::array& queries, const mx::array& w, const mx::
 
 mx::array packed_mix(const mx::array& weights, const mx::array& w, const mx::array& scales, const mx::array& biases,
                      int group_size, int bits) {
-  check(group_size, bits, w);
   if (weights.ndim() != 4 || w.ndim() != 4 || weights.shape(3) != w.shape(2))
     throw std::invalid_argument("packed_mix: weights (1, H, R, T), values (1, H, T, words)");
+  check(weights, w, scales, biases, group_size, bits);
   auto s = mx::default_stream(mx::Device::cpu);
   mx::Shape shape = {weights.shape(0), weights.shape(1), weights.shape(2), w.shape(3) * 32 / bits};
   return mx::array(shape, mx::float32, std::make_shared<PackedAttention>(s, 1, group_size, bits),
