@@ -32,8 +32,8 @@ def doctor(as_json: bool) -> int:
     out.print(f"blas         {report['blas']} {report['blas_library'] or ''} ({report['blas_kernel']} kernels) "
               f"{ok if report['blas_fast'] else bad}")
     out.print(f"matmul       {report['matmul_gflops']} GFLOP/s float32 {ok if fast else bad}")
-    out.print("kernels      CPU attention over a packed past: " + (f"built {ok}" if report["cpu_kernels"] else
-              "[yellow]not built (MLX's quantized matmul reads it, slower); reinstall with a C++ compiler[/]"))
+    out.print("kernels      the 4-bit cache's CPU kernels: " + (f"built {ok}" if report["cpu_kernels"] else
+              "[yellow]not built (MLX's quantized matmul and ops, slower); reinstall with a C++ compiler[/]"))
     if not fast or not report["blas_fast"]:
         note = report["blas_note"] or "slow BLAS"
         out.print(f"             [yellow]{note}; the fast path needs OpenBLAS: {blas.INSTALL_HINT}[/]")

@@ -10,6 +10,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ..cache_records import SINKS
+from ..model.attention import cpu_kernels
 
 __all__ = ["BITS", "SINKS", "Packed", "Triple", "check_format", "close_block", "grown", "open_blocks", "quantize",
            "scale_dtype", "unpack"]
@@ -48,13 +49,22 @@ def unpack(q: Triple, group_size: int, bits: int, dtype: mx.Dtype) -> mx.array:
     return x.reshape(*w.shape[:-1], n)
 
 
+def _kernels(dtype: mx.Dtype):
+    """The CPU kernels where they close and open these blocks: float32 on the CPU."""
+    return cpu_kernels() if dtype == mx.float32 else None
+
+
 def close_block(keys: mx.array, values: mx.array, group_size: int, bits: int, first: bool) -> Packed:
     """A full block's keys and values (1, H, B, D) quantized: keys per channel,
     in groups of ``group_size`` tokens (a key channel's outliers stay in its
     own scale), values per token in groups of ``group_size`` channels. The
     ``first`` block's sink tokens are left out of their groups' ranges (their
     floats are kept beside). Each tensor comes as B token rows (1, H, B,
-    width) of the block's bytes, so blocks are cut along axis 2 alike."""
+    width) of the block's bytes, so blocks are cut along axis 2 alike. On
+    the CPU the kernels make the same bits in one pass (tests check it)."""
+    kernels = _kernels(keys.dtype)
+    if kernels is not None and values.dtype == mx.float32:
+        return tuple(kernels.close_block(keys, values, group_size, bits, SINKS if first else 0))
     B = keys.shape[2]
     by_channel = keys.swapaxes(-1, -2)  # (1, H, D, B): quantized along the tokens
     if first:
@@ -69,7 +79,11 @@ def open_blocks(packed: Packed, group_size: int, bits: int, dtype: mx.Dtype, blo
     """Keys and values (1, H, T, D) of whole blocks of ``close_block`` rows (T a
     multiple of ``block``), bit for bit ``mx.dequantize``. Keys are unpacked
     straight into token order: the packed words (an eighth of the floats at 4
-    bits) are what is transposed, not the floats."""
+    bits) are what is transposed, not the floats. On the CPU the kernels unpack
+    them in one pass, to the same bits."""
+    kernels = _kernels(dtype)
+    if kernels is not None:
+        return tuple(kernels.open_blocks(*packed, group_size, bits, block))
     kw, ks, kb, *v = packed
     _, H, T, _ = kw.shape
     D = ks.shape[-1] * group_size  # a token row of key scales: D channels x block / group_size, over block rows

@@ -11,8 +11,8 @@
   from it;
 * ``attention``: attention over float keys and values on the CPU, and over
   a packed past;
-* ``kernels/``: the CPU kernels that read a packed past (C++, an MLX
-  extension ``setup.py`` builds as ``_packed``);
+* ``kernels/``: the CPU kernels that read a packed past and close and open
+  its blocks (C++, an MLX extension ``setup.py`` builds as ``_packed``);
 * ``rotary``: rotary position embeddings at a few ops a call;
 * ``lean``: CPU forms of RMSNorm, the SwiGLU MLP and linear weights.
 

@@ -44,12 +44,14 @@ def _load_cpu_kernels():
     try:
         from . import _packed
     except ImportError as error:
-        log.warning("the CPU attention kernels are not built (%s): a long past is read by MLX's quantized "
-                    "matmul; reinstall the package (pip install -e .) with a C++ compiler", error)
+        log.warning("the CPU kernels are not built (%s): a long past is read by MLX's quantized matmul and "
+                    "blocks are closed by MLX's ops; reinstall the package (pip install -e .) with a C++ "
+                    "compiler", error)
         return None
     if _packed.mlx_version != mx.__version__:
-        log.warning("the CPU attention kernels were built for MLX %s, not this %s: a long past is read by "
-                    "MLX's quantized matmul; reinstall the package (pip install -e .)", _packed.mlx_version,
+        log.warning("the CPU kernels were built for MLX %s, not this %s: a long past is read by MLX's "
+                    "quantized matmul and blocks are closed by MLX's ops; reinstall the package "
+                    "(pip install -e .)", _packed.mlx_version,
                     mx.__version__)
         return None
     return _packed

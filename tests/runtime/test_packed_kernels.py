@@ -1,14 +1,18 @@
-"""The CPU attention kernels (``runtime/model/kernels``, ``attention.CPU_KERNELS``):
-built with the package for the MLX it runs on, and reading a packed past as
+"""The CPU kernels (``runtime/model/kernels``, ``attention.CPU_KERNELS``):
+built with the package for the MLX it runs on; reading a packed past as
 MLX's quantized matmul does -- scores and mixes within float tolerance of the
 same blocks unpacked, for every width, group size, head size and scale type
-the records take, sliced from a record's buffers or not contiguous at all."""
+the records take, sliced from a record's buffers or not contiguous at all;
+and closing and opening blocks bit for bit as ``mx.quantize`` and
+``mx.dequantize`` do, on groups chosen to take each branch of MLX's
+rounding."""
 
 import semantic.runtime  # noqa: F401  (fast BLAS before mlx)
 
 import mlx.core as mx
 import pytest
 
+from semantic.runtime.cache_records import SINKS
 from semantic.runtime.kv import SequenceQuantizedKVCache
 from semantic.runtime.model import attention
 
@@ -81,3 +85,83 @@ def test_kernels_refuse_what_they_do_not_read():
         kernels.packed_scores(q, past.keys[0], past.keys[1][..., :1], past.keys[2], 64, 4)
     with pytest.raises(ValueError, match="uint32"):
         kernels.packed_mix(mx.zeros((1, 2, 1, 256)), past.values[1], *past.values[1:], 64, 4)
+
+
+def _awkward(shape: tuple, seed: int) -> mx.array:
+    """Floats (1, H, B, D) whose groups, along either axis, take every branch of
+    MLX's affine rounding: outlier channels, a constant group, an all-zero
+    group, a channel and a token below zero throughout (the edge is the
+    minimum), a token of zeros."""
+    x = mx.random.normal(shape, key=mx.random.key(seed)) * mx.where(mx.arange(shape[-1]) % 7 == 0, 20.0, 1.0)
+    x[..., 64:128, 5] = 0.0
+    x[..., :64, 6] = 3.25
+    x[..., 9] = -mx.abs(x[..., 9]) - 5
+    x[..., 10, :] = 0.0
+    x[..., 11, :] = -mx.abs(x[..., 11, :]) - 5
+    return x
+
+
+def _reference_close(keys, values, group_size, bits, first):
+    """``close_block``'s rows from ``mx.quantize`` itself: keys by channel (the
+    first block's sinks counted as the token after them), values by token."""
+    by_channel = keys.swapaxes(-1, -2)
+    if first:
+        by_channel = mx.concatenate([mx.repeat(by_channel[..., SINKS : SINKS + 1], SINKS, axis=-1),
+                                     by_channel[..., SINKS:]], axis=-1)
+    B = keys.shape[2]
+    k = [t.reshape(*t.shape[:2], B, -1) for t in mx.quantize(by_channel, group_size=group_size, bits=bits)]
+    v = list(mx.quantize(values, group_size=group_size, bits=bits))
+    return [t.astype(mx.float16) if t.dtype == mx.float32 else t for t in (*k, *v)]
+
+
+@pytest.mark.skipif(kernels is None, reason="the kernels are not built")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size, D, DV", [(32, 96, 96), (64, 64, 64), (64, 128, 64), (128, 128, 128)])
+@pytest.mark.parametrize("first", [False, True])
+def test_close_block_makes_the_bits_mx_quantize_makes(bits, group_size, D, DV, first):
+    """Keys and values of one head size or of two (MLA's)."""
+    keys, values = _awkward((1, 3, 256, D), bits + D), _awkward((1, 3, 256, DV), group_size)
+    got = kernels.close_block(keys, values, group_size, bits, SINKS if first else 0)
+    want = _reference_close(keys, values, group_size, bits, first)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype and mx.array_equal(g, w).item()
+
+
+@pytest.mark.skipif(kernels is None, reason="the kernels are not built")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_open_blocks_gives_the_floats_mx_dequantize_gives(bits, group_size):
+    """Three blocks sliced from a record's buffers (heads not next to each other)."""
+    record = SequenceQuantizedKVCache(group_size, bits)
+    keys, values = _awkward((1, 2, 4 * 256 + 3, 128), bits), _awkward((1, 2, 4 * 256 + 3, 128), group_size)
+    record.append(keys, values)
+    rows = tuple(t[..., 256:1024, :] for t in record.packed)
+    got_k, got_v = kernels.open_blocks(*rows, group_size, bits, 256)
+    for b in range(3):
+        block = tuple(t[..., 256 * b : 256 * (b + 1), :] for t in rows)
+        w, scales, biases = (t.reshape(1, 2, 128, -1) for t in block[:3])
+        want_k = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size,
+                               bits=bits).swapaxes(-1, -2)
+        w, scales, biases = block[3:]
+        want_v = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size,
+                               bits=bits)
+        assert mx.array_equal(got_k[..., 256 * b : 256 * (b + 1), :], want_k).item()
+        assert mx.array_equal(got_v[..., 256 * b : 256 * (b + 1), :], want_v).item()
+
+
+@pytest.mark.skipif(kernels is None, reason="the kernels are not built")
+def test_block_kernels_refuse_what_they_do_not_make():
+    x = mx.zeros((1, 2, 256, 64))
+    with pytest.raises(ValueError, match="float32"):
+        kernels.close_block(x.astype(mx.bfloat16), x, 64, 4, 0)
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        kernels.close_block(x, x, 64, 2, 0)
+    with pytest.raises(ValueError, match="whole groups"):
+        kernels.close_block(x[..., :100, :], x[..., :100, :], 64, 4, 0)
+    with pytest.raises(ValueError, match="sinks"):
+        kernels.close_block(x, x, 32, 4, 32)
+    rows = kernels.close_block(x, x, 64, 4, 0)
+    with pytest.raises(ValueError, match="whole blocks"):
+        kernels.open_blocks(*rows, 64, 4, 512)
+    with pytest.raises(ValueError, match="a scale and a bias a group"):
+        kernels.open_blocks(*rows[:2], rows[1], *rows[3:], 32, 4, 256)

@@ -6,29 +6,10 @@
 // (transpose=False) one element at a time; here a group is unpacked into a few
 // vector registers and summed into accumulators that stay in registers.
 #include <algorithm>
-#include <cstdint>
-#include <stdexcept>
-#include <vector>
 
-#include <nanobind/nanobind.h>
+#include "common.h"
 
-#include "mlx/array.h"
-#include "mlx/backend/cpu/encoder.h"
-#include "mlx/ops.h"
-#include "mlx/primitives.h"
-
-namespace mx = mlx::core;
-namespace nb = nanobind;
-using namespace nb::literals;
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-// One build for every x86-64 CPU: the loader picks the widest vectors it has.
-#define KERNEL __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
-#else
-#define KERNEL
-#endif
-#define INLINE __attribute__((always_inline)) static inline
-
+namespace kernels {
 namespace {
 
 constexpr int ROWS = 4;  // query rows whose sums a pass keeps in registers
@@ -98,58 +79,6 @@ KERNEL void head_mix(const float* w, int R, int T, const uint32_t* vw, const flo
       sum_group<bits, GS>(w + int64_t(r) * T, T, std::min(ROWS, R - r), T, vw, vs, vb, W, G, g, sums);
       store_rows<bits, GS>(sums, out + int64_t(r) * D + g * GS, D, std::min(ROWS, R - r));
     }
-}
-
-// An input head by head: its own memory where each head's elements are
-// contiguous (a record's blocks sliced along the tokens are), else a copy.
-template <typename T>
-struct Heads {
-  std::vector<T> copy;
-  const T* base;
-  int64_t stride;
-
-  Heads(const mx::array& a) {  // a: (1, H, ...)
-    int64_t inner = 1;
-    bool contiguous = true;
-    for (int d = a.ndim() - 1; d >= 2; --d) {
-      contiguous &= a.shape(d) == 1 || a.strides()[d] == inner;
-      inner *= a.shape(d);
-    }
-    if (contiguous) {
-      base = a.data<T>(), stride = a.strides()[1];
-      return;
-    }
-    copy.resize(a.size());
-    std::vector<int64_t> at(a.ndim(), 0);
-    for (size_t n = 0; n < a.size(); ++n) {
-      int64_t offset = 0;
-      for (int d = 0; d < a.ndim(); ++d) offset += at[d] * a.strides()[d];
-      copy[n] = a.data<T>()[offset];
-      for (int d = a.ndim() - 1; d >= 0 && ++at[d] == a.shape(d); --d) at[d] = 0;
-    }
-    base = copy.data(), stride = inner;
-  }
-  const T* operator[](int h) const { return base + h * stride; }
-};
-
-// Scales or biases (1, H, ...) as float32, head after head.
-std::vector<float> floats(const mx::array& a) {
-  auto convert = [&](auto tag) {
-    using T = decltype(tag);
-    Heads<T> heads(a);
-    const int H = a.shape(1);
-    const int64_t n = a.size() / H;
-    std::vector<float> out(a.size());
-    for (int h = 0; h < H; ++h)
-      for (int64_t i = 0; i < n; ++i) out[h * n + i] = float(heads[h][i]);
-    return out;
-  };
-  switch (a.dtype()) {
-    case mx::float16: return convert(mx::float16_t{});
-    case mx::bfloat16: return convert(mx::bfloat16_t{});
-    case mx::float32: return convert(float{});
-    default: throw std::invalid_argument("packed attention: scales and biases must be floats");
-  }
 }
 
 template <int bits>
@@ -255,10 +184,12 @@ mx::array packed_mix(const mx::array& weights, const mx::array& w, const mx::arr
 
 }  // namespace
 
-NB_MODULE(_packed, m) {
-  m.attr("mlx_version") = MLX_PYTHON_VERSION;  // the MLX this was built against
+void add_attention(nb::module_& m) {
+  using namespace nb::literals;
   m.def("packed_scores", &packed_scores, "queries"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
         "Scores (1, H, R, blocks * B) of queries (1, H, R, D) against keys packed by channel.");
   m.def("packed_mix", &packed_mix, "weights"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
         "Weights (1, H, R, T) times values packed by token: (1, H, R, D).");
 }
+
+}  // namespace kernels
