@@ -6,6 +6,7 @@
 // mx.dequantize makes: a code times its scale, then plus its bias (this file is
 // compiled without contracting the two into one fused multiply-add).
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 
@@ -15,6 +16,8 @@
 
 namespace kernels {
 namespace {
+
+static_assert(std::endian::native == std::endian::little, "a word's codes are read as bytes, low nibble first");
 
 constexpr int MAX_D = 512;  // head size a block's channels are kept on the stack for
 
