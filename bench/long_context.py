@@ -18,7 +18,8 @@ both servers, alternating:
   nothing across a restart: its TTFT after one is a cold prefill of the
   whole conversation, so its cold TTFT stands for it (not measured twice).
 
-Then **four agents** at once (the largest context up to 16K), on both
+Then **four agents** at once (the largest context up to 16K; none in a run
+of longer contexts only, where four cold prefills would take hours), on both
 servers restarted (so their peaks are this part's): four fresh agents
 prefilled together, then one follow-up each, all at once: system tokens/s
 of that round and each server's peak RSS.
@@ -69,9 +70,9 @@ def stretch(model_dir: str | Path, out: Path, context: int) -> Path:
     return out
 
 
-def four_agents_context(contexts: tuple) -> int:
-    """The four agents' context: the largest measured up to 16K."""
-    return max([c for c in contexts if c <= 16384] or [min(contexts)])
+def four_agents_context(contexts: tuple) -> int | None:
+    """The four agents' context: the largest measured up to 16K (None: none is)."""
+    return max((c for c in contexts if c <= 16384), default=None)
 
 
 def disk_usage_by_agent(root: Path) -> dict[str, int]:
@@ -190,7 +191,7 @@ def measure(plan, model_dir: str, texts, log, workdir: Path) -> dict:
         servers[OURS].stop()
         by_agent = disk_usage_by_agent(ours_cache)
         raw["disk_bytes"] = {c: by_agent.get(f"long-{c}") for c in contexts}
-        for side in bench.order():
+        for side in bench.order() if four_context else ():
             for s in servers.values():
                 s.stop()
             servers[side].start(timeout=600.0)

@@ -324,6 +324,7 @@ def test_long_context_runs_alone_and_on_a_stretched_model(tmp_path):
     assert Plan.quick().long_contexts == (8192, 16384, 32768) and max(Plan.full().long_contexts) == 65536
     assert long_context.four_agents_context((8192, 16384, 32768)) == 16384
     assert long_context.four_agents_context((1024, 2048)) == 2048
+    assert long_context.four_agents_context((32768,)) is None
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"max_position_embeddings": 8192, "hidden_size": 576}))

@@ -58,6 +58,22 @@ def test_packed_scores_and_mix_match_the_unpacked_blocks(bits, group_size, D, dt
 
 
 @pytest.mark.skipif(kernels is None, reason="the kernels are not built")
+@pytest.mark.parametrize("bits, group_size", [(4, 64), (8, 32)])
+def test_a_rows_result_does_not_depend_on_the_rows_with_it(bits, group_size):
+    """Rows run a few a pass, so a decode step (one row a query head) and a
+    chunk or its drafts (many) must compute a row alike: bit for bit."""
+    record = _record(3 * 256 + 5, 64, bits, group_size, mx.float32)
+    past = record.packed_past(256, record.closed)
+    q = mx.random.normal((1, 2, 27, 64), key=mx.random.key(7))
+    w = mx.softmax(mx.random.normal((1, 2, 27, past.tokens), key=mx.random.key(8)), axis=-1)
+    scores = kernels.packed_scores(q, *past.keys, group_size, bits)
+    mixed = kernels.packed_mix(w, *past.values, group_size, bits)
+    for a, b in [(0, 1), (0, 3), (5, 7), (9, 11), (18, 27)]:
+        assert mx.array_equal(kernels.packed_scores(q[:, :, a:b], *past.keys, group_size, bits), scores[:, :, a:b])
+        assert mx.array_equal(kernels.packed_mix(w[:, :, a:b], *past.values, group_size, bits), mixed[:, :, a:b])
+
+
+@pytest.mark.skipif(kernels is None, reason="the kernels are not built")
 def test_kernels_read_inputs_that_are_not_contiguous():
     record = _record(2 * 256 + 1, 64, 4, 64, mx.float32)
     past = record.packed_past(256, 512)
