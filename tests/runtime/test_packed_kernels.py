@@ -60,8 +60,9 @@ def test_packed_scores_and_mix_match_the_unpacked_blocks(bits, group_size, D, dt
 @pytest.mark.skipif(kernels is None, reason="the kernels are not built")
 @pytest.mark.parametrize("bits, group_size", [(4, 64), (8, 32)])
 def test_a_rows_result_does_not_depend_on_the_rows_with_it(bits, group_size):
-    """Rows run a few a pass, so a decode step (one row a query head) and a
-    chunk or its drafts (many) must compute a row alike: bit for bit."""
+    """The kernels run rows a few a pass; a row's scores and mix are bit for
+    bit the same alone (a decode step's few rows) or beside others (a
+    chunk's many), as architecture.md says."""
     record = _record(3 * 256 + 5, 64, bits, group_size, mx.float32)
     past = record.packed_past(256, record.closed)
     q = mx.random.normal((1, 2, 27, 64), key=mx.random.key(7))
