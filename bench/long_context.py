@@ -191,11 +191,12 @@ def measure(plan, model_dir: str, texts, log, workdir: Path) -> dict:
         servers[OURS].stop()
         by_agent = disk_usage_by_agent(ours_cache)
         raw["disk_bytes"] = {c: by_agent.get(f"long-{c}") for c in contexts}
-        for side in bench.order() if four_context else ():
-            for s in servers.values():
-                s.stop()
-            servers[side].start(timeout=600.0)
-            raw["four_agents"][side] = bench.four_agents(side, four_context)
+        if four_context is not None:
+            for side in bench.order():
+                for s in servers.values():
+                    s.stop()
+                servers[side].start(timeout=600.0)
+                raw["four_agents"][side] = bench.four_agents(side, four_context)
     finally:
         bench.close()
         for s in servers.values():
