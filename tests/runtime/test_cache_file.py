@@ -261,6 +261,10 @@ def _first(d: Path, suffix: str) -> Path:
     return d / read_manifest(d)["blocks"][0]["file"] if suffix == "block" else next(d.glob(f"*.{suffix}"))
 
 
+def _last_block(d: Path) -> Path:
+    return d / read_manifest(d)["blocks"][-1]["file"]
+
+
 def _replace_with(d: Path, rec: CacheRecord) -> None:
     """Put another cache's files where ``d``'s were."""
     other = CacheStore(d.parent.parent.parent / "elsewhere").save(rec)
@@ -272,6 +276,7 @@ DAMAGE = {  # name: (how, spec the loader asks for, reason)
     "block missing": (lambda d: _first(d, "block").unlink(), SPEC, "missing block"),
     "block cut short": (lambda d: _rewrite(_first(d, "block"), lambda b: b[:-10]), SPEC, "truncated"),
     "block byte flipped": (lambda d: _rewrite(_first(d, "block"), _flip(-100)), SPEC, "bad checksum"),
+    "last block byte flipped": (lambda d: _rewrite(_last_block(d), _flip(-100)), SPEC, "bad checksum"),
     "token id in a block changed": (lambda d: _rewrite(_first(d, "block"), _flip(0)), SPEC, "bad checksum"),
     "ring byte flipped": (lambda d: _rewrite(_first(d, "ring"), _flip(5)), SPEC, "bad checksum"),
     "text changed": (lambda d: _rewrite(_first(d, "text"), _flip(0)), SPEC, "bad checksum"),
