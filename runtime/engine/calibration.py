@@ -19,6 +19,7 @@ from . import row_plans
 from .batch_cache import BatchQuantizedKVCache, PrefillBatch
 from ..kv import SequenceCache
 from .row_counts import RowCounts, choose
+from .row_plans import RowPlan
 
 __all__ = ["calibrate"]
 
@@ -26,8 +27,8 @@ __all__ = ["calibrate"]
 def calibrate(engine, max_rows: int, seed: int = 0) -> RowCounts:
     """Measure which decode row counts 1..``max_rows`` give a sequence of
     ``engine`` the same logits, bit for bit: first
-    how each weight shape's matmul takes its rows (``row_plans.measure``),
-    then, with those plans, a probe sequence through the real decode
+    how each weight shape's matmul takes its rows (``_plans``), then, with
+    those plans, a probe sequence through the real decode
     forward alone and beside random neighbours at every count and every
     slot; and from which size prompt chunks may share a prefill forward
     (``_prefill_from``). Returns the class ``choose`` picks, with what was
@@ -45,7 +46,7 @@ def calibrate(engine, max_rows: int, seed: int = 0) -> RowCounts:
     before = engine.row_counts
     try:
         while True:
-            engine.use_row_counts(RowCounts((upto,), plans=row_plans.measure(engine.model, upto, seed)))
+            engine.use_row_counts(RowCounts((upto,), plans=_plans(engine, upto, seed)))
             again = _classes(engine, upto, random.Random(seed))
             if found is not None and again.counts != found.counts:
                 break
@@ -60,6 +61,56 @@ def calibrate(engine, max_rows: int, seed: int = 0) -> RowCounts:
         engine.use_row_counts(before)
 
 
+def _plans(engine, max_rows: int, seed: int) -> tuple[RowPlan, ...]:
+    """The ways the weight shapes take 1..``max_rows`` rows under which
+    their rows agree (``row_plans.ways``), one a shape, as
+    ``row_plans.fastest`` picks them from the real decode forward's time at
+    every count with no plan and with each way alone (the least of three
+    rounds over every count, so a load that comes and goes weighs on all
+    alike). A count at which a way runs its rows whole costs it nothing."""
+    ways, rng = row_plans.ways(engine.model, max_rows, seed), random.Random(seed)
+    each = [plan for found in ways.values() for plan in found]
+    if not each:
+        return ()
+    prompt = lambda n: [rng.randrange(1, 256) for _ in range(n)]  # every vocabulary has 255 ids after 0
+    records = [engine.prefilled(prompt(24)) for _ in range(max_rows)]
+    caches = {m: _batch(engine, records[:m]) for m in range(1, max_rows + 1)}
+    timed = {plan: [float("inf")] * max_rows for plan in (None, *each)}
+
+    def step(batch: list[BatchQuantizedKVCache]) -> float:  # the same step each time: its rows are dropped
+        t0 = time.perf_counter()
+        _forward(engine, batch, 0, rng)
+        for c in batch:
+            if c.held:  # (a recurrent layer's state holds no rows: it just goes on)
+                c.drop_last()
+        return time.perf_counter() - t0
+
+    for batch in caches.values():
+        step(batch)  # makes the working copies: a step's second forward is what decode pays
+    for _ in range(3):
+        for m, batch in caches.items():
+            for plan in (None, *(p for p in each if not p.whole(m))):
+                engine.use_row_counts(RowCounts((max_rows,), plans=() if plan is None else (plan,)))
+                timed[plan][m - 1] = min(timed[plan][m - 1], step(batch))
+    plain = timed.pop(None)
+    added = {plan: [0.0 if plan.whole(m + 1) else t - plain[m] for m, t in enumerate(ts)] for plan, ts in timed.items()}
+    return row_plans.fastest(ways, plain, added)
+
+
+def _batch(engine, records: list[SequenceCache]) -> list[BatchQuantizedKVCache]:
+    """A decode batch of copies of ``records``, as attention sees them."""
+    return [BatchQuantizedKVCache(layer) for layer in zip(*(r.clone().view(engine.float_head) for r in records))]
+
+
+def _forward(engine, caches: list[BatchQuantizedKVCache], at: int, rng: random.Random) -> mx.array:
+    """A decode forward of random tokens (token 7 at slot ``at``), evaluated: slot ``at``'s logits."""
+    fed = [rng.randrange(1, 256) for _ in caches[0].caches]
+    fed[at] = 7
+    row = engine.forward(caches, fed, len(fed))[at]
+    mx.eval(row, [c.arrays for c in caches], [x.arrays for c in caches for x in c.caches])
+    return row
+
+
 def _classes(engine, max_rows: int, rng: random.Random) -> RowCounts:
     """The classes of counts 1..``max_rows`` with the plans in use, and the one ``choose`` picks."""
     prompt = lambda n: [rng.randrange(1, 256) for _ in range(n)]  # every vocabulary has 255 ids after 0
@@ -68,15 +119,10 @@ def _classes(engine, max_rows: int, rng: random.Random) -> RowCounts:
 
     def batch(m: int, at: int) -> list[BatchQuantizedKVCache]:  # the probe at slot ``at`` of ``m``
         others = rng.sample(neighbours, m - 1)
-        records = others[:at] + [probe] + others[at:]
-        return [BatchQuantizedKVCache(layer) for layer in zip(*(r.clone().view(engine.float_head) for r in records))]
+        return _batch(engine, others[:at] + [probe] + others[at:])
 
     def forward(caches: list[BatchQuantizedKVCache], at: int) -> mx.array:  # the probe's logits
-        fed = [rng.randrange(1, 256) for _ in caches[0].caches]
-        fed[at] = 7
-        row = engine.forward(caches, fed, len(fed))[at]
-        mx.eval(row, [c.arrays for c in caches], [x.arrays for c in caches for x in c.caches])
-        return row
+        return _forward(engine, caches, at, rng)
 
     # Every slot: a kernel may treat one inside row its own way (Prescott's 9 rows: the third).
     rows = {m: [forward(batch(m, at), at) for at in range(m)] for m in range(1, max_rows + 1)}

@@ -179,7 +179,9 @@ def key(engine) -> str:
         "class": type(engine.model).__module__,
         "kv": [engine.kv_bits, engine.kv_group_size, engine.float_head],
         "max_rows": engine.decode_rows,
-        "measured": "per weight shape and the decode forward at every slot, again for the counts chosen, prompt chunks together; CPU attention, RoPE tables, lean norms, weights laid out",  # older: less
+        "measured": ("per weight shape, its ways timed in the decode forward; the decode forward at every slot, "
+                     "again for the counts chosen, prompt chunks together; CPU attention, RoPE tables, lean norms, "
+                     "weights laid out"),  # older: less
         "device": str(mx.default_device()),
         "machine": machine(),
     }

@@ -25,14 +25,16 @@ row's place (OpenBLAS's Prescott kernels, picked on CPUs that OpenBLAS 0.3.21
 does not know, run each thread's share of M in pairs of rows, and a row left
 over its own way).
 
-``measure`` finds each weight shape's classes with random rows (kernels are
+``ways`` finds each weight shape's classes with random rows (kernels are
 picked by shape, never by the numbers), at every count 1..max and every
-row, keeps the ways under which the probe row then agrees at every count,
-times them, and picks the set of ways whose matmuls together slow down
-least at their worst count. ``apply`` installs plans on a
-model's linear layers; the engine's whole-forward calibration
-(``Engine.calibrate``) then checks the result, so a plan is never trusted
-alone.
+row, and keeps the ways under which the probe row then agrees at every
+count. Which of them to take is for the whole decode forward to say
+(``runtime.engine.calibration`` times it with each way and hands the
+times to ``fastest``): a matmul timed alone runs from caches that a
+forward's weights are not in, and its noise picked different ways from
+one measurement to the next. ``apply`` installs plans on a model's linear
+layers; the engine's whole-forward calibration (``Engine.calibrate``) then
+checks the result, so a plan is never trusted alone.
 """
 
 from __future__ import annotations
@@ -41,8 +43,6 @@ import functools
 import itertools
 import math
 import random
-import statistics
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["WAYS", "RowPlan", "apply", "chunked", "measure", "shape_key"]
+__all__ = ["WAYS", "RowPlan", "apply", "chunked", "fastest", "shape_key", "ways"]
 
 _PLANNED = (nn.Linear, nn.QuantizedLinear)  # exactly these classes: subclasses may compute otherwise
 _ALIGN = 16  # column tiles are multiples of this wide: kernels handle a ragged tail their own way
@@ -129,32 +129,38 @@ def chunked(lengths: Sequence[int]) -> Iterator[None]:
         _chunks.reset(token)
 
 
-def measure(model: nn.Module, max_rows: int, seed: int = 0) -> tuple[RowPlan, ...]:
-    """A plan for every weight shape of ``model``'s linear layers whose rows
-    differ between counts 1..``max_rows`` (shapes whose rows all agree need
-    none): of the ways whose rows were measured to agree at every count and
-    position, the set whose matmuls together slow down least, at their worst
-    count, against running each count exactly."""
+def ways(model: nn.Module, max_rows: int, seed: int = 0) -> dict[str, list[RowPlan]]:
+    """The ways each weight shape of ``model``'s linear layers may take
+    1..``max_rows`` rows, by shape, for the shapes whose rows differ between
+    counts (shapes whose rows all agree need none): those under which the
+    probe row was measured to agree at every count and position (none: the
+    whole-forward calibration sees it)."""
     rng = random.Random(seed)
-    layers: dict[str, list[nn.Module]] = {}
+    layers: dict[str, nn.Module] = {}
     for layer in _linears(model):
-        layers.setdefault(shape_key(layer), []).append(layer)
-    exact, choices = [0.0] * max_rows, []
-    for key, same in layers.items():
-        layer, x = same[0], _inputs(same[0], max_rows, rng)
-        plain = _times(layer, None, x, max_rows)
-        exact = [e + len(same) * t for e, t in zip(exact, plain)]
+        layers.setdefault(shape_key(layer), layer)
+    found = {}
+    for key, layer in layers.items():
+        x = _inputs(layer, max_rows, rng)
         rows = {m: _rows(layer, None, x, m) for m in range(1, max_rows + 1)}
-        ways = [] if _agree(rows) else [
-            (plan, _times(layer, plan, x, max_rows)) for plan in _candidates(key, rows)
-            if _agree({m: _rows(layer, plan, x, m) for m in rows})]  # none: the whole-forward calibration sees it
-        choices.append([(plan, [len(same) * t for t in ms]) for plan, ms in ways or [(None, plain)]])
+        if not _agree(rows):
+            found[key] = [plan for plan in _candidates(key, rows)
+                          if _agree({m: _rows(layer, plan, x, m) for m in rows})]
+    return found
 
-    def worst(chosen) -> float:
-        return max(sum(ms[m] for _, ms in chosen) / exact[m] for m in range(max_rows))
 
-    best = min(itertools.product(*choices), key=worst)
-    return tuple(plan for plan, _ in best if plan is not None)
+def fastest(ways: dict[str, list[RowPlan]], plain: Sequence[float],
+            added: dict[RowPlan, Sequence[float]]) -> tuple[RowPlan, ...]:
+    """Of one way for each shape that has one (``ways``), the set whose
+    forward slows down least at its worst count against the forward with
+    no plan: ``plain[m - 1]`` is that forward's time at m rows and
+    ``added[plan][m - 1]`` what ``plan`` alone added to it (the ways' costs
+    are added up). Ties go to the ways listed first."""
+
+    def worst(chosen: tuple[RowPlan, ...]) -> float:
+        return max((t + sum(added[p][m] for p in chosen)) / t for m, t in enumerate(plain))
+
+    return min(itertools.product(*(w for w in ways.values() if w)), key=worst)
 
 
 def _candidates(key: str, rows: dict[int, list[mx.array]]) -> list[RowPlan]:
@@ -186,19 +192,6 @@ def _rows(layer: nn.Module, plan: RowPlan | None, x: mx.array, m: int) -> list[m
 
 def _same(rows: list[mx.array], row: mx.array) -> bool:
     return all(mx.array_equal(r, row).item() for r in rows)
-
-
-def _times(layer: nn.Module, plan: RowPlan | None, x: mx.array, max_rows: int, rounds: int = 7) -> list[float]:
-    """A call's median seconds at 1..``max_rows`` rows, rounds interleaved."""
-    seen: list[list[float]] = [[] for _ in range(max_rows)]
-    for _ in range(rounds):
-        for m in range(1, max_rows + 1):
-            rows = x[:m]
-            mx.eval(rows)
-            t0 = time.perf_counter()
-            mx.eval(_call(layer, plan, rows))
-            seen[m - 1].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in seen]
 
 
 def _inputs(layer: nn.Module, rows: int, rng: random.Random) -> mx.array:

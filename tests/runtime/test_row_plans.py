@@ -4,6 +4,8 @@ in test_invariance.py."""
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -67,18 +69,61 @@ def test_applied_plans_run_through_the_model_and_come_off_again():
 
 def test_a_shape_whose_rows_depend_on_the_count_gets_a_plan_that_makes_them_agree(monkeypatch):
     """A linear layer whose rows shift from three rows up (as a small-matrix
-    kernel hands over to a packed one): the measurement sees it and picks a
-    way under which the probe row is the same at every count and position."""
+    kernel hands over to a packed one): the measurement sees it and offers
+    only ways under which the probe row is the same at every count and
+    position."""
     call = nn.Linear.__call__
     monkeypatch.setattr(nn.Linear, "__call__", lambda self, x: call(self, x) + (1e-3 if x.shape[0] >= 3 else 0))
     model = tiny_model("llama")
-    plans = row_plans.measure(model, 8)
-    assert plans and all(p.upto == 8 for p in plans), plans
+    ways = row_plans.ways(model, 8)
+    assert ways and all(found for found in ways.values()), ways
+    plans = row_plans.fastest(ways, [1.0] * 8, {p: [0.0] * 8 for found in ways.values() for p in found})
+    assert len(plans) == len(ways) and all(p.upto == 8 for p in plans), plans
     row_plans.apply(model, plans)
     layer = model.layers[0].mlp.down_proj
     x = mx.random.normal((8, 256), key=mx.random.key(3))
     rows = [layer(x[:m])[0] for m in range(1, 9)]  # the probe row first, at every count
     assert all(mx.array_equal(r, rows[0]).item() for r in rows[1:])
+
+
+def test_the_ways_are_chosen_by_the_whole_forwards_worst_slowdown():
+    """Of one way a shape, the set whose forward is slowest least at its
+    worst count, each way's measured cost added: padding a lone agent's
+    rows that costs it little beats pieces that cost eight rows a lot (the
+    choice SmolLM2's forwards made on this project's 2-core EPYC); where
+    padding costs a lone agent more than a shape's pieces cost eight rows,
+    that shape takes pieces; ties go to the ways listed first."""
+    gate, down = "Linear 1536x576 float32", "Linear 576x1536 float32"
+    floor_gate, pieces_gate = RowPlan(gate, "floor", 2, 8), RowPlan(gate, "pieces", 1, 8)
+    floor_down, pieces_down = RowPlan(down, "floor", 2, 8), RowPlan(down, "pieces", 1, 8)
+    ways = {gate: [pieces_gate, floor_gate], down: [pieces_down, floor_down], "Linear 576x576 float32": []}
+    plain = [80, 85, 93, 107, 115, 116, 110, 110]
+    added = {floor_gate: [3] + [0] * 7, pieces_gate: [0, 10, 15, 20, 28, 33, 40, 47],
+             floor_down: [2] + [0] * 7, pieces_down: [0, 3, 6, 9, 11, 14, 17, 20]}
+    assert row_plans.fastest(ways, plain, added) == (floor_gate, floor_down)
+    added[floor_gate] = [30] + [0] * 7  # worst 1.375 with the down projection's pieces, 1.4 with its floor
+    assert row_plans.fastest(ways, plain, added) == (floor_gate, pieces_down)
+    assert row_plans.fastest(ways, plain, {p: [0] * 8 for p in added}) == (pieces_gate, pieces_down)
+    assert row_plans.fastest({}, plain, {}) == ()
+
+
+@pytest.mark.parametrize("slow", ["floor", "pieces"])
+def test_calibration_takes_the_ways_that_slow_its_forwards_least(monkeypatch, slow):
+    """Matmuls whose rows change from three rows on, each way made slow in
+    turn (a sleep a call where it changes how the rows run): the plans the
+    calibration keeps avoid the slow way, measured through the whole
+    forward."""
+    call, planned = nn.Linear.__call__, row_plans._call
+    monkeypatch.setattr(nn.Linear, "__call__", lambda self, x: call(self, x) + (1e-3 if x.shape[0] >= 3 else 0))
+
+    def timed(layer, plan, x):
+        if plan is not None and plan.way == slow and not plan.whole(x.shape[0]):
+            time.sleep(0.002)
+        return planned(layer, plan, x)
+
+    monkeypatch.setattr(row_plans, "_call", timed)
+    counts = Engine(tiny_model("llama"), ByteTokenizer(), speculation=False).calibrate()
+    assert counts.plans and all(p.way != slow for p in counts.plans), counts.plans
 
 
 def test_plans_are_kept_with_the_counts_and_read_back(tmp_path):
