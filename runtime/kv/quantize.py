@@ -75,23 +75,34 @@ def close_block(keys: mx.array, values: mx.array, group_size: int, bits: int, fi
     return (*(t.reshape(*t.shape[:2], B, -1) for t in k), *v)
 
 
-def open_blocks(packed: Packed, group_size: int, bits: int, dtype: mx.Dtype, block: int) -> tuple[mx.array, mx.array]:
+def open_blocks(packed: Packed, group_size: int, bits: int, dtype: mx.Dtype, block: int,
+                sinks: Optional[tuple[mx.array, mx.array]] = None, tail: Optional[tuple[mx.array, mx.array]] = None,
+                rows: Optional[int] = None) -> tuple[mx.array, mx.array]:
     """Keys and values (1, H, T, D) of whole blocks of ``close_block`` rows (T a
-    multiple of ``block``), bit for bit ``mx.dequantize``. Keys are unpacked
-    straight into token order: the packed words (an eighth of the floats at 4
-    bits) are what is transposed, not the floats. On the CPU the kernels unpack
-    them in one pass, to the same bits."""
-    kernels = _kernels(dtype)
-    if kernels is not None:
-        return tuple(kernels.open_blocks(*packed, group_size, bits, block))
+    multiple of ``block``), bit for bit ``mx.dequantize``, their first rows
+    replaced by ``sinks``' floats if given; then the ``tail`` rows (1, H, N, D)
+    if given, in ``rows`` rows in all: a working copy made in one buffer,
+    whose rows after the tail are room, not to be read before they are
+    written. Keys are unpacked straight into token order: the packed words
+    (an eighth of the floats at 4 bits) are what is transposed, not the
+    floats. On the CPU the kernels write it all in one pass, to the same bits."""
     kw, ks, kb, *v = packed
     _, H, T, _ = kw.shape
+    none = tuple(mx.zeros((1, H, 0, t.shape[-1] * 32 // bits), dtype) for t in (kw, v[0]))
+    sinks, tail = sinks or none, tail or none
+    rows = rows or T + tail[0].shape[2]
+    kernels = _kernels(dtype)
+    if kernels is not None:
+        return tuple(kernels.open_blocks(*packed, *sinks, *tail, rows, group_size, bits, block))
     D = ks.shape[-1] * group_size  # a token row of key scales: D channels x block / group_size, over block rows
     w, scales, biases = (t.reshape(1, H, T // block, D, -1).swapaxes(-1, -2) for t in (kw, ks, kb))  # (.., W, D)
     shifts = mx.arange(0, 32, bits, dtype=mx.uint32)[:, None]
     codes = ((w[..., None, :] >> shifts) & ((1 << bits) - 1)).reshape(1, H, T // block, -1, group_size, D)
     keys = codes.astype(dtype) * scales.astype(dtype)[..., None, :] + biases.astype(dtype)[..., None, :]
-    return keys.reshape(1, H, T, D), unpack(v, group_size, bits, dtype)
+    out = keys.reshape(1, H, T, D), unpack(v, group_size, bits, dtype)
+    room = rows - T - tail[0].shape[2]
+    return tuple(mx.concatenate([s, x[..., s.shape[2]:, :], t, mx.zeros((1, H, room, x.shape[3]), dtype)], axis=2)
+                 for x, s, t in zip(out, sinks, tail))
 
 
 def grown(buffer: Optional[mx.array], live: int, capacity: int, like: mx.array) -> mx.array:

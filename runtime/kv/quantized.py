@@ -139,15 +139,16 @@ class SequenceQuantizedKVCache(_BaseCache):
             raise ValueError("an empty cache has no keys")
         return tuple(mx.concatenate(p, axis=2) if len(p) > 1 else p[0] for p in zip(*parts))
 
-    def unpacked(self, start: int, stop: int, dtype: Optional[mx.Dtype] = None) -> tuple[mx.array, mx.array]:
-        """Closed blocks' tokens [start, stop) (block bounds) in float, sinks in place."""
+    def unpacked(self, start: int, stop: int, dtype: Optional[mx.Dtype] = None,
+                 tail: Optional[tuple[mx.array, mx.array]] = None, rows: Optional[int] = None
+                 ) -> tuple[mx.array, mx.array]:
+        """Closed blocks' tokens [start, stop) (block bounds) in float, sinks in
+        place; then, if given, the ``tail`` rows, in ``rows`` rows in all
+        (``quantize.open_blocks``)."""
         dtype = dtype or self.sinks[0].dtype
-        keys, values = open_blocks(tuple(t[..., start:stop, :] for t in self.packed), self.group_size, self.kv_bits,
-                                   dtype, self.block)
-        if start == 0:
-            keys[..., :SINKS, :] = self.sinks[0].astype(dtype)
-            values[..., :SINKS, :] = self.sinks[1].astype(dtype)
-        return keys, values
+        sinks = tuple(x.astype(dtype) for x in self.sinks) if start == 0 else None
+        return open_blocks(tuple(t[..., start:stop, :] for t in self.packed), self.group_size, self.kv_bits, dtype,
+                           self.block, sinks, tail, rows)
 
     def packed_past(self, start: int, stop: int) -> PackedPast:
         """Closed blocks' tokens [start, stop) (block bounds, after block 0) as

@@ -109,14 +109,13 @@ class DequantizingKVCache(_BaseCache):
         q = self.quantized
         if self._float is None:
             self.head, self.synced = self._head_of(q.closed), q.closed
-            parts = [q.unpacked(0, self.head, like.dtype)] if self.head else []
-            if q.offset > q.closed:
-                parts.append(tuple(x[..., : q.offset - q.closed, :] for x in q.open))
-            if parts:  # one copy, with room for the rest of the open block and the next
-                live = self.head + q.offset - q.closed
-                room = self._capacity(live) - live
-                parts.append(tuple(mx.zeros((*x.shape[:2], room, x.shape[3]), x.dtype) for x in parts[0]))
-                self._float = tuple(mx.concatenate(p, axis=2) for p in zip(*parts))
+            n = q.offset - q.closed
+            rows = self._capacity(self.head + n)  # room for the rest of the open block and the next
+            if self.head:  # one buffer, written once
+                tail = tuple(x[..., :n, :].astype(like.dtype) for x in q.open) if n else None
+                self._float = q.unpacked(0, self.head, like.dtype, tail, rows)
+            elif n:
+                self._float = tuple(grown(x, n, rows, x) for x in q.open)
             return
         if q.closed < self.synced:  # the record went back to a block's start (nothing after it)
             self.head, self.synced = min(self.head, q.closed), q.closed

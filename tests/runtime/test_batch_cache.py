@@ -246,6 +246,22 @@ def test_open_blocks_is_bit_exact_against_mx_dequantize(bits, group_size, dtype)
     assert mx.array_equal(values, _dequantize(quantize(v, group_size, bits), group_size, bits, dtype)).item()
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_a_working_copy_is_opened_in_one_buffer(dtype):
+    """``open_blocks`` with sinks, a tail and room (the kernels for float32,
+    MLX's ops otherwise): the blocks' floats with the sinks' first, then the
+    tail, in ``rows`` rows."""
+    k, v = ((mx.random.normal((1, 3, 600, 64), key=mx.random.key(s)) * 3).astype(dtype) for s in (5, 6))
+    packed = tuple(mx.concatenate(p, axis=2) for p in zip(*(
+        close_block(k[..., a : a + 256, :], v[..., a : a + 256, :], 64, 4, first=a == 0) for a in (0, 256))))
+    plain = open_blocks(packed, 64, 4, dtype, 256)
+    sinks, tail = (k[..., :4, :], v[..., :4, :]), (k[..., 512:600, :], v[..., 512:600, :])
+    got = open_blocks(packed, 64, 4, dtype, 256, sinks, tail, 700)
+    for g, p, first, after in zip(got, plain, sinks, tail):
+        assert g.shape == (1, 3, 700, 64) and g.dtype == dtype
+        assert mx.array_equal(g[..., :600, :], mx.concatenate([first, p[..., 4:, :], after], axis=2)).item()
+
+
 def test_bfloat16_models_keep_bfloat16_scales():
     model = rowwise(tiny_model("llama"))
     model.set_dtype(mx.bfloat16)

@@ -148,12 +148,22 @@ def test_close_block_makes_the_bits_mx_quantize_makes(bits, group_size, D, DV, f
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_open_blocks_gives_the_floats_mx_dequantize_gives(bits, group_size):
-    """Three blocks sliced from a record's buffers (heads not next to each other)."""
+    """Three blocks sliced from a record's buffers (heads not next to each other),
+    their first rows replaced and rows after them, as a working copy is made."""
     record = SequenceQuantizedKVCache(group_size, bits)
     keys, values = _awkward((1, 2, 4 * 256 + 3, 128), bits), _awkward((1, 2, 4 * 256 + 3, 128), group_size)
     record.append(keys, values)
     rows = tuple(t[..., 256:1024, :] for t in record.packed)
-    got_k, got_v = kernels.open_blocks(*rows, group_size, bits, 256)
+    sinks, tail = (keys[..., 1000:1004, :], values[..., 1:5, :]), (keys[..., 7:12, :], values[..., 900:905, :])
+    got_k, got_v = kernels.open_blocks(*rows, *sinks, *tail, 768 + 5 + 11, group_size, bits, 256)
+    assert got_k.shape == got_v.shape == (1, 2, 784, 128)
+    for got, first, after in zip((got_k, got_v), sinks, tail):
+        assert mx.array_equal(got[..., :4, :], first).item() and mx.array_equal(got[..., 768:773, :], after).item()
+    plain_k, plain_v = kernels.open_blocks(*rows, *(keys[..., :0, :],) * 2, *(keys[..., :0, :],) * 2, 768,
+                                           group_size, bits, 256)
+    assert mx.array_equal(got_k[..., 4:768, :], plain_k[..., 4:, :]).item()
+    assert mx.array_equal(got_v[..., 4:768, :], plain_v[..., 4:, :]).item()
+    got_k, got_v = plain_k, plain_v
     for b in range(3):
         block = tuple(t[..., 256 * b : 256 * (b + 1), :] for t in rows)
         w, scales, biases = (t.reshape(1, 2, 128, -1) for t in block[:3])
@@ -177,8 +187,12 @@ def test_block_kernels_refuse_what_they_do_not_make():
         kernels.close_block(x[..., :100, :], x[..., :100, :], 64, 4, 0)
     with pytest.raises(ValueError, match="sinks"):
         kernels.close_block(x, x, 32, 4, 32)
-    rows = kernels.close_block(x, x, 64, 4, 0)
+    rows, none = kernels.close_block(x, x, 64, 4, 0), (x[..., :0, :],) * 2
     with pytest.raises(ValueError, match="whole blocks"):
-        kernels.open_blocks(*rows, 64, 4, 512)
+        kernels.open_blocks(*rows, *none, *none, 256, 64, 4, 512)
     with pytest.raises(ValueError, match="a scale and a bias a group"):
-        kernels.open_blocks(*rows[:2], rows[1], *rows[3:], 32, 4, 256)
+        kernels.open_blocks(*rows[:2], rows[1], *rows[3:], *none, *none, 256, 32, 4, 256)
+    with pytest.raises(ValueError, match="room for them"):
+        kernels.open_blocks(*rows, *none, x[..., :3, :], x[..., :3, :], 258, 64, 4, 256)
+    with pytest.raises(ValueError, match="float32 rows"):
+        kernels.open_blocks(*rows, x[..., :4, :32], x[..., :4, :32], *none, 256, 64, 4, 256)

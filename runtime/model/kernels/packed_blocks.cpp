@@ -181,7 +181,9 @@ struct Open {
 };
 
 // close (what = 0): inputs keys (1, H, B, D), values (1, H, B, DV); outputs close_block's six rows.
-// open (what = 1): inputs those six rows of whole blocks; outputs keys (1, H, T, D), values (1, H, T, DV).
+// open (what = 1): inputs those six rows of whole blocks, float32 keys and values of the first S rows to
+// take the place of theirs (the sinks), then of N rows to follow them; outputs keys (1, H, R, D) and values
+// (1, H, R, DV): the T rows unpacked (the first S replaced), the N rows, then R - T - N rows not written.
 class PackedBlocks : public mx::Primitive {
  public:
   PackedBlocks(mx::Stream s, int what, int group_size, int bits, int block, int sinks)
@@ -208,13 +210,23 @@ class PackedBlocks : public mx::Primitive {
                            outputs[5].data<mx::float16_t>() + at(5, h));
       } else {
         Heads<uint32_t> kw(inputs[0]), vw(inputs[3]);
+        Heads<float> sk(inputs[6]), sv(inputs[7]), tk(inputs[8]), tv(inputs[9]);
         auto ks = floats(inputs[1]), kb = floats(inputs[2]), vs = floats(inputs[4]), vb = floats(inputs[5]);
-        const int64_t T = inputs[0].shape(2), D = outputs[0].shape(3), DV = outputs[1].shape(3);
+        const int64_t T = inputs[0].shape(2), S = inputs[6].shape(2), N = inputs[8].shape(2);
+        const int64_t R = outputs[0].shape(2);
+        const int64_t D = outputs[0].shape(3), DV = outputs[1].shape(3);
         const int64_t k_groups = ks.size() / H, v_groups = vs.size() / H;
-        for (int h = 0; h < H; ++h)
+        for (int h = 0; h < H; ++h) {
+          float* k = outputs[0].data<float>() + h * R * D;
+          float* v = outputs[1].data<float>() + h * R * DV;
           by_format<Open>(bits, gs, kw[h], ks.data() + h * k_groups, kb.data() + h * k_groups, vw[h],
                           vs.data() + h * v_groups, vb.data() + h * v_groups, int(T / block), block, int(D),
-                          int(DV), outputs[0].data<float>() + h * T * D, outputs[1].data<float>() + h * T * DV);
+                          int(DV), k, v);
+          std::copy_n(sk[h], S * D, k);  // the first rows' floats, kept beside the blocks
+          std::copy_n(sv[h], S * DV, v);
+          std::copy_n(tk[h], N * D, k + T * D);  // the rows after the blocks, as they are
+          std::copy_n(tv[h], N * DV, v + T * DV);
+        }  // (rows from T + N on are left unwritten: room to write into, never read before)
       }
     });
   }
@@ -262,8 +274,9 @@ std::vector<mx::array> close_block(const mx::array& keys, const mx::array& value
 }
 
 std::vector<mx::array> open_blocks(const mx::array& kw, const mx::array& ks, const mx::array& kb,
-                                   const mx::array& vw, const mx::array& vs, const mx::array& vb, int group_size,
-                                   int bits, int block) {
+                                   const mx::array& vw, const mx::array& vs, const mx::array& vb,
+                                   const mx::array& sinks_k, const mx::array& sinks_v, const mx::array& tail_k,
+                                   const mx::array& tail_v, int rows, int group_size, int bits, int block) {
   if (kw.ndim() != 4 || vw.ndim() != 4 || kw.shape(0) != 1 || kw.dtype() != mx::uint32 ||
       vw.dtype() != mx::uint32 || vw.shape(0) != 1 || vw.shape(1) != kw.shape(1) || vw.shape(2) != kw.shape(2))
     throw std::invalid_argument("open_blocks: one sequence's packed rows (1, H, tokens, words)");
@@ -273,10 +286,20 @@ std::vector<mx::array> open_blocks(const mx::array& kw, const mx::array& ks, con
   const mx::Shape groups = {1, H, T, D / group_size}, v_groups = {1, H, T, DV / group_size};
   if (T % block || ks.shape() != groups || kb.shape() != groups || vs.shape() != v_groups || vb.shape() != v_groups)
     throw std::invalid_argument("open_blocks: whole blocks, a scale and a bias a group");
+  auto rows_of = [&](const mx::array& k, const mx::array& v) {
+    const int n = k.ndim() == 4 ? k.shape(2) : -1;
+    const bool ok = n >= 0 && k.dtype() == mx::float32 && v.dtype() == mx::float32 &&
+                    k.shape() == mx::Shape{1, H, n, D} && v.shape() == mx::Shape{1, H, n, DV};
+    return ok ? n : -1;
+  };
+  const int S = rows_of(sinks_k, sinks_v), N = rows_of(tail_k, tail_v);
+  if (S < 0 || N < 0 || S > T || rows < T + N)
+    throw std::invalid_argument("open_blocks: float32 rows (1, H, n, D) for the first rows and to follow, "
+                                "and room for them");
   auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array::make_arrays({{1, H, T, D}, {1, H, T, DV}}, {mx::float32, mx::float32},
+  return mx::array::make_arrays({{1, H, rows, D}, {1, H, rows, DV}}, {mx::float32, mx::float32},
                                 std::make_shared<PackedBlocks>(s, 1, group_size, bits, block, 0),
-                                {kw, ks, kb, vw, vs, vb});
+                                {kw, ks, kb, vw, vs, vb, sinks_k, sinks_v, tail_k, tail_v});
 }
 
 }  // namespace
@@ -285,8 +308,11 @@ void add_blocks(nb::module_& m) {
   using namespace nb::literals;
   m.def("close_block", &close_block, "keys"_a, "values"_a, "group_size"_a, "bits"_a, "sinks"_a,
         "A full block's float32 keys (1, H, B, D) and values (1, H, B, DV) as runtime.kv.quantize.close_block lays them out.");
-  m.def("open_blocks", &open_blocks, "kw"_a, "ks"_a, "kb"_a, "vw"_a, "vs"_a, "vb"_a, "group_size"_a, "bits"_a,
-        "block"_a, "Whole blocks of close_block's rows unpacked: float32 keys (1, H, T, D) and values (1, H, T, DV).");
+  m.def("open_blocks", &open_blocks, "kw"_a, "ks"_a, "kb"_a, "vw"_a, "vs"_a, "vb"_a, "sinks_k"_a, "sinks_v"_a,
+        "tail_k"_a, "tail_v"_a, "rows"_a, "group_size"_a, "bits"_a, "block"_a,
+        "Whole blocks of close_block's rows unpacked, their first rows those of sinks_k and sinks_v (1, H, S, "
+        "D), then the rows of tail_k and tail_v (1, H, N, D): float32 keys (1, H, rows, D) and values (1, H, "
+        "rows, DV), the rows after those not written.");
 }
 
 }  // namespace kernels
