@@ -17,7 +17,8 @@ A file is named by the sha256 of its bytes, so it never changes once written:
 the previous manifest stays valid until the new one replaces it (atomically),
 and a save writes only what the previous manifest lacks -- the blocks a turn
 added or changed, the ring, the new text, the manifest. Loading checks every
-file against its name.
+file against the check its manifest entry records (``content_check``; its
+name, for an entry written before there were checks).
 
 Writing is split across threads: ``snapshot`` (``runtime.store.cache_codec``, on
 the thread that owns MLX) copies out the bytes of the blocks from a given one
@@ -51,7 +52,7 @@ import numpy as np
 
 from . import cache_v1
 from .cache_codec import HostCache, snapshot
-from .cache_manifest import CONTENT_NAME, named_files, read_manifest, seal, text_digest, token_chains
+from .cache_manifest import CONTENT_NAME, content_check, named_files, read_manifest, seal, text_digest, token_chains
 from ..cache_records import (AGENT_DIR_SUFFIX, BLOCK_TOKENS, DTYPES, FORMAT, FORMAT_VERSION, MANIFEST, MAX_TEXT_PIECES,
                             BlockUpdate, CacheFileError, CacheRecord, InvalidAgentId, StaleBlocks, open_checked,
                             validate_agent_id)
@@ -69,8 +70,10 @@ _STALE_TMP_S = 3600.0  # no save takes an hour: an older temp file (or unnamed b
 # -- reading -------------------------------------------------------------------
 
 
-def _read_named(path: Path, size: int) -> bytes:
-    """A content-named file's bytes, checked: ``size`` long, sha256 equal to its name."""
+def _read_named(path: Path, size: int, check: str | None = None) -> bytes:
+    """A content-named file's bytes, checked: ``size`` long, and the ``xxh3`` its
+    manifest entry records (``content_check``), or where an entry has none
+    (written before there were), the sha256 its name is."""
     with open_checked(path, missing="missing block") as f:
         have = os.fstat(f.fileno()).st_size
         if have != size:
@@ -78,7 +81,11 @@ def _read_named(path: Path, size: int) -> bytes:
         data = f.read(size + 1)
     if len(data) != size:
         raise CacheFileError(path, "truncated", f"read {len(data)} bytes, expected {size}")
-    if hashlib.sha256(data).hexdigest() != path.name.split(".", 1)[0]:
+    if check:
+        same = content_check(data) == check
+    else:  # an entry written before they had checks
+        same = hashlib.sha256(data).hexdigest() == path.name.split(".", 1)[0]
+    if not same:
         raise CacheFileError(path, "bad checksum", "the bytes are not the ones written")
     return data
 
@@ -140,7 +147,7 @@ def read(directory: os.PathLike | str, *, model_id: str | None, spec_hash: str |
     for b, e in enumerate(m["blocks"]):
         t = e["tokens"]
         at, lo = 4 * t, b * BLOCK_TOKENS
-        data = _read_named(directory / e["file"], _block_size(layout, lo, t))
+        data = _read_named(directory / e["file"], _block_size(layout, lo, t), e.get("xxh3"))
         tokens += np.frombuffer(data, "<u4", t).tolist()
         chains.append(e.get("chain"))
         for i, name, dt, (h, w), (start, _) in _in_block(layout, lo):
@@ -155,14 +162,14 @@ def read(directory: os.PathLike | str, *, model_id: str | None, spec_hash: str |
     if rings:
         if not m["ring"]:
             raise CacheFileError(directory, "bad layout", "no ring file")
-        data, at = _read_named(directory / m["ring"]["file"], _ring_size(layers)), 0
+        data, at = _read_named(directory / m["ring"]["file"], _ring_size(layers), m["ring"].get("xxh3")), 0
         for i, name, dt, shape in rings:
             count = math.prod(shape)
             if keep:
                 arrays[f"layer_{i}_{name}"] = np.frombuffer(data, DTYPES[dt][1], count, at).reshape(1, *shape)
             at += count * DTYPES[dt][1].itemsize
     try:
-        text = "".join(_read_named(directory / e["file"], e["bytes"]).decode() for e in m["text"])
+        text = "".join(_read_named(directory / e["file"], e["bytes"], e.get("xxh3")).decode() for e in m["text"])
     except UnicodeDecodeError:  # a piece cut inside a character: not one we wrote
         raise CacheFileError(directory, "bad layout", "a text piece is not UTF-8") from None
     if text_digest(text) != m["text_digest"]:
@@ -242,7 +249,7 @@ class CacheStore:
             if not (d / name).is_file():  # named by content: one that is there holds these bytes
                 write_atomic(d / name, data, sync_dir=False)
                 written += len(data)
-            return {"file": name}
+            return {"file": name, "xxh3": content_check(data)}
 
         blocks = []
         for b, chain in enumerate(token_chains(update.tokens)):

@@ -257,6 +257,12 @@ def _past_the_blocks(m: dict) -> None:
         layer["offset"] += 100
 
 
+def _without_checks(m: dict) -> None:
+    """Entries as written before they had checks: verified by the sha256 their names are."""
+    for e in (*m["blocks"], *m["text"], m["ring"]):
+        del e["xxh3"]
+
+
 def _first(d: Path, suffix: str) -> Path:
     return d / read_manifest(d)["blocks"][0]["file"] if suffix == "block" else next(d.glob(f"*.{suffix}"))
 
@@ -281,6 +287,12 @@ DAMAGE = {  # name: (how, spec the loader asks for, reason)
     "ring byte flipped": (lambda d: _rewrite(_first(d, "ring"), _flip(5)), SPEC, "bad checksum"),
     "text changed": (lambda d: _rewrite(_first(d, "text"), _flip(0)), SPEC, "bad checksum"),
     "manifest pointing past the blocks": (lambda d: _reseal(d, _past_the_blocks), SPEC, "bad layout"),
+    "a block's check changed": (lambda d: _reseal(d, lambda m: m["blocks"][0].update(xxh3="0" * 32)), SPEC,
+                                "bad checksum"),
+    "a check that is not one": (lambda d: _reseal(d, lambda m: m["ring"].update(xxh3="xyz")), SPEC, "unparsable"),
+    "byte flipped under a name alone": (lambda d: (_reseal(d, _without_checks), _rewrite(_first(d, "block"),
+                                                                                        _flip(-100))),
+                                        SPEC, "bad checksum"),
     "manifest byte flipped": (lambda d: _rewrite(d / MANIFEST, lambda b: b.replace(b'"token_count":316',
                                                                                    b'"token_count":317')),
                               SPEC, "bad checksum"),
@@ -312,6 +324,19 @@ def test_damaged_cache_is_quarantined_and_the_agent_starts_cold(damage, tmp_path
     assert store.load("alice", MODEL, spec) is None  # now simply absent
     store.save(_record())
     assert store.load("alice", MODEL, SPEC).tokens == _record().tokens
+
+
+def test_entries_written_before_checks_load_by_their_names(tmp_path):
+    store = CacheStore(tmp_path)
+    d = store.save(_record())
+    _reseal(d, _without_checks)
+    assert store.load("alice", MODEL, SPEC).tokens == _record().tokens
+    grown = dataclasses.replace(writer.record(4 + len(writer.AGENTS)), agent_id="alice", model_id=MODEL, spec_hash=SPEC)
+    assert grown.tokens[:BLOCK_TOKENS] == _record().tokens[:BLOCK_TOKENS] != grown.tokens
+    store.write(snapshot(grown, 1))  # its next write checks what it adds, and keeps block 0's entry
+    m = read_manifest(d)
+    assert "xxh3" not in m["blocks"][0] and all("xxh3" in e for e in (m["blocks"][-1], m["ring"], m["text"][-1]))
+    assert store.load("alice", MODEL, SPEC).tokens == grown.tokens
 
 
 def test_load_raises_only_cache_file_errors(tmp_path):
